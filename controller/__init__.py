@@ -1,0 +1,1 @@
+"""The controller: pure state, reducer and policies (core) plus the async loop, recovery and CLI (shell)."""

@@ -1,0 +1,55 @@
+"""Typed errors of the event layer. Each names the run and position it is about."""
+
+from __future__ import annotations
+
+
+class EventStoreError(Exception):
+    """Base of every error raised by an EventStore or the codec."""
+
+
+class EventDecodeError(EventStoreError):
+    """An entry in the log could not be decoded into a known event."""
+
+    def __init__(self, position: int | None, reason: str) -> None:
+        self.position = position
+        self.reason = reason
+        where = "event" if position is None else f"event at position {position}"
+        super().__init__(f"cannot decode {where}: {reason}")
+
+
+class FencedError(EventStoreError):
+    """The writer's epoch is older than the run's current epoch: a newer controller owns the run."""
+
+    def __init__(self, run_id: str, epoch: int, current_epoch: int) -> None:
+        self.run_id = run_id
+        self.epoch = epoch
+        self.current_epoch = current_epoch
+        super().__init__(
+            f"run {run_id!r}: writer epoch {epoch} is fenced by epoch {current_epoch}; "
+            "another controller has taken over this run"
+        )
+
+
+class ConcurrencyError(EventStoreError):
+    """The log moved past the expected position with different events."""
+
+    def __init__(self, run_id: str, expected: int, actual: int, detail: str = "") -> None:
+        self.run_id = run_id
+        self.expected = expected
+        self.actual = actual
+        msg = f"run {run_id!r}: expected log position {expected}, log is at {actual}"
+        super().__init__(f"{msg}; {detail}" if detail else msg)
+
+
+class RunNotFoundError(EventStoreError):
+    """No log exists for the run id; ``known`` lists the runs that do exist."""
+
+    def __init__(self, run_id: str, known: list[str]) -> None:
+        self.run_id = run_id
+        self.known = known
+        listing = ", ".join(known) if known else "none"
+        super().__init__(f"no run {run_id!r} in this store (runs: {listing})")
+
+
+class StoreUnavailableError(EventStoreError):
+    """The backing store cannot be reached or refused us (auth, TLS, network)."""

@@ -1,0 +1,250 @@
+"""The event vocabulary of a run: every fact the controller records, as immutable values.
+
+Events are past-tense facts. Each one is a frozen msgspec Struct tagged with its class
+name (the ``type`` field on the wire), and carries:
+
+* ``event_id`` -- deterministic, built from what the event is about
+  (``step:12:finished``, ``group:g0042:committed:a1``), so a retried append of the same
+  fact is recognised by the store and written once;
+* ``epoch`` -- the fencing token of the controller that wrote it;
+* ``ts`` -- wall-clock seconds, taken by the *shell* when the event was made; the core
+  never reads a clock, it only reads this field;
+* ``schema_version`` -- bumped when a type's shape changes; ``events.codec`` upcasts
+  older versions so old logs decode forever (golden fixtures in tests guard this).
+
+This module is pure data: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NewType, Union
+
+import msgspec
+
+GroupId = NewType("GroupId", str)
+WeightVersion = NewType("WeightVersion", int)
+TrainerVersion = NewType("TrainerVersion", int)
+Epoch = NewType("Epoch", int)
+Position = NewType("Position", int)
+
+#: The schema version written by this code for every event type.
+CURRENT_SCHEMA_VERSION: Final = 1
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
+    """Fields every event carries. Never instantiated directly."""
+
+    event_id: str
+    epoch: int
+    ts: float
+    schema_version: int = CURRENT_SCHEMA_VERSION
+
+
+class RunStarted(Event, frozen=True):
+    """A new run: the full resolved config, written once as the first event."""
+
+    run_id: str
+    config: dict[str, Any]
+    seed: int
+    code_version: str
+    #: dispatch may lead the trainer by at most this many versions (0 = on-policy)
+    window_versions: int
+    groups_per_step: int
+    samples_per_group: int
+
+
+class ControllerStarted(Event, frozen=True):
+    """A controller claimed ``epoch`` (the fencing token) and took over the run."""
+
+    host: str
+    pid: int
+
+
+class RolloutAdmitted(Event, frozen=True):
+    """Intent: a prompt group is about to be dispatched to a generator."""
+
+    group_id: str
+    attempt: int
+    prompt_index: int
+    prompt_ref: str
+    #: weight version the generator is expected to hold at dispatch
+    weight_version: int
+    n_samples: int
+    sample_seed: int
+
+
+class GroupCommitted(Event, frozen=True):
+    """Fact: every sample of the group is stored in the data plane."""
+
+    group_id: str
+    attempt: int
+    weight_version_start: int
+    weight_version_end: int
+    payload_keys: list[str]
+    rewards: list[float]
+    #: completion lengths in tokens, one per sample
+    lengths: list[int]
+
+
+class GroupFailed(Event, frozen=True):
+    """Generation of one attempt failed or was lost; the group may be re-admitted."""
+
+    group_id: str
+    attempt: int
+    reason: str
+
+
+class GroupEvicted(Event, frozen=True):
+    """The eviction policy dropped a committed group (e.g. lag past the window)."""
+
+    group_id: str
+    reason: str
+    lag: int
+
+
+class StepBegun(Event, frozen=True):
+    """Intent: ``begin_train_step`` is about to be called."""
+
+    step: int
+    base_trainer_version: int
+
+
+class MicrobatchTrained(Event, frozen=True):
+    """Fact: ``train_microbatch`` returned for these groups (claims them for the step)."""
+
+    step: int
+    index: int
+    group_ids: list[str]
+    num_sequences: int
+    num_tokens: int
+
+
+class StepFinished(Event, frozen=True):
+    """Fact: ``finish_train_step`` returned; the trainer is now at ``trainer_version``."""
+
+    step: int
+    trainer_version: int
+    metrics: dict[str, float]
+    grad_norm: float
+    weights_digest: str
+
+
+class StepAborted(Event, frozen=True):
+    """The open step was abandoned; its groups return to the buffer."""
+
+    step: int
+    reason: str
+
+
+class WeightsPublished(Event, frozen=True):
+    """Generators acknowledged holding ``weight_version``."""
+
+    weight_version: int
+    generators: list[str]
+
+
+class CheckpointSaved(Event, frozen=True):
+    """A checkpoint of ``trainer_version`` is durable (fsynced and renamed) at ``uri``."""
+
+    trainer_version: int
+    uri: str
+    sha256: str
+
+
+class CheckpointRejected(Event, frozen=True):
+    """A checkpoint failed verification on load and was not used."""
+
+    trainer_version: int
+    uri: str
+    reason: str
+
+
+class PayloadsReleased(Event, frozen=True):
+    """Data-plane rows of these consumed groups were deleted (a checkpoint covers them)."""
+
+    group_ids: list[str]
+
+
+class WorkerLost(Event, frozen=True):
+    """A worker (trainer or generator actor) died or stopped answering and was restarted."""
+
+    worker: str
+    role: str
+    reason: str
+
+
+class RunRewound(Event, frozen=True):
+    """Explicit, user-requested rewind to a checkpoint after payloads were lost.
+
+    The finished steps after ``to_trainer_version`` no longer describe the weights; they
+    are named here so ``audit`` can show exactly what was lost.
+    """
+
+    to_trainer_version: int
+    lost_steps: list[int]
+    lost_group_ids: list[str]
+    reason: str
+
+
+class RunFinished(Event, frozen=True):
+    """The run ended cleanly."""
+
+    reason: str
+
+
+AnyEvent = Union[
+    RunStarted,
+    ControllerStarted,
+    RolloutAdmitted,
+    GroupCommitted,
+    GroupFailed,
+    GroupEvicted,
+    StepBegun,
+    MicrobatchTrained,
+    StepFinished,
+    StepAborted,
+    WeightsPublished,
+    CheckpointSaved,
+    CheckpointRejected,
+    PayloadsReleased,
+    WorkerLost,
+    RunRewound,
+    RunFinished,
+]
+
+EVENT_TYPES: Final[dict[str, type[Event]]] = {
+    cls.__name__: cls for cls in AnyEvent.__args__  # type: ignore[attr-defined]
+}
+
+
+class StoredEvent(msgspec.Struct, frozen=True):
+    """An event together with its position (1-based, gapless) in the run's log."""
+
+    position: int
+    event: AnyEvent
+
+
+# Deterministic event ids: one helper per fact so every writer spells them the same way.
+
+
+def run_started_id(run_id: str) -> str:
+    return f"run:{run_id}:started"
+
+
+def controller_started_id(epoch: int) -> str:
+    return f"controller:{epoch}:started"
+
+
+def group_event_id(group_id: str, what: str, attempt: int | None = None) -> str:
+    suffix = "" if attempt is None else f":a{attempt}"
+    return f"group:{group_id}:{what}{suffix}"
+
+
+def step_event_id(step: int, what: str) -> str:
+    # Step numbers are never reused: a step begun after an abort gets the next number,
+    # so ``step:K:begun`` names one fact for the whole life of the run.
+    return f"step:{step}:{what}"
+
+
+def microbatch_event_id(step: int, index: int) -> str:
+    return f"step:{step}:microbatch:{index}"

@@ -1,0 +1,1 @@
+"""Read-only tools over a log: fold to any point, staleness analysis, audit, policy what-if."""

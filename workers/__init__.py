@@ -1,0 +1,1 @@
+"""Workers: trainer, rollout generators, tasks, models, the data plane adapter and weight sync."""

@@ -1,0 +1,1 @@
+"""Built-in models: a tiny causal transformer with a character tokenizer, and local HF loading."""
