@@ -53,3 +53,20 @@ class RunNotFoundError(EventStoreError):
 
 class StoreUnavailableError(EventStoreError):
     """The backing store cannot be reached or refused us (auth, TLS, network)."""
+
+
+class EpochNotClaimedError(EventStoreError):
+    """The writer's epoch is newer than any claimed for the run: it never called claim_epoch."""
+
+    def __init__(self, run_id: str, epoch: int, current_epoch: int) -> None:
+        self.run_id = run_id
+        self.epoch = epoch
+        self.current_epoch = current_epoch
+        super().__init__(
+            f"run {run_id!r}: writer epoch {epoch} was never claimed "
+            f"(current epoch {current_epoch}); call claim_epoch first"
+        )
+
+
+class RedisServerNotFoundError(StoreUnavailableError):
+    """No ``redis-server`` binary to start the embedded store with."""

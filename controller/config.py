@@ -1,0 +1,263 @@
+"""Typed run configuration: one small Struct per component, validated at load.
+
+A config comes from defaults, then an optional TOML file, then ``--set key=value``
+overrides (dotted keys, TOML literals: ``--set train.lr=3e-4``,
+``--set staleness.selection=oldest_first``). Every error names the offending key.
+The resolved config is written into ``RunStarted`` so a log describes its own run.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunSection(_Section):
+    seed: int = 0
+    """Seed for prompt order, sampling seeds and model init."""
+    steps: int = 60
+    """Optimizer steps to train (trainer_version to reach)."""
+
+
+class ModelSection(_Section):
+    kind: Literal["tiny", "hf"] = "tiny"
+    """Built-in tiny transformer, or a Hugging Face model from a local directory."""
+    path: str = ""
+    """Local directory of an HF model (kind = "hf"); never downloaded."""
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    context_len: int = 32
+    """Longest prompt + completion in tokens (tiny model)."""
+
+
+class TaskSection(_Section):
+    name: str = "reverse"
+    """Built-in task name or a plugin as ``module:Class``."""
+    dataset: str = ""
+    """Optional JSONL prompt file (``prompt``, ``answer``); empty = generated prompts."""
+    num_prompts: int = 4096
+
+
+class SamplingSection(_Section):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+
+
+class RolloutSection(_Section):
+    samples_per_group: int = 8
+    """Completions per prompt (the GRPO group size)."""
+    num_generators: int = 1
+    max_attempts: int = 3
+    """Generation attempts per group before it is dropped."""
+
+
+class StalenessSection(_Section):
+    window_versions: int = 1
+    """Dispatch may lead the trainer by at most this many versions; 0 = on-policy."""
+    selection: Literal["in_order", "oldest_first", "ready_first"] = "in_order"
+    buffer_groups: int = 0
+    """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
+
+
+class LossSection(_Section):
+    aggregation: Literal["token", "sequence"] = "token"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    is_cap: float = 2.0
+    """Truncation of the generator/trainer importance weight."""
+
+
+class TrainSection(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    groups_per_step: int = 4
+    groups_per_microbatch: int = 2
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    data_parallel: int = 1
+    loss: LossSection = msgspec.field(default_factory=LossSection)
+
+
+class CheckpointSection(_Section):
+    every_steps: int = 10
+    retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
+
+
+class DataPlaneSection(_Section):
+    kind: Literal["transferqueue", "memory"] = "transferqueue"
+    spill: bool = True
+    """Write payloads through to safetensors files so they survive a full restart."""
+
+
+class ControllerSection(_Section):
+    stall_timeout_s: float = 120.0
+    step_retries: int = 2
+    """Aborted-step retries in a row before the run stops."""
+    snapshot_every_events: int = 5000
+
+
+class RayConfig(_Section):
+    address: str = ""
+    """Existing Ray cluster to join; empty = start a local one."""
+    num_cpus: int = 8
+    """Logical CPUs for a local Ray (TransferQueue needs >= 4)."""
+
+
+class Config(_Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    task: TaskSection = msgspec.field(default_factory=TaskSection)
+    sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
+    rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
+    staleness: StalenessSection = msgspec.field(default_factory=StalenessSection)
+    train: TrainSection = msgspec.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    dataplane: DataPlaneSection = msgspec.field(default_factory=DataPlaneSection)
+    controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+
+    @property
+    def buffer_capacity(self) -> int:
+        explicit = self.staleness.buffer_groups
+        return explicit or self.train.groups_per_step * (self.staleness.window_versions + 1)
+
+
+_POSITIVE = {
+    "run.steps", "rollout.samples_per_group", "rollout.num_generators",
+    "rollout.max_attempts", "train.groups_per_step", "train.groups_per_microbatch",
+    "train.data_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
+    "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
+    "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
+}
+_NON_NEGATIVE = {
+    "staleness.window_versions", "staleness.buffer_groups", "train.lr",
+    "train.weight_decay", "train.warmup_steps", "train.loss.kl_coef",
+    "train.loss.clip_low", "train.loss.clip_high", "controller.step_retries",
+}
+
+
+def _lookup(cfg: Config, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: Config) -> Config:
+    """Range and cross-field checks that types alone cannot express."""
+    for key in _POSITIVE:
+        if _lookup(cfg, key) <= 0:
+            raise ConfigError(f"config: {key} must be > 0 (got {_lookup(cfg, key)})")
+    for key in _NON_NEGATIVE:
+        if _lookup(cfg, key) < 0:
+            raise ConfigError(f"config: {key} must be >= 0 (got {_lookup(cfg, key)})")
+    if not 0 < cfg.sampling.temperature:
+        raise ConfigError("config: sampling.temperature must be > 0")
+    if not 0 < cfg.sampling.top_p <= 1:
+        raise ConfigError("config: sampling.top_p must be in (0, 1]")
+    if cfg.train.loss.is_cap < 1:
+        raise ConfigError("config: train.loss.is_cap must be >= 1")
+    if cfg.train.grad_clip <= 0:
+        raise ConfigError("config: train.grad_clip must be > 0")
+    if cfg.model.kind == "hf" and not cfg.model.path:
+        raise ConfigError("config: model.path is required when model.kind = \"hf\"")
+    need = cfg.train.groups_per_step * (cfg.staleness.window_versions + 1)
+    if cfg.staleness.buffer_groups and cfg.staleness.buffer_groups < need:
+        # A smaller buffer deadlocks: the admission gate would close before a step fills.
+        raise ConfigError(
+            f"config: staleness.buffer_groups = {cfg.staleness.buffer_groups} is too small; "
+            f"it must be >= train.groups_per_step * (staleness.window_versions + 1) = {need}"
+        )
+    return cfg
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word: treat as a string (e.g. selection=oldest_first)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value (e.g. train.lr=1e-3)")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw.strip())
+    return data
+
+
+def _convert(data: dict[str, Any], source: str) -> Config:
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as err:
+        # msgspec says "... - at `$.train.lr`"; turn the path into the dotted key.
+        text = str(err)
+        msg, _, where = text.partition(" - at `$.")
+        key = where.rstrip("`") if where else ""
+        if msg.startswith("Object contains unknown field"):
+            field = msg.split("`")[1]
+            key = f"{key}.{field}" if key else field
+            raise ConfigError(f"config ({source}): unknown key {key!r}") from None
+        if msg.startswith("Invalid enum value") and key:
+            msg += f" (choose one of: {', '.join(_choices(key))})"
+        raise ConfigError(f"config ({source}): {key or 'root'}: {msg}") from None
+
+
+def _choices(dotted: str) -> tuple[str, ...]:
+    owner: Any = Config
+    for part in dotted.split("."):
+        hint = typing.get_type_hints(owner)[part]
+        owner = hint
+    return typing.get_args(owner)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides, then validated."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
+        source = str(p)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = f"{source} + --set"
+    return validate(_convert(data, source))
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return validate(_convert(data, "log"))

@@ -1,0 +1,150 @@
+"""Staleness policies: pure functions of the folded state (no I/O, no clock).
+
+Three decisions, each re-runnable over a recorded log (``replay`` what-if):
+
+* **admission** -- may another prompt group be dispatched now?  Generation may lead
+  the trainer by at most ``window`` versions. With G = groups_per_step and L = live
+  groups (admitted, buffered or claimed -- not yet consumed), a group dispatched now
+  will be trained no later than L // G steps from now, so its lag is bounded by
+  ``trainer_version + L // G - dispatch_version``; the gate opens only while that is
+  <= window. With dispatch_version == trainer_version this is L < G * (window + 1),
+  the buffer capacity; window = 0 is the synchronous on-policy baseline.
+* **eviction** -- committed groups whose lag at the next step would exceed the window
+  are dropped (each an event). With the gate above this only happens after aborts,
+  failures or a generator that lags behind the published version.
+* **selection** -- which buffered groups fill the open step:
+
+  - ``in_order``: strict admission order; waits for the oldest admitted group even if
+    younger ones are ready (batch composition independent of timing);
+  - ``oldest_first``: ready groups with the oldest start weight version first;
+  - ``ready_first``: ready groups in commit order (whatever finished first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from controller.state import GroupRecord, GroupStatus, RunState
+
+SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
+SELECTION_POLICIES: tuple[SelectionPolicy, ...] = ("in_order", "oldest_first", "ready_first")
+
+
+@dataclass(frozen=True)
+class Admission:
+    allowed: bool
+    #: why the gate is closed (for the stall watchdog and staleness reports)
+    reason: str = ""
+
+
+def _claimed(state: RunState) -> list[str]:
+    step = state.open_step
+    return [] if step is None else [g for mb in step.microbatches for g in mb]
+
+
+def live_groups(state: RunState) -> int:
+    """Groups admitted but not yet consumed, evicted or failed."""
+    return len(state.admitted) + len(state.buffer) + len(_claimed(state))
+
+
+def _live_unclaimed_in_admission_order(state: RunState) -> list[GroupRecord]:
+    groups = state.groups
+    live = [groups[g] for g in state.admitted] + [groups[g] for g in state.buffer]
+    live.sort(key=lambda g: g.admitted_position)
+    return live
+
+
+def admission(
+    state: RunState, *, dispatch_version: int, window: int, groups_per_step: int, capacity: int
+) -> Admission:
+    live = live_groups(state)
+    if live >= capacity:
+        return Admission(False, f"buffer full ({live}/{capacity} live groups)")
+    steps_ahead = live // groups_per_step
+    lag_bound = state.trainer_version + steps_ahead - dispatch_version
+    if lag_bound > window:
+        return Admission(
+            False,
+            f"window closed (a group dispatched at v{dispatch_version} could be trained "
+            f"at v{state.trainer_version + steps_ahead}, lag {lag_bound} > {window})",
+        )
+    return Admission(True)
+
+
+def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
+    """Raise if the buffer can never hold a full step (the run would deadlock)."""
+    need = groups_per_step * (window + 1)
+    if capacity < need:
+        raise ValueError(
+            f"buffer capacity {capacity} < groups_per_step * (window + 1) = {need}"
+        )
+
+
+def lag_of(group: GroupRecord, trainer_version: int) -> int:
+    assert group.weight_version_start is not None, "lag of an uncommitted group"
+    return trainer_version - group.weight_version_start
+
+
+def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:
+    """(group_id, lag) of buffered groups too stale to train at ``trainer_version``."""
+    out = []
+    for gid in state.buffer:
+        lag = lag_of(state.groups[gid], trainer_version)
+        if lag > window:
+            out.append((gid, lag))
+    return out
+
+
+def select(state: RunState, policy: SelectionPolicy, limit: int) -> list[str]:
+    """Up to ``limit`` buffered group ids, in the order they should be trained."""
+    if limit <= 0:
+        return []
+    if policy == "ready_first":
+        return list(_take(state.buffer, limit))
+    if policy == "oldest_first":
+        ready = sorted(
+            state.buffer,
+            key=lambda gid: (state.groups[gid].weight_version_start, state.groups[gid].committed_position),
+        )
+        return ready[:limit]
+    if policy == "in_order":
+        return _in_order(state, limit)
+    raise ValueError(f"unknown selection policy {policy!r}; choose one of {SELECTION_POLICIES}")
+
+
+def _take(ids, limit: int):
+    for i, gid in enumerate(ids):
+        if i >= limit:
+            return
+        yield gid
+
+
+def _in_order(state: RunState, limit: int) -> list[str]:
+    # Walk live groups by admission order; stop at the first one not yet committed.
+    out: list[str] = []
+    for group in _live_unclaimed_in_admission_order(state):
+        if group.status is not GroupStatus.COMMITTED:
+            break
+        out.append(group.group_id)
+        if len(out) == limit:
+            break
+    return out
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> tuple[list[float], bool]:
+    """GRPO advantages: rewards normalised within the group.
+
+    Returns (advantages, zero_variance). A group whose samples all scored the same
+    carries no learning signal: its advantages are exactly 0 (not noise divided by eps)
+    and the caller counts it.
+    """
+    n = len(rewards)
+    if n == 0:
+        raise ValueError("a group needs at least one reward")
+    mean = sum(rewards) / n
+    var = sum((r - mean) ** 2 for r in rewards) / n
+    std = var**0.5
+    if std < eps:
+        return [0.0] * n, True
+    return [(r - mean) / (std + eps) for r in rewards], False

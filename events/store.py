@@ -1,0 +1,335 @@
+"""The EventStore protocol and its in-process implementation.
+
+A run's log is an append-only sequence of encoded events at positions 1, 2, 3, ...
+(gapless; the position is the identity of an entry). Every append is guarded twice:
+
+* **fencing** -- the writer passes the epoch it claimed with :meth:`claim_epoch`; once a
+  newer controller claims a higher epoch, appends with the old one raise
+  :class:`FencedError` (an epoch that was never claimed is rejected too);
+* **optimistic concurrency** -- the writer passes the last position it saw. If the log
+  is still there, the batch is appended. If the log has moved past it and the entries
+  that follow carry exactly the batch's event ids, the append already happened (a retry
+  after a lost reply) and the original positions are returned; anything else raises
+  :class:`ConcurrencyError`.
+
+``MemoryEventStore`` keeps the *encoded* bytes, so decoding and malformed-entry
+behaviour match the Redis store exactly; the contract suite in
+``tests/contract/test_event_store.py`` runs against both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import msgspec
+
+from events.codec import decode, encode
+from events.errors import ConcurrencyError, EpochNotClaimedError, FencedError, RunNotFoundError
+from events.schema import Event, StoredEvent
+
+#: Run ids become part of storage keys: no whitespace, braces or control characters.
+_RUN_ID_RE = re.compile(r"^[^\s{}\x00-\x1f\x7f]{1,200}$")
+
+#: Entries returned per round trip when a read has no ``count``.
+READ_PAGE_SIZE = 1000
+
+
+class RunInfo(msgspec.Struct, frozen=True):
+    """What a store knows about one run without reading its log."""
+
+    run_id: str
+    last_position: int
+    epoch: int
+    #: position of the newest snapshot, None when the run has none
+    snapshot_position: int | None = None
+
+
+class RawEntry(NamedTuple):
+    """One log entry as stored: for tools that must report malformed entries and go on."""
+
+    position: int
+    data: bytes
+    #: the ``type`` and ``id`` stream fields (readable without decoding ``data``)
+    event_type: str = ""
+    event_id: str = ""
+
+
+@runtime_checkable
+class EventStore(Protocol):
+    """Append-only, fenced, idempotent event log per run. Positions are 1-based, gapless."""
+
+    def claim_epoch(self, run_id: str) -> int:
+        """Atomically increment and return the run's epoch, creating the run if needed."""
+        ...
+
+    def append(
+        self, run_id: str, events: Sequence[Event], *, expected_position: int, epoch: int
+    ) -> list[int]:
+        """Append ``events`` after ``expected_position``; return their positions."""
+        ...
+
+    def read(
+        self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
+    ) -> list[StoredEvent]:
+        """Decoded events at positions ``start..end`` (inclusive), at most ``count``."""
+        ...
+
+    def read_raw(
+        self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
+    ) -> list[RawEntry]:
+        """Like :meth:`read` but undecoded, so malformed entries can be reported."""
+        ...
+
+    def last_position(self, run_id: str) -> int: ...
+
+    def current_epoch(self, run_id: str) -> int: ...
+
+    def follow(
+        self, run_id: str, from_position: int = 0, *, block_ms: int = 1000
+    ) -> AsyncIterator[StoredEvent]:
+        """Yield events after ``from_position``, then wait for new ones, forever."""
+        ...
+
+    def list_runs(self) -> list[RunInfo]: ...
+
+    def run_exists(self, run_id: str) -> bool: ...
+
+    def save_snapshot(self, run_id: str, position: int, data: bytes) -> bool:
+        """Store folded state as of ``position``; kept only if not older than the newest."""
+        ...
+
+    def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None: ...
+
+    def close(self) -> None: ...
+
+
+# Argument checks shared by every implementation, so they fail the same way.
+
+
+def check_run_id(run_id: str) -> None:
+    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
+        raise ValueError(
+            f"invalid run id {run_id!r}: 1-200 characters, no whitespace or braces"
+        )
+
+
+def check_append_args(events: Sequence[Event], expected_position: int, epoch: int) -> None:
+    if not events:
+        raise ValueError("append needs at least one event")
+    if expected_position < 0:
+        raise ValueError(f"expected_position must be >= 0, got {expected_position}")
+    if epoch < 1:
+        raise ValueError(f"epoch must be >= 1 (claim one with claim_epoch), got {epoch}")
+    ids = [e.event_id for e in events]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate event ids in one batch: {sorted(ids)}")
+
+
+def check_range(start: int, end: int | None, count: int | None) -> None:
+    if start < 1:
+        raise ValueError(f"positions start at 1, got start={start}")
+    if end is not None and end < 0:
+        raise ValueError(f"end must be >= 0, got {end}")
+    if count is not None and count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+
+
+def decode_entries(entries: Sequence[RawEntry]) -> list[StoredEvent]:
+    return [StoredEvent(position=e.position, event=decode(e.data, e.position)) for e in entries]
+
+
+class _MemoryRun:
+    __slots__ = ("entries", "epoch", "snapshot")
+
+    def __init__(self) -> None:
+        self.entries: list[RawEntry] = []
+        self.epoch = 0
+        self.snapshot: tuple[int, bytes] | None = None
+
+
+class MemoryEventStore:
+    """In-process EventStore with the Redis store's semantics. Thread-safe.
+
+    :meth:`follow` waits on an ``asyncio.Event`` per follower that appends set from any
+    thread (``call_soon_threadsafe``), and re-checks every ``block_ms`` regardless.
+    """
+
+    def __init__(self) -> None:
+        self._runs: dict[str, _MemoryRun] = {}
+        self._lock = threading.Lock()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _run(self, run_id: str) -> _MemoryRun:
+        check_run_id(run_id)
+        run = self._runs.get(run_id)
+        if run is None:
+            raise RunNotFoundError(run_id, sorted(self._runs))
+        return run
+
+    def _wake_followers(self) -> None:
+        for loop, event in list(self._waiters):
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # loop closed: that follower is gone
+                self._waiters.discard((loop, event))
+
+    # -- writes --------------------------------------------------------------------
+
+    def claim_epoch(self, run_id: str) -> int:
+        check_run_id(run_id)
+        with self._lock:
+            run = self._runs.setdefault(run_id, _MemoryRun())
+            run.epoch += 1
+            return run.epoch
+
+    def append(
+        self, run_id: str, events: Sequence[Event], *, expected_position: int, epoch: int
+    ) -> list[int]:
+        check_run_id(run_id)
+        check_append_args(events, expected_position, epoch)
+        encoded = [
+            RawEntry(0, encode(e), type(e).__name__, e.event_id) for e in events
+        ]  # encode outside the lock
+        with self._lock:
+            run = self._runs.get(run_id)
+            current = 0 if run is None else run.epoch
+            if epoch < current:
+                raise FencedError(run_id, epoch, current)
+            if run is None or epoch > current:
+                raise EpochNotClaimedError(run_id, epoch, current)
+            length = len(run.entries)
+            positions = list(range(expected_position + 1, expected_position + 1 + len(events)))
+            if length == expected_position:
+                run.entries.extend(e._replace(position=p) for p, e in zip(positions, encoded))
+            elif length < expected_position:
+                raise ConcurrencyError(run_id, expected_position, length, "log is behind")
+            else:
+                stored = [e.event_id for e in run.entries[expected_position : positions[-1]]]
+                mine = [e.event_id for e in encoded]
+                check_retry(run_id, expected_position, length, stored, mine)
+        self._wake_followers()
+        return positions
+
+    def append_raw(
+        self, run_id: str, data: bytes, *, event_type: str = "?", event_id: str = ""
+    ) -> int:
+        """Append bytes as they are, unchecked and unfenced. For tests and repair tools only."""
+        check_run_id(run_id)
+        with self._lock:
+            run = self._runs.setdefault(run_id, _MemoryRun())
+            position = len(run.entries) + 1
+            run.entries.append(RawEntry(position, bytes(data), event_type, event_id))
+        self._wake_followers()
+        return position
+
+    def save_snapshot(self, run_id: str, position: int, data: bytes) -> bool:
+        with self._lock:
+            run = self._run(run_id)
+            check_snapshot_position(run_id, position, len(run.entries))
+            if run.snapshot is not None and run.snapshot[0] > position:
+                return False
+            run.snapshot = (position, bytes(data))
+            return True
+
+    # -- reads ---------------------------------------------------------------------
+
+    def read_raw(
+        self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
+    ) -> list[RawEntry]:
+        check_range(start, end, count)
+        with self._lock:
+            entries = self._run(run_id).entries
+            stop = len(entries) if end is None else min(end, len(entries))
+            if count is not None:
+                stop = min(stop, start - 1 + count)
+            return entries[start - 1 : stop]
+
+    def read(
+        self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
+    ) -> list[StoredEvent]:
+        return decode_entries(self.read_raw(run_id, start, end, count))
+
+    def last_position(self, run_id: str) -> int:
+        with self._lock:
+            return len(self._run(run_id).entries)
+
+    def current_epoch(self, run_id: str) -> int:
+        with self._lock:
+            return self._run(run_id).epoch
+
+    def run_exists(self, run_id: str) -> bool:
+        check_run_id(run_id)
+        return run_id in self._runs
+
+    def list_runs(self) -> list[RunInfo]:
+        with self._lock:
+            return [
+                RunInfo(
+                    run_id=run_id,
+                    last_position=len(run.entries),
+                    epoch=run.epoch,
+                    snapshot_position=None if run.snapshot is None else run.snapshot[0],
+                )
+                for run_id, run in sorted(self._runs.items())
+            ]
+
+    def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
+        with self._lock:
+            return self._run(run_id).snapshot
+
+    async def follow(
+        self, run_id: str, from_position: int = 0, *, block_ms: int = 1000
+    ) -> AsyncIterator[StoredEvent]:
+        if from_position < 0:
+            raise ValueError(f"from_position must be >= 0, got {from_position}")
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        self._waiters.add(waiter)
+        try:
+            position = from_position
+            while True:
+                waiter[1].clear()
+                for stored in self.read(run_id, position + 1, count=READ_PAGE_SIZE):
+                    position = stored.position
+                    yield stored
+                if self.last_position(run_id) > position:
+                    continue
+                try:
+                    await asyncio.wait_for(waiter[1].wait(), block_ms / 1000)
+                except TimeoutError:
+                    pass
+        finally:
+            self._waiters.discard(waiter)
+
+    def close(self) -> None:
+        pass
+
+
+def check_retry(
+    run_id: str, expected: int, length: int, stored_ids: Sequence[str], batch_ids: Sequence[str]
+) -> None:
+    """The log moved past ``expected``: accept only an exact replay of an earlier append."""
+    if len(stored_ids) < len(batch_ids):
+        raise ConcurrencyError(
+            run_id, expected, length, "log moved by fewer entries than the batch (partial overlap)"
+        )
+    for offset, (stored, mine) in enumerate(zip(stored_ids, batch_ids)):
+        if stored != mine:
+            raise ConcurrencyError(
+                run_id,
+                expected,
+                length,
+                f"position {expected + 1 + offset} holds {stored!r}, batch has {mine!r}",
+            )
+
+
+def check_snapshot_position(run_id: str, position: int, last: int) -> None:
+    if not 0 <= position <= last:
+        raise ValueError(
+            f"run {run_id!r}: snapshot position {position} outside the log (0..{last})"
+        )

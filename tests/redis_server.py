@@ -1,0 +1,114 @@
+"""A real redis-server for tests: random loopback port, temp dir, AOF, appendfsync always.
+
+Runs in the foreground as a child process (not daemonized) so a test can ``kill()`` it
+with SIGKILL mid-append and ``start()`` it again on the same directory and port,
+which replays the AOF: the crash a durability test needs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from events.embedded import (
+    FsyncPolicy,
+    find_redis_server,
+    free_port,
+    ping,
+    resp_command,
+    server_config,
+)
+
+
+class RedisServer:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        appendfsync: FsyncPolicy = "always",
+        password: str | None = None,
+        binary: str | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.appendfsync = appendfsync
+        self.password = password
+        self.binary = binary or find_redis_server()
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0) -> RedisServer:
+        """Start (or restart on the same dir and port) and wait until it answers."""
+        assert self.process is None, "already running"
+        data = self.directory / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        conf = self.directory / "redis.conf"
+        conf.write_text(
+            server_config(
+                port=self.port,
+                redis_dir=data,
+                appendfsync=self.appendfsync,
+                logfile=self.directory / "redis.log",
+                password=self.password,
+            )
+        )
+        self.process = subprocess.Popen(
+            [self.binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.process = None
+                raise RuntimeError(f"redis-server exited at start; see {self.directory}/redis.log")
+            if self._answers():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer within {timeout_s}s")
+
+    def _answers(self) -> bool:
+        if self.password is None:
+            return ping(self.port)
+        try:  # with requirepass, an unauthenticated PING gets -NOAUTH: still up
+            return resp_command(self.port, "PING").startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
+
+    def command(self, *args: str) -> bytes:
+        """One command over a raw socket (first reply line), e.g. FLUSHALL."""
+        if self.password is not None:
+            raise NotImplementedError("raw commands on a password-protected test server")
+        return resp_command(self.port, *args)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final fsync; what is on disk is what survives."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> None:
+        """Clean shutdown (SIGTERM); a no-op when not running."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,58 @@
+"""Config loading: defaults, TOML, --set overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.config import ConfigError, config_from_dict, config_to_dict, load_config
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = load_config()
+    assert cfg.buffer_capacity == cfg.train.groups_per_step * (cfg.staleness.window_versions + 1)
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nlr = 0.01\n[staleness]\nwindow_versions = 2\n')
+    cfg = load_config(path, ["train.lr=1e-4", "staleness.selection=oldest_first"])
+    assert cfg.train.lr == 1e-4
+    assert cfg.staleness.window_versions == 2
+    assert cfg.staleness.selection == "oldest_first"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.lr=abc"], "train.lr: Expected `float`, got `str`"),
+        (["train.bogus=1"], "unknown key 'train.bogus'"),
+        (["nosuch.key=1"], "unknown key 'nosuch'"),
+        (
+            ["staleness.selection=newest"],
+            "staleness.selection: Invalid enum value 'newest' "
+            "(choose one of: in_order, oldest_first, ready_first)",
+        ),
+        (["train.loss.aggregation=tokens"], "train.loss.aggregation"),
+        (["run.steps=0"], "run.steps must be > 0"),
+        (["staleness.window_versions=-1"], "staleness.window_versions must be >= 0"),
+        (["staleness.buffer_groups=3"], "staleness.buffer_groups = 3 is too small"),
+        (["sampling.top_p=1.5"], "sampling.top_p"),
+        (["model.kind=hf"], "model.path is required"),
+        (["justakey"], "expected key=value"),
+        (["train.lr.x=1"], "train.lr: Expected `float`, got `object`"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(overrides=overrides)
+    assert message in str(err.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)

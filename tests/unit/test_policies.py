@@ -1,0 +1,145 @@
+"""Table tests of the staleness policies: given a log, when a policy runs, then a decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller import policies
+from tests.unit.log_builder import LogBuilder
+
+
+# -- admission ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, build, dispatch, window, allowed, reason_part",
+    [
+        ("empty buffer opens the gate", lambda b: b, 0, 1, True, ""),
+        (
+            "capacity reached closes it",
+            lambda b: b.admit("g1").admit("g2").admit("g3").admit("g4"),
+            0, 1, False, "buffer full",
+        ),
+        (
+            "window 0: one step's worth of groups only",
+            lambda b: b.admit("g1").admit("g2"),
+            0, 0, False, "buffer full",
+        ),
+        (
+            "committed groups count as live",
+            lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2").admit("g3"),
+            0, 1, True, "",
+        ),
+        (
+            "consumed groups free the buffer",
+            lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2")
+            .begin_step().microbatch(["g1", "g2"]).finish_step()
+            .admit("g3").admit("g4").admit("g5"),
+            1, 1, True, "",
+        ),
+        (
+            "generators behind the trainer close the window",
+            lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2")
+            .begin_step().microbatch(["g1", "g2"]).finish_step()
+            .admit("g3").admit("g4"),
+            0, 1, False, "window closed",
+        ),
+    ],
+)
+def test_admission(name, build, dispatch, window, allowed, reason_part):
+    state = build(LogBuilder(window=1, groups_per_step=2).start()).fold()
+    capacity = 2 * (window + 1)
+    got = policies.admission(
+        state, dispatch_version=dispatch, window=window, groups_per_step=2, capacity=capacity
+    )
+    assert got.allowed is allowed, name
+    assert reason_part in got.reason
+
+
+def test_capacity_check_names_the_requirement():
+    policies.check_capacity(capacity=8, groups_per_step=4, window=1)
+    with pytest.raises(ValueError, match=r"groups_per_step \* \(window \+ 1\) = 8"):
+        policies.check_capacity(capacity=7, groups_per_step=4, window=1)
+
+
+# -- selection -----------------------------------------------------------------------
+
+
+def _mixed_log():
+    # g1 admitted first but committed last; g2 started on older weights than g3.
+    return (
+        LogBuilder(window=2, groups_per_step=4).start()
+        .admit("g1").admit("g2").admit("g3")
+        .commit("g3", start=1, end=1)
+        .commit("g2", start=0, end=1)
+        .commit("g1", start=1, end=1)
+    )
+
+
+@pytest.mark.parametrize(
+    "policy, limit, expected",
+    [
+        ("ready_first", 3, ["g3", "g2", "g1"]),
+        ("ready_first", 2, ["g3", "g2"]),
+        ("oldest_first", 3, ["g2", "g3", "g1"]),
+        ("in_order", 3, ["g1", "g2", "g3"]),
+        ("in_order", 0, []),
+    ],
+)
+def test_selection_orders(policy, limit, expected):
+    assert policies.select(_mixed_log().fold(), policy, limit) == expected
+
+
+def test_in_order_waits_for_the_head_of_line():
+    state = (
+        LogBuilder(window=1, groups_per_step=2).start()
+        .admit("g1").admit("g2").commit("g2")
+    ).fold()
+    assert policies.select(state, "in_order", 2) == []
+    assert policies.select(state, "ready_first", 2) == ["g2"]
+
+
+def test_in_order_skips_groups_claimed_by_the_open_step():
+    state = (
+        LogBuilder(window=1, groups_per_step=4).start()
+        .admit("g1").commit("g1").admit("g2").commit("g2").admit("g3").commit("g3")
+        .begin_step().microbatch(["g1"])
+    ).fold()
+    assert policies.select(state, "in_order", 2) == ["g2", "g3"]
+
+
+def test_unknown_policy_is_named():
+    with pytest.raises(ValueError, match="unknown selection policy 'newest'"):
+        policies.select(_mixed_log().fold(), "newest", 1)  # type: ignore[arg-type]
+
+
+# -- eviction ------------------------------------------------------------------------
+
+
+def test_eviction_of_groups_past_the_window():
+    state = (
+        LogBuilder(window=1, groups_per_step=1).start()
+        .admit("g1").commit("g1", start=0, end=0)
+        .admit("g2").commit("g2", start=0, end=0)
+        .admit("g3").commit("g3", start=0, end=0)
+        .begin_step().microbatch(["g1"]).finish_step()
+        .begin_step().microbatch(["g2"]).finish_step()
+    ).fold()
+    assert state.trainer_version == 2
+    assert policies.to_evict(state, trainer_version=2, window=1) == [("g3", 2)]
+    assert policies.to_evict(state, trainer_version=2, window=2) == []
+
+
+# -- advantages ----------------------------------------------------------------------
+
+
+def test_group_advantages_are_normalised_within_the_group():
+    adv, zero = policies.group_advantages([1.0, 0.0, 1.0, 0.0])
+    assert not zero
+    assert adv == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
+    assert sum(adv) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_zero_variance_group_has_exactly_zero_advantages():
+    adv, zero = policies.group_advantages([0.5, 0.5, 0.5])
+    assert zero and adv == [0.0, 0.0, 0.0]
