@@ -1,0 +1,176 @@
+"""Shared helpers for the trainer tests: tiny models, synthetic batches, DP workers.
+
+The data-parallel workers live here (not in a test module) so spawned processes can
+import them by name.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from workers.batch import TrainBatch
+from workers.loss import Aggregation, LossConfig
+from workers.models.tiny import TinyConfig
+from workers.trainer import distributed as dd
+from workers.trainer.config import OptimizerConfig, TinyModelFactory, TrainerConfig
+from workers.trainer.torch_backend import TorchTrainer
+
+VOCAB = 16
+MAX_LEN = 12
+FACTORY = TinyModelFactory(
+    TinyConfig(vocab_size=VOCAB, context_len=16, d_model=32, n_layers=2, n_heads=2)
+)
+
+#: SGD without clipping: a one-step update is linear in the gradient, so a gradient that
+#: is off by any factor (reduced twice, divided by the wrong N) shows up in the weights.
+SGD = TrainerConfig(
+    optimizer=OptimizerConfig(kind="sgd", lr=0.5),
+    max_grad_norm=None,
+    keep_reference=True,
+    digest_on_finish=False,
+)
+ADAMW = TrainerConfig(
+    optimizer=OptimizerConfig(kind="adamw", lr=1e-3, weight_decay=0.01),
+    max_grad_norm=1.0,
+    keep_reference=True,
+)
+
+TOKEN = LossConfig(aggregation=Aggregation.TOKEN, is_truncation_cap=1.5)
+SEQUENCE = LossConfig(aggregation=Aggregation.SEQUENCE, kl_coef=0.05, temperature=0.8)
+
+
+def make_batch(seed: int, batch_size: int = 8, max_len: int = MAX_LEN) -> TrainBatch:
+    """Right-padded prompt+completion rows with random lengths, logprobs and advantages."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(batch_size, max_len, dtype=torch.int64)
+    att = torch.zeros(batch_size, max_len, dtype=torch.bool)
+    mask = torch.zeros(batch_size, max_len, dtype=torch.bool)
+    for i in range(batch_size):
+        prompt = int(torch.randint(2, 5, (1,), generator=g))
+        completion = int(torch.randint(1, max_len - prompt + 1, (1,), generator=g))
+        n = prompt + completion
+        ids[i, :n] = torch.randint(2, VOCAB, (n,), generator=g)
+        att[i, :n] = True
+        mask[i, prompt:n] = True
+    gen = torch.where(mask, -torch.rand(batch_size, max_len, generator=g) * 3 - 1.0, 0.0)
+    adv = torch.randn(batch_size, generator=g)
+    return TrainBatch(
+        input_ids=ids, attention_mask=att, loss_mask=mask, generator_logprobs=gen, advantages=adv
+    )
+
+
+def split(batch: TrainBatch, sizes: list[int]) -> list[TrainBatch]:
+    """Consecutive row ranges of the given sizes."""
+    assert sum(sizes) == batch.num_sequences, (sizes, batch.num_sequences)
+    out, start = [], 0
+    for n in sizes:
+        out.append(batch.select(slice(start, start + n)))
+        start += n
+    return out
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def oneshot_reference(
+    config: TrainerConfig, loss: LossConfig, batches: list[TrainBatch]
+) -> tuple[dict[str, torch.Tensor], list, dict[str, torch.Tensor]]:
+    """World-size-1 one-shot train() on each full global batch: the ground truth.
+
+    Returns (final weights, step results, initial weights).
+    """
+    t = TorchTrainer(FACTORY, config)
+    initial = t.export_weights()
+    results = [t.train(b, loss) for b in batches]
+    return t.export_weights(), results, initial
+
+
+# -- data-parallel scenarios (run on every rank of a real process group) ------------
+
+#: rows of each 8-row global batch per rank, then microbatch sizes per rank
+DP_SCENARIOS: dict[str, list[list[int]]] = {
+    "oneshot": [[4], [4]],  # train(): one microbatch per rank
+    "split_even": [[2, 2], [1, 3]],
+    "split_uneven": [[3, 2, 1], [2]],  # rank 1 runs two dummies
+    "split_idle_rank": [[2, 2, 4], []],  # rank 1 runs only dummies
+}
+
+
+def run_dp_scenario(
+    name: str, config: TrainerConfig, loss: LossConfig, batches: list[TrainBatch]
+) -> tuple[dict[str, torch.Tensor], list, str]:
+    rank, world = dd.rank_and_world()
+    sizes = DP_SCENARIOS[name]
+    trainer = TorchTrainer(FACTORY, config)
+    results = []
+    for step, batch in enumerate(batches):
+        shards = split(batch, [sum(s) for s in sizes])
+        mine = shards[rank]
+        if name == "oneshot":
+            results.append(trainer.train(mine, loss, step=step))
+            continue
+        mbs = split(mine, sizes[rank]) if sizes[rank] else []
+        k = max(len(s) for s in sizes)
+        trainer.begin_train_step(step, loss)
+        for i in range(k):
+            trainer.train_microbatch(mbs[i] if i < len(mbs) else None)
+        results.append(trainer.finish_train_step())
+    return trainer.export_weights(), results, trainer.weights_digest()
+
+
+def dp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Spawned rank: run every scenario for both losses, write rank's results to a file."""
+    torch.set_num_threads(1)
+    dd.init_process_group(rank, world_size, "127.0.0.1", port, "gloo")
+    try:
+        batches = [make_batch(100 + s) for s in range(2)]
+        out = {}
+        for cfg_name, config in (("sgd", SGD), ("adamw", ADAMW)):
+            for loss_name, loss in (("token", TOKEN), ("sequence", SEQUENCE)):
+                for scenario in DP_SCENARIOS:
+                    out[(cfg_name, loss_name, scenario)] = run_dp_scenario(
+                        scenario, config, loss, batches
+                    )
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(out, f)
+    finally:
+        dd.destroy_process_group()
+
+
+def run_dp(world_size: int, out_dir: Path) -> list[dict]:
+    """Spawn ``world_size`` ranks over gloo; every rank's results, in rank order."""
+    import torch.multiprocessing as mp
+
+    port = dd.find_free_port()
+    mp.start_processes(
+        dp_worker, args=(world_size, port, str(out_dir)), nprocs=world_size, start_method="spawn"
+    )
+    out = []
+    for r in range(world_size):
+        with open(out_dir / f"rank{r}.pkl", "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+# -- determinism across processes ---------------------------------------------------
+
+
+def determinism_run() -> None:
+    """Print the weights digest after a fixed sequence of split-API calls (subprocess)."""
+    config = replace(ADAMW, num_threads=2)
+    t = TorchTrainer(FACTORY, config)
+    for step in range(3):
+        batch = make_batch(200 + step)
+        t.begin_train_step(step, SEQUENCE if step % 2 else TOKEN)
+        for mb in split(batch, [3, 1, 4]):
+            t.train_microbatch(mb)
+        t.finish_train_step()
+    sys.stdout.write(t.weights_digest() + "\n")
+

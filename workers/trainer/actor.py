@@ -1,0 +1,274 @@
+"""Thin Ray shell over :class:`TorchTrainer`, and the driver that fans calls out to N ranks.
+
+::
+
+    controller --(TrainerGroup: split-API calls)--> rank 0 actor --+
+                                                    rank 1 actor --+-- one torch.distributed
+                                                    ...            |   group (gloo on CPU,
+                                                    rank N-1 actor-+   NCCL on GPU)
+
+``TrainerRankActor`` is a plain class (one trainer rank); Ray wraps it only when
+``TrainerGroup`` starts it, so tests drive it in-process too. ``TrainerGroup`` keeps its
+own copy of the step phase and rejects wrong-order calls *before* fanning out: a call
+that would fail on only some ranks could leave the others blocked in a collective.
+
+Microbatches: ``train_microbatch(batch)`` splits one global microbatch's rows across the
+ranks (a rank with no rows runs a dummy); ``train_microbatches(per_rank)`` takes explicit
+per-rank lists of possibly different lengths and pads the short ones with zero-weight
+dummies, so every rank makes the same number of calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.batch import TrainBatch
+from workers.loss import LossConfig
+from workers.trainer import distributed as dd
+from workers.trainer.api import (
+    CheckpointInfo,
+    LogprobSource,
+    MicrobatchResult,
+    StepPhase,
+    StepResult,
+    TrainStepStateError,
+)
+from workers.trainer.config import ModelFactory, TrainerConfig
+from workers.trainer.torch_backend import TorchTrainer
+
+
+class TrainerRankActor:
+    """One data-parallel rank inside a Ray actor: joins the group, then delegates."""
+
+    def __init__(self) -> None:
+        self._trainer: TorchTrainer | None = None
+
+    def address(self) -> tuple[str, int]:
+        """(node ip, a free port) for the rank-0 rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), dd.find_free_port()
+
+    def setup(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_factory: ModelFactory,
+        config: TrainerConfig,
+        backend: dd.Backend | None = None,
+    ) -> None:
+        dd.init_process_group(rank, world_size, master_addr, master_port, backend)
+        self._trainer = TorchTrainer(model_factory, config)
+
+    @property
+    def trainer(self) -> TorchTrainer:
+        if self._trainer is None:
+            raise RuntimeError("TrainerRankActor.setup has not been called")
+        return self._trainer
+
+    def trainer_version(self) -> int:
+        return self.trainer.trainer_version
+
+    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
+        self.trainer.begin_train_step(step, loss_config)
+
+    def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult:
+        return self.trainer.train_microbatch(batch)
+
+    def finish_train_step(self) -> StepResult:
+        return self.trainer.finish_train_step()
+
+    def abort_train_step(self) -> None:
+        self.trainer.abort_train_step()
+
+    def compute_logprobs(
+        self, batch: TrainBatch, which: LogprobSource, temperature: float
+    ) -> torch.Tensor:
+        return self.trainer.compute_logprobs(batch, which, temperature=temperature)
+
+    def save_checkpoint(self, directory: str) -> CheckpointInfo:
+        return self.trainer.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> CheckpointInfo:
+        return self.trainer.load_checkpoint(directory)
+
+    def weights_digest(self) -> str:
+        return self.trainer.weights_digest()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.trainer.export_weights()
+
+    def shutdown(self) -> None:
+        dd.destroy_process_group()
+
+
+class DivergedRanksError(RuntimeError):
+    """Data-parallel ranks disagree after a step (version, digest or metrics)."""
+
+
+class TrainerGroup:
+    """Driver over ``world_size`` rank actors, mirroring the ``Trainer`` protocol.
+
+    Differences: microbatch calls return every rank's :class:`MicrobatchResult` (rank
+    order), and ``finish_train_step`` checks that all ranks report the same result.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        model_factory: ModelFactory,
+        config: TrainerConfig | None = None,
+        *,
+        num_cpus_per_rank: float = 1,
+        num_gpus_per_rank: float = 0,
+        backend: dd.Backend | None = None,
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(
+            TrainerRankActor
+        )
+        self.world_size = world_size
+        self._ranks = [cls.remote() for _ in range(world_size)]
+        addr, port = ray.get(self._ranks[0].address.remote())
+        if backend is None and num_gpus_per_rank == 0:
+            backend = "gloo"
+        cfg = config or TrainerConfig()
+        self._all(
+            [
+                a.setup.remote(r, world_size, addr, port, model_factory, cfg, backend)
+                for r, a in enumerate(self._ranks)
+            ]
+        )
+        self._phase = StepPhase.IDLE
+        self._version = 0
+
+    def _all(self, refs: list[Any]) -> list[Any]:
+        return self._ray.get(refs)
+
+    def _fan(self, method: str, *args: Any) -> list[Any]:
+        return self._all([getattr(a, method).remote(*args) for a in self._ranks])
+
+    def _require(self, method: str, phase: StepPhase) -> None:
+        if self._phase is not phase:
+            raise TrainStepStateError(
+                f"{method} called while the group's step is {self._phase.value} "
+                f"(needs {phase.value})"
+            )
+
+    @property
+    def trainer_version(self) -> int:
+        return self._version
+
+    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
+        self._require(f"begin_train_step({step})", StepPhase.IDLE)
+        self._fan("begin_train_step", step, loss_config)
+        self._phase = StepPhase.OPEN
+
+    def _guarded(self, refs: list[Any]) -> list[Any]:
+        try:
+            return self._all(refs)
+        except BaseException:
+            self._phase = StepPhase.FAILED
+            raise
+
+    def train_microbatch(self, batch: TrainBatch | None) -> list[MicrobatchResult]:
+        """One global microbatch, rows split across ranks; per-rank results in rank order."""
+        self._require("train_microbatch", StepPhase.OPEN)
+        if batch is None:
+            shards: list[TrainBatch | None] = [None] * self.world_size
+        else:
+            shards = dd.shard_rows(batch, self.world_size)
+        return self._guarded(
+            [a.train_microbatch.remote(s) for a, s in zip(self._ranks, shards)]
+        )
+
+    def train_microbatches(
+        self, per_rank: Sequence[Sequence[TrainBatch]]
+    ) -> list[list[MicrobatchResult]]:
+        """Explicit per-rank microbatch lists; shorter lists are padded with dummies."""
+        self._require("train_microbatches", StepPhase.OPEN)
+        if len(per_rank) != self.world_size:
+            raise ValueError(f"{len(per_rank)} microbatch lists for {self.world_size} ranks")
+        k = max((len(mbs) for mbs in per_rank), default=0)
+        results: list[list[MicrobatchResult]] = [[] for _ in range(self.world_size)]
+        for i in range(k):
+            refs = [
+                a.train_microbatch.remote(mbs[i] if i < len(mbs) else None)
+                for a, mbs in zip(self._ranks, per_rank)
+            ]
+            for r, res in enumerate(self._guarded(refs)):
+                results[r].append(res)
+        return results
+
+    def finish_train_step(self) -> StepResult:
+        self._require("finish_train_step", StepPhase.OPEN)
+        results: list[StepResult] = self._guarded(
+            [a.finish_train_step.remote() for a in self._ranks]
+        )
+        first = results[0]
+        for r, res in enumerate(results[1:], start=1):
+            if res != first:
+                raise DivergedRanksError(f"rank {r} finished with {res}, rank 0 with {first}")
+        self._version = first.trainer_version
+        self._phase = StepPhase.IDLE
+        return first
+
+    def abort_train_step(self) -> None:
+        self._fan("abort_train_step")
+        self._phase = StepPhase.IDLE
+
+    def train(
+        self, batch: TrainBatch | None, loss_config: LossConfig, *, step: int | None = None
+    ) -> StepResult:
+        self.begin_train_step(self._version if step is None else step, loss_config)
+        try:
+            self.train_microbatch(batch)
+            return self.finish_train_step()
+        except BaseException:
+            self.abort_train_step()
+            raise
+
+    def compute_logprobs(
+        self, batch: TrainBatch, which: LogprobSource = "policy", *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        shards = dd.shard_rows(batch, self.world_size)
+        refs = [
+            a.compute_logprobs.remote(s, which, temperature)
+            for a, s in zip(self._ranks, shards)
+            if s is not None
+        ]
+        return torch.cat(self._all(refs), dim=0)
+
+    def save_checkpoint(self, directory: str | Path) -> CheckpointInfo:
+        self._require("save_checkpoint", StepPhase.IDLE)
+        return self._fan("save_checkpoint", str(directory))[0]
+
+    def load_checkpoint(self, directory: str | Path) -> CheckpointInfo:
+        self._require("load_checkpoint", StepPhase.IDLE)
+        info = self._fan("load_checkpoint", str(directory))[0]
+        self._version = info.trainer_version
+        return info
+
+    def weights_digest(self) -> str:
+        digests = self._fan("weights_digest")
+        if len(set(digests)) != 1:
+            raise DivergedRanksError(f"ranks hold different weights: {digests}")
+        return digests[0]
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self._all([self._ranks[0].export_weights.remote()])[0]
+
+    def shutdown(self) -> None:
+        try:
+            self._fan("shutdown")
+        finally:
+            for a in self._ranks:
+                self._ray.kill(a)
