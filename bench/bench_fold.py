@@ -1,0 +1,108 @@
+"""Fold throughput: how fast a log of encoded events becomes a ``RunState``.
+
+Generates a realistic log (admissions ahead of the trainer, commits of N samples each,
+microbatches, finishes, publishes, checkpoints and releases, occasional failures,
+evictions, aborts and restarts) as the JSON bytes a store returns, then times, side
+by side in one run (best of ``--repeat``):
+
+  (a) raw decode   -- ``msgspec.json.decode`` of every entry into the typed event union
+  (b) decode+fold  -- ``controller.fold.fold_raw`` (the codec's decode + the reducer)
+  (c) reduce only  -- the reducer over already-decoded events (for attribution)
+
+and prints events/s and the ratio (b)/(a). Targets: (b) >= 300k events/s and >= 0.3x (a).
+
+    python bench/bench_fold.py --events 400000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import msgspec  # noqa: E402
+
+from controller.fold import fold_raw  # noqa: E402
+from controller.reducer import apply_event  # noqa: E402
+from controller.state import initial_state  # noqa: E402
+from events.schema import AnyEvent  # noqa: E402
+from tests.unit.log_builder import random_run  # noqa: E402
+
+EVENTS_PER_STEP = 30  # measured with the settings below (8 admits + 8 commits + 4 microbatches + releases ...)
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=400_000, help="approximate log length")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    builder = random_run(
+        args.seed,
+        max(1, args.events // EVENTS_PER_STEP),
+        window=2,
+        groups_per_step=8,
+        samples_per_group=8,
+        microbatch_groups=2,
+        p_fail=0.01,
+        p_abort=0.005,
+        p_restart=0.001,
+        checkpoint_every=20,
+    )
+    entries = builder.encoded()
+    n = len(entries)
+    size_mb = sum(len(data) for _, data in entries) / 1e6
+    print(f"log: {n} events, {size_mb:.1f} MB JSON (generated in {time.perf_counter() - t0:.1f}s)")
+
+    decoder = msgspec.json.Decoder(AnyEvent)
+
+    def raw_decode() -> None:
+        decode = decoder.decode
+        for _, data in entries:
+            decode(data)
+
+    def decode_and_fold() -> None:
+        fold_raw(entries)
+
+    events = [(pos, decoder.decode(data)) for pos, data in entries]
+
+    def reduce_only() -> None:
+        state = initial_state()
+        for pos, event in events:
+            apply_event(state, event, pos)
+
+    t_raw = _best(raw_decode, args.repeat)
+    t_fold = _best(decode_and_fold, args.repeat)
+    t_reduce = _best(reduce_only, args.repeat)
+
+    rows = [
+        ("(a) raw decode", t_raw),
+        ("(b) decode + fold", t_fold),
+        ("(c) reduce only", t_reduce),
+    ]
+    print(f"{'measure':<20} {'seconds':>9} {'events/s':>12}")
+    for name, secs in rows:
+        print(f"{name:<20} {secs:>9.3f} {n / secs:>12,.0f}")
+    ratio = t_raw / t_fold
+    print(f"ratio (b)/(a) throughput: {ratio:.2f}x   (targets: (b) >= 300,000/s, ratio >= 0.30)")
+
+
+if __name__ == "__main__":
+    main()

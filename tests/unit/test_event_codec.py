@@ -1,0 +1,213 @@
+"""Golden bytes: every event type as written by schema version 1 must decode forever.
+
+``tests/fixtures/golden_events.jsonl`` holds one line per event type, every field
+populated. The file is written once and then only read: a schema change that breaks
+old logs fails here. To add a fixture for a *new* type, add its value to ``GOLDEN`` and
+run ``python -m tests.unit.test_event_codec --regenerate`` deliberately (it only
+appends types missing from the file; existing lines are never rewritten).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from events import codec
+from events.errors import EventDecodeError
+from events.schema import (
+    EVENT_TYPES,
+    CheckpointRejected,
+    CheckpointSaved,
+    ControllerStarted,
+    Event,
+    GroupCommitted,
+    GroupEvicted,
+    GroupFailed,
+    MicrobatchTrained,
+    PayloadsReleased,
+    RolloutAdmitted,
+    RunFinished,
+    RunRewound,
+    RunStarted,
+    StepAborted,
+    StepBegun,
+    StepFinished,
+    WeightsPublished,
+    WorkerLost,
+)
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "golden_events.jsonl"
+
+_TS = 1_717_171_717.125
+
+#: The value each golden line must decode to (every field set, none left at a default).
+GOLDEN: dict[str, Event] = {
+    "RunStarted": RunStarted(
+        event_id="run:r-golden:started", epoch=1, ts=_TS, schema_version=1,
+        run_id="r-golden", config={"model": "tiny", "lr": 1e-05, "window_versions": 2, "tags": ["a", "b"]},
+        seed=1234, code_version="0.1.0+g1a2b3c", window_versions=2, groups_per_step=8, samples_per_group=4,
+    ),
+    "ControllerStarted": ControllerStarted(
+        event_id="controller:1:started", epoch=1, ts=_TS + 1, schema_version=1, host="node-7", pid=31337,
+    ),
+    "RolloutAdmitted": RolloutAdmitted(
+        event_id="group:g0042:admitted:a2", epoch=1, ts=_TS + 2, schema_version=1, group_id="g0042",
+        attempt=2, prompt_index=42, prompt_ref="gsm8k/train.jsonl#42", weight_version=3, n_samples=4,
+        sample_seed=987654321,
+    ),
+    "GroupCommitted": GroupCommitted(
+        event_id="group:g0042:committed:a2", epoch=1, ts=_TS + 3, schema_version=1, group_id="g0042",
+        attempt=2, weight_version_start=3, weight_version_end=4,
+        payload_keys=["g0042/a2/0", "g0042/a2/1", "g0042/a2/2", "g0042/a2/3"],
+        rewards=[1.0, 0.0, 0.5, -0.25], lengths=[17, 128, 64, 1],
+    ),
+    "GroupFailed": GroupFailed(
+        event_id="group:g0043:failed:a1", epoch=1, ts=_TS + 4, schema_version=1, group_id="g0043",
+        attempt=1, reason="generator-1 lost",
+    ),
+    "GroupEvicted": GroupEvicted(
+        event_id="group:g0044:evicted", epoch=1, ts=_TS + 5, schema_version=1, group_id="g0044",
+        reason="lag 3 past window 2", lag=3,
+    ),
+    "StepBegun": StepBegun(
+        event_id="step:12:begun", epoch=1, ts=_TS + 6, schema_version=1, step=12, base_trainer_version=11,
+    ),
+    "MicrobatchTrained": MicrobatchTrained(
+        event_id="step:12:microbatch:1", epoch=1, ts=_TS + 7, schema_version=1, step=12, index=1,
+        group_ids=["g0042", "g0045"], num_sequences=8, num_tokens=1234,
+    ),
+    "StepFinished": StepFinished(
+        event_id="step:12:finished", epoch=1, ts=_TS + 8, schema_version=1, step=12, trainer_version=12,
+        metrics={"loss": 0.125, "reward_mean": 0.5, "kl": 0.001953125}, grad_norm=1.5,
+        weights_digest="sha256:0badc0ffee",
+    ),
+    "StepAborted": StepAborted(
+        event_id="step:13:aborted", epoch=1, ts=_TS + 9, schema_version=1, step=13, reason="restart",
+    ),
+    "WeightsPublished": WeightsPublished(
+        event_id="weights:12:published", epoch=1, ts=_TS + 10, schema_version=1, weight_version=12,
+        generators=["generator-0", "generator-1"],
+    ),
+    "CheckpointSaved": CheckpointSaved(
+        event_id="checkpoint:12:saved", epoch=1, ts=_TS + 11, schema_version=1, trainer_version=12,
+        uri="file:///runs/r-golden/ckpt/v12", sha256="ab" * 32,
+    ),
+    "CheckpointRejected": CheckpointRejected(
+        event_id="checkpoint:12:rejected", epoch=2, ts=_TS + 12, schema_version=1, trainer_version=12,
+        uri="file:///runs/r-golden/ckpt/v12", reason="sha256 mismatch",
+    ),
+    "PayloadsReleased": PayloadsReleased(
+        event_id="release:12", epoch=2, ts=_TS + 13, schema_version=1, group_ids=["g0042", "g0045"],
+    ),
+    "WorkerLost": WorkerLost(
+        event_id="worker:trainer-0:lost:1", epoch=2, ts=_TS + 14, schema_version=1, worker="trainer-0",
+        role="trainer", reason="actor died: exit code 137",
+    ),
+    "RunRewound": RunRewound(
+        event_id="run:r-golden:rewound:1", epoch=2, ts=_TS + 15, schema_version=1, to_trainer_version=10,
+        lost_steps=[10, 12], lost_group_ids=["g0040", "g0042", "g0045"], reason="payloads lost; user rewind",
+    ),
+    "RunFinished": RunFinished(
+        event_id="run:r-golden:finished", epoch=2, ts=_TS + 16, schema_version=1, reason="budget reached",
+    ),
+}
+
+
+def _load() -> dict[str, bytes]:
+    lines = [line for line in FIXTURE.read_bytes().splitlines() if line.strip()]
+    out: dict[str, bytes] = {}
+    for line in lines:
+        name = msgspec.json.decode(line)["type"]
+        assert name not in out, f"two golden lines for {name}"
+        out[name] = line
+    return out
+
+
+def test_every_event_type_has_a_golden_fixture() -> None:
+    missing = sorted(set(EVENT_TYPES) - set(_load()))
+    assert not missing, (
+        f"no golden fixture for {missing}: add them to GOLDEN and run "
+        "'python -m tests.unit.test_event_codec --regenerate'"
+    )
+    assert set(GOLDEN) == set(EVENT_TYPES)
+
+
+@pytest.mark.parametrize("type_name", sorted(EVENT_TYPES))
+def test_golden_bytes_decode_and_reencode_identically(type_name: str) -> None:
+    line = _load()[type_name]
+    event = codec.decode(line, position=7)
+    assert type(event) is EVENT_TYPES[type_name]
+    assert event == GOLDEN[type_name]
+    assert codec.encode(event) == line
+
+
+@pytest.mark.parametrize("type_name", sorted(EVENT_TYPES))
+def test_golden_fixture_populates_every_field(type_name: str) -> None:
+    raw = msgspec.json.decode(_load()[type_name])
+    fields = set(EVENT_TYPES[type_name].__struct_fields__)
+    assert fields | {"type"} == set(raw)
+
+
+BAD_ENTRIES = [
+    pytest.param(b"\x00\xffnot json", "not a JSON object", id="garbage"),
+    pytest.param(b"[1, 2]", "not a JSON object", id="array"),
+    pytest.param(b'{"event_id": "x", "epoch": 1, "ts": 0.0}', "missing or non-string 'type'", id="no-type"),
+    pytest.param(
+        b'{"type": "StepExploded", "event_id": "x", "epoch": 1, "ts": 0.0, "schema_version": 1}',
+        "unknown event type 'StepExploded'",
+        id="unknown-type",
+    ),
+    pytest.param(
+        b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "schema_version": 2, "step": 1, "reason": "r"}',
+        "schema_version 2, newer than this code",
+        id="future-schema-version",
+    ),
+    pytest.param(
+        b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "schema_version": 0, "step": 1, "reason": "r"}',
+        "invalid schema_version 0",
+        id="zero-schema-version",
+    ),
+    pytest.param(
+        b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "schema_version": 1, "reason": "r"}',
+        "invalid StepAborted",
+        id="missing-field",
+    ),
+    pytest.param(
+        b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "schema_version": 1, "step": "one", "reason": "r"}',
+        "invalid StepAborted",
+        id="wrong-field-type",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "reason"), BAD_ENTRIES)
+def test_bad_entries_raise_decode_error_with_position(data: bytes, reason: str) -> None:
+    with pytest.raises(EventDecodeError) as info:
+        codec.decode(data, position=4242)
+    assert info.value.position == 4242
+    assert reason in info.value.reason
+    assert "position 4242" in str(info.value)
+
+
+def test_missing_schema_version_reads_as_current() -> None:
+    data = b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "step": 1, "reason": "r"}'
+    assert codec.decode(data, position=1) == StepAborted(event_id="x", epoch=1, ts=0.0, step=1, reason="r")
+
+
+def _regenerate() -> None:
+    """Append golden lines for types that have none. Never rewrites an existing line."""
+    existing = _load() if FIXTURE.exists() else {}
+    added = [name for name in GOLDEN if name not in existing]
+    with FIXTURE.open("ab") as out:
+        for name in added:
+            out.write(codec.encode(GOLDEN[name]) + b"\n")
+    print(f"appended {len(added)} golden line(s): {', '.join(added) or 'none'}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        sys.exit(__doc__)
+    _regenerate()
