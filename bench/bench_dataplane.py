@@ -1,0 +1,138 @@
+"""Data plane put+get of one GRPO-shaped batch: TransferQueue vs in-memory vs ray.put/get.
+
+The batch is 64 groups x 8 samples, each row in the ``workers.batch.ROW_FIELDS`` layout
+with a 128-token prompt and a jagged completion so rows are up to 512 tokens. Each
+plane runs the same put-then-get of all rows ``--repeats`` times in one process; the
+median is reported, with ratios against ``ray.put``/``ray.get`` of the same row list
+(the baseline TransferQueue should get close to: target >= 0.8x its throughput), and
+against a hand-packed ``ray.put`` (one flat tensor per field plus offsets), the
+fastest way to move the same rows through Ray's object store.
+
+    python -m bench.bench_dataplane [--groups 64] [--samples 8] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import ray
+import torch
+
+from workers.dataplane import MemoryDataPlane
+from workers.dataplane.transferqueue import TransferQueueDataPlane
+
+
+def make_batch(groups: int, samples: int, prompt: int, max_tokens: int):
+    g = torch.Generator().manual_seed(0)
+    keys, rows = [], []
+    for gi in range(groups):
+        for si in range(samples):
+            comp = int(torch.randint(max_tokens // 2, max_tokens - prompt + 1, (1,), generator=g))
+            t = prompt + comp
+            mask = torch.zeros(t, dtype=torch.bool)
+            mask[prompt:] = True
+            rows.append(
+                {
+                    "input_ids": torch.randint(2, 50000, (t,), generator=g),
+                    "loss_mask": mask,
+                    "generator_logprobs": -torch.rand(t, generator=g) * mask,
+                    "reward": torch.rand((), generator=g),
+                    "prompt_len": torch.tensor(prompt),
+                    "completion_len": torch.tensor(comp),
+                }
+            )
+            keys.append(f"bench/g{gi:04d}/a0/s{si}")
+    return keys, rows
+
+
+def payload_mb(rows) -> float:
+    return sum(t.numel() * t.element_size() for r in rows for t in r.values()) / 2**20
+
+
+def time_plane(plane, keys, rows, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        part = f"bench-{i}"
+        t0 = time.perf_counter()
+        plane.put(part, keys, rows)
+        got = plane.get(part, keys)
+        dt = time.perf_counter() - t0
+        assert len(got) == len(rows) and torch.equal(got[-1]["input_ids"], rows[-1]["input_ids"])
+        plane.clear(part)
+        if i:  # the first round warms up connections and allocators
+            times.append(dt)
+    return statistics.median(times)
+
+
+def time_ray(rows, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        ref = ray.put(rows)
+        got = ray.get(ref)
+        dt = time.perf_counter() - t0
+        assert len(got) == len(rows)
+        del ref, got
+        if i:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def pack(rows) -> dict[str, torch.Tensor]:
+    """Rows -> one flat tensor per field plus offsets (a hand-tuned ray.put payload)."""
+    lengths = torch.tensor([r["input_ids"].shape[0] for r in rows])
+    packed = {"offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])}
+    for name in rows[0]:
+        packed[name] = torch.cat([r[name].reshape(-1) for r in rows])
+    return packed
+
+
+def time_ray_packed(rows, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        ref = ray.put(pack(rows))
+        flat = ray.get(ref)
+        off = flat["offsets"].tolist()
+        got = [flat["input_ids"][a:b] for a, b in zip(off, off[1:])]
+        dt = time.perf_counter() - t0
+        assert len(got) == len(rows)
+        del ref, flat
+        if i:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    keys, rows = make_batch(args.groups, args.samples, args.prompt_tokens, args.max_tokens)
+    print(f"batch: {len(rows)} rows, {payload_mb(rows):.1f} MiB, median of {args.repeats}")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tq_plane = TransferQueueDataPlane()
+    try:
+        results = {
+            "ray.put/get": time_ray(rows, args.repeats),
+            "ray packed": time_ray_packed(rows, args.repeats),
+            "memory": time_plane(MemoryDataPlane(), keys, rows, args.repeats),
+            "transferqueue": time_plane(tq_plane, keys, rows, args.repeats),
+        }
+    finally:
+        tq_plane.close()
+        ray.shutdown()
+    base = results["ray.put/get"]
+    print(f"{'plane':<16}{'put+get s':>12}{'MiB/s':>10}{'vs ray.put/get':>18}")
+    for name, dt in results.items():
+        print(f"{name:<16}{dt:>12.4f}{payload_mb(rows) / dt:>10.1f}{base / dt:>17.2f}x")
+
+
+if __name__ == "__main__":
+    main()

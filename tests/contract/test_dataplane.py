@@ -1,0 +1,213 @@
+"""One contract suite over every data plane: in-memory, durable spill, TransferQueue."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dataplane_fixtures import grpo_rows, partition, plane, tq_plane  # noqa: F401
+from workers.dataplane import (
+    DataPlaneConfig,
+    MemoryDataPlane,
+    MissingPayloadError,
+    SpillDataPlane,
+    make_dataplane,
+)
+
+
+def assert_rows_equal(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for name in w:
+            assert g[name].dtype == w[name].dtype, name
+            assert tuple(g[name].shape) == tuple(w[name].shape), name
+            assert torch.equal(g[name], w[name]), name
+
+
+def test_roundtrip_jagged_rows(plane, partition):
+    keys, rows = grpo_rows(groups=3, samples=4, prompt_len=5, max_completion=9)
+    plane.put(partition, keys, rows)
+    assert_rows_equal(plane.get(partition, keys), rows)
+
+
+def test_put_columns_equals_put_rows(plane, partition):
+    keys, rows = grpo_rows(groups=1, samples=3, prompt_len=2, max_completion=4)
+    columns = {name: [r[name] for r in rows] for name in rows[0]}
+    plane.put(partition, keys, columns)
+    assert_rows_equal(plane.get(partition, keys), rows)
+
+
+def test_dtypes_and_shapes_survive(plane, partition):
+    rows = [
+        {
+            "bf16": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+            "flag": torch.tensor([True, False, True, True]),
+            "ids": torch.tensor([2**40, -3], dtype=torch.int64),
+            "matrix": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "scalar_bool": torch.tensor(True),
+        },
+        {
+            "bf16": torch.tensor([0.5], dtype=torch.bfloat16),
+            "flag": torch.tensor([], dtype=torch.bool),  # empty completion
+            "ids": torch.tensor([7, 8, 9], dtype=torch.int64),
+            "matrix": torch.ones(4, 3),
+            "scalar_bool": torch.tensor(False),
+        },
+    ]
+    plane.put(partition, ["a", "b"], rows)
+    assert_rows_equal(plane.get(partition, ["a", "b"]), rows)
+
+
+def test_dense_equal_length_rows_come_back_dense_per_row(plane, partition):
+    rows = [{"x": torch.full((2, 2), float(i))} for i in range(3)]
+    plane.put(partition, ["k0", "k1", "k2"], rows)
+    assert_rows_equal(plane.get(partition, ["k0", "k1", "k2"]), rows)
+
+
+def test_get_follows_key_order_and_selects_fields(plane, partition):
+    keys, rows = grpo_rows(groups=1, samples=4, prompt_len=3, max_completion=5)
+    plane.put(partition, keys, rows)
+    order = [keys[2], keys[0], keys[3]]
+    got = plane.get(partition, order, ["reward", "input_ids"])
+    want = [{f: rows[keys.index(k)][f] for f in ("reward", "input_ids")} for k in order]
+    assert_rows_equal(got, want)
+
+
+def test_missing_keys_raise_naming_them(plane, partition):
+    keys, rows = grpo_rows(groups=1, samples=2, prompt_len=3, max_completion=5)
+    plane.put(partition, keys, rows)
+    with pytest.raises(KeyError) as err:
+        plane.get(partition, [keys[0], "nope/1", keys[1], "nope/2"])
+    assert isinstance(err.value, MissingPayloadError)
+    assert err.value.keys == ["nope/1", "nope/2"]
+    assert "nope/1" in str(err.value) and keys[0] not in str(err.value)
+
+
+def test_missing_fields_raise_naming_them(plane, partition):
+    keys, rows = grpo_rows(groups=1, samples=2, prompt_len=3, max_completion=5)
+    plane.put(partition, keys, rows)
+    with pytest.raises(KeyError) as err:
+        plane.get(partition, keys, ["reward", "advantage", "values"])
+    assert err.value.fields == ["advantage", "values"]
+    assert "advantage" in str(err.value)
+
+
+def test_unknown_partition_raises_and_lists_empty(plane, partition):
+    with pytest.raises(KeyError):
+        plane.get(partition + "-other", ["k"])
+    assert plane.list(partition + "-other") == []
+
+
+def test_list_is_sorted_and_partitions_are_isolated(plane, partition):
+    other = partition + "-b"
+    plane.put(partition, ["b", "a", "c"], [{"x": torch.tensor(i)} for i in range(3)])
+    plane.put(other, ["z"], [{"x": torch.tensor(9)}])
+    try:
+        assert plane.list(partition) == ["a", "b", "c"]
+        assert plane.list(other) == ["z"]
+    finally:
+        plane.clear(other)
+
+
+def test_clear_specific_keys(plane, partition):
+    plane.put(partition, ["a", "b", "c"], [{"x": torch.tensor(i)} for i in range(3)])
+    plane.clear(partition, ["a", "c", "never-there"])
+    assert plane.list(partition) == ["b"]
+    assert plane.get(partition, ["b"])[0]["x"].item() == 1
+    with pytest.raises(KeyError):
+        plane.get(partition, ["a"])
+
+
+def test_clear_partition_leaves_others(plane, partition):
+    other = partition + "-keep"
+    plane.put(partition, ["a", "b"], [{"x": torch.tensor(i)} for i in range(2)])
+    plane.put(other, ["a"], [{"x": torch.tensor(7)}])
+    try:
+        plane.clear(partition)
+        assert plane.list(partition) == []
+        assert plane.get(other, ["a"])[0]["x"].item() == 7
+        plane.clear(partition)  # clearing twice is a no-op
+    finally:
+        plane.clear(other)
+
+
+def test_tags_roundtrip_and_replace(plane, partition):
+    plane.put(partition, ["a", "b"], [{"x": torch.tensor(1)}] * 2, [{"v": 1}, {"v": 2, "s": "x"}])
+    assert plane.tags(partition) == {"a": {"v": 1}, "b": {"v": 2, "s": "x"}}
+    plane.put(partition, ["a"], [{"x": torch.tensor(5)}], [{"v": 3}])
+    assert plane.tags(partition)["a"] == {"v": 3}
+
+
+def test_put_to_existing_key_merges_fields(plane, partition):
+    plane.put(partition, ["a"], [{"x": torch.tensor([1, 2]), "y": torch.tensor(1.0)}])
+    plane.put(partition, ["a"], [{"x": torch.tensor([3, 4, 5])}])
+    row = plane.get(partition, ["a"])[0]
+    assert row["x"].tolist() == [3, 4, 5] and row["y"].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    "keys, fields, error",
+    [
+        (["a"], [{"x": [1, 2]}], TypeError),  # not a tensor
+        (["a"], [{"__shape__/x": torch.tensor(1)}], ValueError),  # reserved name
+        (["a", "a"], [{"x": torch.tensor(1)}] * 2, ValueError),  # duplicate key
+        (["a", "b"], [{"x": torch.tensor(1)}], ValueError),  # row count
+        (["a", "b"], [{"x": torch.tensor(1)}, {"x": torch.ones(2)}], ValueError),  # ndim
+    ],
+)
+def test_put_rejects_bad_input(plane, partition, keys, fields, error):
+    with pytest.raises(error):
+        plane.put(partition, keys, fields)
+    assert plane.list(partition) == []
+
+
+def test_stored_rows_do_not_alias_caller_tensors(plane, partition):
+    x = torch.tensor([1, 2, 3])
+    plane.put(partition, ["a"], [{"x": x}])
+    x[0] = 99
+    got = plane.get(partition, ["a"])[0]["x"]
+    got[1] = 77
+    assert plane.get(partition, ["a"])[0]["x"].tolist() == [1, 2, 3]
+
+
+# -- durable spill ------------------------------------------------------------------
+
+
+def test_spill_survives_restart(tmp_path):
+    keys, rows = grpo_rows(groups=2, samples=3, prompt_len=4, max_completion=6)
+    first = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    first.put("run-1", keys, rows, [{"group": k.split("/")[1]} for k in keys])
+    first.put("run-1", [keys[0]], [{"extra": torch.tensor([1.0])}])
+    first.clear("run-1", [keys[-1]])
+    # "restart": a fresh process has an empty inner plane and the same directory
+    second = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    assert second.list("run-1") == []
+    assert second.reload() == len(keys) - 1
+    assert second.list("run-1") == sorted(keys[:-1])
+    want = [dict(rows[0], extra=torch.tensor([1.0]))] + rows[1:-1]
+    assert_rows_equal(second.get("run-1", keys[:-1]), want)
+    assert second.tags("run-1")[keys[1]] == {"group": "g0000"}
+
+
+def test_spill_leaves_no_temporary_files(tmp_path):
+    plane = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    plane.put("p/with/slashes", ["k/1"], [{"x": torch.tensor(1)}])
+    files = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert files == ["k%2F1.safetensors"]
+    plane.clear("p/with/slashes")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+# -- factory ------------------------------------------------------------------------
+
+
+def test_factory_builds_memory_and_spill(tmp_path):
+    assert isinstance(make_dataplane(DataPlaneConfig(kind="memory")), MemoryDataPlane)
+    spill = make_dataplane(DataPlaneConfig(kind="memory", spill_dir=str(tmp_path)))
+    assert isinstance(spill, SpillDataPlane) and isinstance(spill.inner, MemoryDataPlane)
+
+
+def test_factory_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        DataPlaneConfig(kind="redis")  # type: ignore[arg-type]

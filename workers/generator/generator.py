@@ -1,0 +1,173 @@
+"""The rollout generator: sample a group, score it, write its rows to the data plane.
+
+``generate_group`` samples ``n`` completions of one prompt with the current weights
+(batched, KV-cached; see ``workers.models.sampling``), scores each with the task's
+reward, and writes one row per sample (``workers.batch.ROW_FIELDS``) to the data plane
+under ``{run}/{group}/a{attempt}/s{i}`` in partition ``{run}``. It returns a
+:class:`GroupResult` that the controller turns into a ``GroupCommitted`` event.
+
+Weight updates (``update_weights``) are applied between token steps only; the group
+records the version at its start and at its end, which differ when an update landed
+mid-group. Sampling is deterministic given (weights, seed): every call seeds its own
+``torch.Generator`` and never touches the global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import msgspec
+import torch
+from torch import nn
+
+from workers.dataplane.api import DataPlane
+from workers.models.factory import Tokenizer, context_len
+from workers.models.sampling import Completion, SamplingConfig, sample
+from workers.tasks.base import Example, Task
+from workers.tasks.dataset import check_prompts_fit
+from workers.weight_sync import VersionedWeights, WeightsAck
+
+
+class GroupResult(msgspec.Struct, frozen=True):
+    """What one ``generate_group`` produced (payload rows are in the data plane)."""
+
+    group_id: str
+    attempt: int
+    #: data plane partition holding the rows (the run id)
+    partition: str
+    #: data plane keys, one per sample, in sample order
+    keys: list[str]
+    rewards: list[float]
+    completion_lens: list[int]
+    prompt_len: int
+    #: weight version when the group started / finished; differ if an update landed mid-group
+    weight_version_start: int
+    weight_version_end: int
+
+
+def row_key(run_id: str, group_id: str, attempt: int, sample: int) -> str:
+    return f"{run_id}/{group_id}/a{attempt}/s{sample}"
+
+
+def make_row(prompt_ids: list[int], completion: Completion, reward: float) -> dict[str, torch.Tensor]:
+    """One data plane row in the ``workers.batch`` alignment convention."""
+    p, c = len(prompt_ids), len(completion.tokens)
+    loss_mask = torch.zeros(p + c, dtype=torch.bool)
+    loss_mask[p:] = True
+    logprobs = torch.zeros(p + c, dtype=torch.float32)
+    logprobs[p:] = completion.logprobs.to(torch.float32)
+    return {
+        "input_ids": torch.tensor(prompt_ids + completion.tokens, dtype=torch.int64),
+        "loss_mask": loss_mask,
+        "generator_logprobs": logprobs,
+        "reward": torch.tensor(reward, dtype=torch.float32),
+        "prompt_len": torch.tensor(p, dtype=torch.int64),
+        "completion_len": torch.tensor(c, dtype=torch.int64),
+    }
+
+
+class Generator:
+    """Plain-Python rollout generator (the Ray actor in ``actor.py`` is a thin shell)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Tokenizer,
+        task: Task,
+        dataplane: DataPlane,
+        run_id: str,
+        *,
+        name: str = "generator-0",
+        weight_version: int = 0,
+        use_cache: bool = True,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.task = task
+        self.dataplane = dataplane
+        self.run_id = run_id
+        self.use_cache = use_cache
+        #: test hook, called at every token-step boundary with the step index
+        self.on_step = on_step
+        self.weights = VersionedWeights(self.model, name, weight_version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.weights.version
+
+    def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
+        """Load weights ``version`` (refuses older ones; see ``workers.weight_sync``)."""
+        return self.weights.update(version, state_dict)
+
+    def generate_group(
+        self,
+        group_id: str,
+        prompt: Example,
+        n: int,
+        sampling: SamplingConfig,
+        seed: int,
+        attempt: int = 0,
+    ) -> GroupResult:
+        prompt_ids = self.tokenizer.encode(prompt.prompt)
+        check_prompts_fit(
+            [prompt], self.tokenizer.encode, context_len(self.model), sampling.max_new_tokens
+        )
+        step = 0
+
+        def boundary() -> None:
+            nonlocal step
+            if self.on_step is not None:
+                self.on_step(step)
+            step += 1
+            self.weights.at_step_boundary()
+
+        start = self.weights.begin_group()
+        try:
+            completions = sample(
+                self.model,
+                prompt_ids,
+                n,
+                sampling,
+                torch.Generator().manual_seed(seed),
+                self.tokenizer.eos_id,
+                use_cache=self.use_cache,
+                between_steps=boundary,
+            )
+        finally:
+            end = self.weights.end_group()
+        return self._commit(group_id, attempt, prompt, prompt_ids, completions, start, end)
+
+    def _commit(
+        self,
+        group_id: str,
+        attempt: int,
+        prompt: Example,
+        prompt_ids: list[int],
+        completions: list[Completion],
+        start: int,
+        end: int,
+    ) -> GroupResult:
+        rewards = [
+            float(self.task.reward(prompt, self.tokenizer.decode(c.tokens), c.stopped))
+            for c in completions
+        ]
+        bad = [r for r in rewards if not math.isfinite(r)]
+        if bad:
+            raise ValueError(f"task {self.task.name!r} returned non-finite rewards {bad}")
+        rows = [make_row(prompt_ids, c, r) for c, r in zip(completions, rewards)]
+        keys = [row_key(self.run_id, group_id, attempt, i) for i in range(len(rows))]
+        tag = {"group": group_id, "attempt": attempt, "v_start": start, "v_end": end}
+        self.dataplane.put(self.run_id, keys, rows, [dict(tag, sample=i) for i in range(len(rows))])
+        return GroupResult(
+            group_id=group_id,
+            attempt=attempt,
+            partition=self.run_id,
+            keys=keys,
+            rewards=rewards,
+            completion_lens=[len(c.tokens) for c in completions],
+            prompt_len=len(prompt_ids),
+            weight_version_start=start,
+            weight_version_end=end,
+        )

@@ -1,0 +1,134 @@
+"""Async handles over workers: in-process (a worker thread) or a Ray actor.
+
+The controller loop awaits these; neither kind blocks the event loop. Weight
+publishing goes trainer -> generators: with Ray the trainer's exported weights are
+one object in the object store and every generator gets it by reference (one put,
+many gets); in-process they are handed over directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from controller.clients import (
+    CheckpointOutcome,
+    GenerationOutcome,
+    GenerationRequest,
+    MicrobatchOutcome,
+    MicrobatchRef,
+    StepOutcome,
+)
+from workers.dataplane import DataPlane
+
+
+class LocalHandle:
+    """Calls a plain object's methods on its own worker threads."""
+
+    def __init__(self, obj: Any, *, threads: int = 1, name: str = "worker") -> None:
+        self.obj = obj
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(getattr(self.obj, method), *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RayHandle:
+    """Calls a Ray actor's methods."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.actor, method).remote(*args)
+
+    def ref(self, method: str, *args: Any) -> Any:
+        return getattr(self.actor, method).remote(*args)
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+Handle = LocalHandle | RayHandle
+
+
+class TrainerClientImpl:
+    """``controller.clients.TrainerClient`` over a ``TrainerWorker`` handle."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def begin_train_step(self, step: int) -> None:
+        await self.handle.call("begin_train_step", step)
+
+    async def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
+        return await self.handle.call("train_microbatch", ref)
+
+    async def finish_train_step(self) -> StepOutcome:
+        return await self.handle.call("finish_train_step")
+
+    async def abort_train_step(self) -> None:
+        await self.handle.call("abort_train_step")
+
+    async def version_and_digest(self) -> tuple[int, str]:
+        return tuple(await self.handle.call("version_and_digest"))  # type: ignore[return-value]
+
+    async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
+        return await self.handle.call("save_checkpoint", directory)
+
+    async def load_checkpoint(self, directory: str) -> tuple[int, str]:
+        return tuple(await self.handle.call("load_checkpoint", directory))  # type: ignore[return-value]
+
+
+class GeneratorClientImpl:
+    """``controller.clients.GeneratorClient`` over a ``GeneratorWorker`` handle."""
+
+    def __init__(self, name: str, handle: Handle) -> None:
+        self.name = name
+        self.handle = handle
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutcome:
+        return await self.handle.call("generate", request)
+
+    async def weight_version(self) -> int:
+        return await self.handle.call("weight_version")
+
+
+class Publisher:
+    """``controller.clients.WeightPublisher``: trainer weights -> every generator."""
+
+    def __init__(self, trainer: Handle, generators: list[GeneratorClientImpl]) -> None:
+        self.trainer = trainer
+        self.generators = generators
+
+    async def publish(self, version: int) -> list[str]:
+        if isinstance(self.trainer, RayHandle):
+            weights = self.trainer.ref("export_weights")  # stays in the object store
+        else:
+            weights = await self.trainer.call("export_weights")
+        acks = await asyncio.gather(
+            *(g.handle.call("update_weights", version, weights) for g in self.generators)
+        )
+        return [ack.generator for ack in acks]
+
+
+class PayloadStoreImpl:
+    """``controller.clients.PayloadStore`` over the controller's data plane client."""
+
+    def __init__(self, dataplane: DataPlane, partition: str) -> None:
+        self.dataplane = dataplane
+        self.partition = partition
+
+    async def delete(self, keys: list[str]) -> None:
+        await asyncio.to_thread(self.dataplane.clear, self.partition, keys)
+
+    async def keys(self) -> list[str]:
+        return await asyncio.to_thread(self.dataplane.list, self.partition)

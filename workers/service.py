@@ -1,0 +1,147 @@
+"""The workers as the controller sees them: plain classes taking and returning
+references, never tensors from the controller.
+
+``TrainerWorker`` reads a microbatch's rows from the data plane by key, collates them
+with the advantages the controller computed and runs the split-API step.
+``GeneratorWorker`` maps a prompt index to a prompt of the task and runs
+``generate_group``. Both are built from a picklable :class:`WorkerSpec`, so the same
+class runs in-process (tests, single-process runs) or as a Ray actor
+(``workers.handles``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from controller.clients import (
+    CheckpointOutcome,
+    GenerationOutcome,
+    GenerationRequest,
+    MicrobatchOutcome,
+    MicrobatchRef,
+    StepOutcome,
+)
+from workers.batch import ROW_FIELDS, collate
+from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.generator.generator import Generator
+from workers.loss import LossConfig
+from workers.models.factory import ModelConfig, build_model
+from workers.models.sampling import SamplingConfig
+from workers.tasks import make_task, prompt_set
+from workers.trainer import TorchTrainer, TrainerConfig
+from workers.trainer.config import BuiltModelFactory
+from workers.weight_sync import WeightsAck
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build itself in any process (picklable)."""
+
+    run_id: str
+    model: ModelConfig
+    task: str
+    sampling: SamplingConfig
+    dataplane: DataPlaneConfig
+    trainer: TrainerConfig
+    loss: LossConfig
+    num_prompts: int
+    prompt_seed: int
+    dataset: str | None = None
+    task_options: Mapping[str, Any] = field(default_factory=dict)
+    data_parallel: int = 1
+    torch_threads: int = 1
+
+
+class TrainerWorker:
+    """The trainer behind the controller's ``TrainerClient`` protocol."""
+
+    def __init__(self, spec: WorkerSpec, dataplane: DataPlane | None = None) -> None:
+        torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
+        factory = BuiltModelFactory(spec.model)
+        if spec.data_parallel == 1:
+            self.trainer: Any = TorchTrainer(factory, spec.trainer)
+        else:
+            from workers.trainer.actor import TrainerGroup
+
+            self.trainer = TrainerGroup(spec.data_parallel, factory, spec.trainer)
+
+    def begin_train_step(self, step: int) -> None:
+        self.trainer.begin_train_step(step, self.spec.loss)
+
+    def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
+        rows = self.dataplane.get(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
+        batch = collate(rows, ref.advantages)
+        result = self.trainer.train_microbatch(batch)
+        results = result if isinstance(result, list) else [result]
+        return MicrobatchOutcome(
+            num_sequences=sum(r.num_sequences for r in results),
+            num_tokens=sum(r.num_tokens for r in results),
+        )
+
+    def finish_train_step(self) -> StepOutcome:
+        r = self.trainer.finish_train_step()
+        digest = r.weights_digest or self.trainer.weights_digest()
+        metrics = {k: float(v) for k, v in r.metrics.items()}
+        metrics["train/lr"] = float(r.lr)
+        return StepOutcome(
+            trainer_version=r.trainer_version,
+            metrics=metrics,
+            grad_norm=float(r.grad_norm),
+            weights_digest=digest,
+        )
+
+    def abort_train_step(self) -> None:
+        self.trainer.abort_train_step()
+
+    def version_and_digest(self) -> tuple[int, str]:
+        return self.trainer.trainer_version, self.trainer.weights_digest()
+
+    def save_checkpoint(self, directory: str) -> CheckpointOutcome:
+        info = self.trainer.save_checkpoint(directory)
+        return CheckpointOutcome(trainer_version=info.trainer_version, uri=info.path, sha256=info.sha256)
+
+    def load_checkpoint(self, directory: str) -> tuple[int, str]:
+        info = self.trainer.load_checkpoint(directory)
+        return info.trainer_version, self.trainer.weights_digest()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.trainer.export_weights()
+
+
+class GeneratorWorker:
+    """A generator behind the controller's ``GeneratorClient`` protocol."""
+
+    def __init__(self, spec: WorkerSpec, name: str, dataplane: DataPlane | None = None) -> None:
+        torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.name = name
+        model, tokenizer = build_model(spec.model)
+        task = make_task(spec.task, **dict(spec.task_options))
+        self.prompts = prompt_set(task, spec.num_prompts, spec.prompt_seed, spec.dataset)
+        plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
+        self.generator = Generator(model, tokenizer, task, plane, spec.run_id, name=name)
+
+    def generate(self, req: GenerationRequest) -> GenerationOutcome:
+        example = self.prompts[req.prompt_index % len(self.prompts)]
+        result = self.generator.generate_group(
+            req.group_id, example, req.n_samples, self.spec.sampling, req.seed, req.attempt
+        )
+        return GenerationOutcome(
+            payload_keys=list(result.keys),
+            rewards=list(result.rewards),
+            lengths=list(result.completion_lens),
+            weight_version_start=result.weight_version_start,
+            weight_version_end=result.weight_version_end,
+        )
+
+    def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
+        return self.generator.update_weights(version, state_dict)
+
+    def weight_version(self) -> int:
+        return self.generator.weight_version

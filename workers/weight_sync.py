@@ -1,0 +1,142 @@
+"""Versioned weight sync: trainer -> generators.
+
+The trainer publishes ``(version, state_dict)``; every generator loads it and
+acknowledges with a :class:`WeightsAck`. On one machine the weights go through Ray's
+object store once (:func:`publish_weights`: one ``ray.put``, the ObjectRef handed to
+each generator actor, which Ray resolves in the actor).
+
+:class:`VersionedWeights` is the generator's side (plain, no Ray):
+
+* versions never go backwards -- an older version is refused with
+  :class:`StaleWeightsError`; re-sending the held version is an idempotent ack;
+* while a group is being generated an update is not applied mid-token-step: it waits
+  for the next step boundary (``at_step_boundary``), so the group's start and end
+  versions differ, and that is recorded, not hidden. An update that arrives from
+  another thread blocks until it has been loaded, then acks; one that arrives from
+  the generating thread itself (a hook called at a step boundary) is applied at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class StaleWeightsError(ValueError):
+    """A weight version older than the one the generator holds."""
+
+
+@dataclass(frozen=True)
+class WeightsAck:
+    """A generator's acknowledgement that it holds ``version``."""
+
+    generator: str
+    version: int
+
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+class VersionedWeights:
+    """A model's weights tagged with a version, updated only between token steps."""
+
+    def __init__(self, model: nn.Module, name: str, version: int = 0) -> None:
+        self.model = model
+        self.name = name
+        self._version = version
+        self._lock = threading.Lock()
+        self._generating_thread: int | None = None
+        self._pending: tuple[int, StateDict, threading.Event] | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def update(self, version: int, state_dict: StateDict) -> WeightsAck:
+        """Load ``state_dict`` as ``version`` (now, or at the next step boundary)."""
+        with self._lock:
+            self._check(version)
+            if version == self._version:
+                return WeightsAck(self.name, version)
+            busy = self._generating_thread is not None
+            if not busy or self._generating_thread == threading.get_ident():
+                self._load(version, state_dict)
+                return WeightsAck(self.name, version)
+            if self._pending is not None:  # superseded: its waiter wakes with the newer one
+                self._pending[2].set()
+            loaded = threading.Event()
+            self._pending = (version, state_dict, loaded)
+        loaded.wait()
+        return WeightsAck(self.name, self._version)
+
+    def begin_group(self) -> int:
+        """Mark generation in progress on this thread; returns the version at start."""
+        with self._lock:
+            if self._generating_thread is not None:
+                raise RuntimeError(f"generator {self.name} is already generating a group")
+            self._generating_thread = threading.get_ident()
+            self._apply_pending()
+            return self._version
+
+    def at_step_boundary(self) -> None:
+        """Apply a pending update (called between token steps)."""
+        with self._lock:
+            self._apply_pending()
+
+    def end_group(self) -> int:
+        """Mark generation finished; returns the version the group ended with.
+
+        A pending update is applied after the end version is read: the group's last
+        token was sampled with the old weights.
+        """
+        with self._lock:
+            end = self._version
+            self._generating_thread = None
+            self._apply_pending()
+            return end
+
+    def _check(self, version: int) -> None:
+        held = self._version if self._pending is None else max(self._version, self._pending[0])
+        if version < held:
+            raise StaleWeightsError(
+                f"generator {self.name} holds (or is loading) weight version {held}; "
+                f"refusing older version {version}"
+            )
+
+    def _apply_pending(self) -> None:
+        if self._pending is None:
+            return
+        version, state_dict, loaded = self._pending
+        self._pending = None
+        if version > self._version:
+            self._load(version, state_dict)
+        loaded.set()
+
+    def _load(self, version: int, state_dict: StateDict) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(dict(state_dict), strict=True)
+        self._version = version
+
+
+def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``model``'s weights, ready to publish."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def publish_weights(
+    version: int, state_dict: StateDict, generators: Sequence[Any], timeout_s: float | None = None
+) -> list[WeightsAck]:
+    """Send weights to generator actors through Ray's object store; wait for all acks.
+
+    One ``ray.put``; each actor's ``update_weights(version, ref)`` receives the
+    resolved state dict. Raises the first generator error (e.g. StaleWeightsError).
+    """
+    import ray
+
+    ref = ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
+    return ray.get([g.update_weights.remote(version, ref) for g in generators], timeout=timeout_s)
