@@ -1,0 +1,44 @@
+"""The ``rl-controller`` command line.
+
+    rl-controller run        train (embedded default with no flags)
+    rl-controller runs       list the runs in the store
+    rl-controller tail       print a run's events (--follow for new ones)
+    rl-controller replay     the folded state at any point of a run
+    rl-controller staleness  lag analysis, plots and policy what-if
+    rl-controller audit      trainer_version history and invariant check
+
+Everything but ``run`` only reads the log; nothing but ``run`` appends to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from controller.cli_common import run_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rl-controller",
+        description="Event-sourced controller for asynchronous RL post-training.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'rl-controller COMMAND --help' for a command's options and an example.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from controller import run_cmd
+    from replay import cli as replay_cli
+
+    run_cmd.register(sub)
+    replay_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_command(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

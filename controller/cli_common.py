@@ -1,0 +1,98 @@
+"""Plumbing shared by every CLI command: where the log is, and errors as one line.
+
+Where the log is: ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the embedded
+redis-server of ``--data-dir`` (default ``./rlc-data``), started if it is not running.
+Read-only commands never start a server for a directory that has none: they say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, NoReturn
+
+from events.errors import EventStoreError, RunNotFoundError
+from events.store import EventStore
+
+DEFAULT_DATA_DIR = "./rlc-data"
+ENV_REDIS_URL = "RLC_REDIS_URL"
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_store_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get(ENV_REDIS_URL, ""),
+        help=f"Redis holding the log (default: ${ENV_REDIS_URL}, else the embedded server)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=DEFAULT_DATA_DIR,
+        help="run directory of the embedded default (default: %(default)s)",
+    )
+
+
+def resolve_redis_url(args: argparse.Namespace, *, start: bool) -> str:
+    """The Redis URL to use; starts the embedded server only when ``start``."""
+    if args.redis_url:
+        return args.redis_url
+    from events.embedded import ensure_embedded_redis
+
+    data_dir = Path(args.data_dir)
+    if not start and not (data_dir / "redis").exists():
+        raise CliError(
+            f"no runs in {str(data_dir)!r} (no embedded log there); pass --data-dir or "
+            f"--redis-url, or start one with 'rl-controller run'"
+        )
+    return ensure_embedded_redis(data_dir).url
+
+
+@contextmanager
+def open_store(args: argparse.Namespace, *, start: bool = False) -> Iterator[EventStore]:
+    from events.redis_store import RedisEventStore
+
+    store = RedisEventStore(resolve_redis_url(args, start=start))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def require_run(store: EventStore, run_id: str) -> None:
+    if not store.run_exists(run_id):
+        raise RunNotFoundError(run_id, sorted(r.run_id for r in store.list_runs()))
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    print(f"rl-controller: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run_command(func, args: argparse.Namespace) -> int:
+    """Call a command; user errors become one line on stderr and a non-zero exit."""
+    from controller.config import ConfigError
+    from controller.errors import InvariantViolation
+    from events.errors import EventDecodeError
+
+    try:
+        return int(func(args) or 0)
+    except CliError as err:
+        fail(str(err), err.code)
+    except (EventDecodeError, InvariantViolation) as err:
+        fail(str(err), 1)
+    except (RunNotFoundError, ConfigError) as err:
+        fail(str(err), 2)
+    except EventStoreError as err:
+        fail(str(err), 2)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)

@@ -1,0 +1,77 @@
+"""The controller's only path to the log, and so to its own state.
+
+``LogWriter.append`` sends a batch to the store at the position the writer last saw,
+with the writer's epoch, and only after the store acknowledges it folds the events
+into the in-memory state. State therefore never runs ahead of the log: the write-ahead
+protocol's "no side effect on state the log has not acknowledged" holds by
+construction. A transient store failure is retried with the same expected position
+(the store recognises a batch that already landed), a ``FencedError`` is final: a newer
+controller owns the run and this one must stop touching workers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence, TypeVar
+
+from controller.reducer import apply
+from controller.state import RunState
+from events.errors import FencedError, StoreUnavailableError
+from events.schema import Event, StoredEvent
+from events.store import EventStore
+
+E = TypeVar("E", bound=Event)
+
+
+class LogWriter:
+    def __init__(
+        self,
+        store: EventStore,
+        run_id: str,
+        epoch: int,
+        state: RunState,
+        *,
+        clock: Callable[[], float] = time.time,
+        retries: int = 5,
+        retry_delay_s: float = 0.2,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.epoch = epoch
+        self.state = state
+        self.clock = clock
+        self.retries = retries
+        self.retry_delay_s = retry_delay_s
+        self.fenced: FencedError | None = None
+        self.appended = 0
+
+    @property
+    def position(self) -> int:
+        return self.state.position
+
+    def make(self, cls: type[E], **fields: Any) -> E:
+        """An event of ``cls`` stamped with this writer's epoch and the current time."""
+        return cls(epoch=self.epoch, ts=self.clock(), **fields)
+
+    def append(self, *events: Event) -> list[int]:
+        """Append a batch atomically; fold it into ``state`` once acknowledged."""
+        if self.fenced is not None:
+            raise self.fenced
+        batch: Sequence[Event] = events
+        for attempt in range(self.retries + 1):
+            try:
+                positions = self.store.append(
+                    self.run_id, batch, expected_position=self.position, epoch=self.epoch
+                )
+                break
+            except FencedError as err:
+                self.fenced = err
+                raise
+            except StoreUnavailableError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(self.retry_delay_s * (attempt + 1))
+        for pos, event in zip(positions, batch):
+            apply(self.state, StoredEvent(position=pos, event=event))
+        self.appended += len(batch)
+        return positions

@@ -1,0 +1,224 @@
+"""``rl-controller run``: train, on the embedded default or on a cluster.
+
+    rl-controller run                                  # embedded default, new run
+    rl-controller run --steps 100 --set train.lr=1e-3  # overrides, validated by key
+    rl-controller run --resume --run-id run-...        # continue after a crash or stop
+
+Order of work: validate everything that can be validated without side effects
+(config, capacity, run id vs. the store) before anything is written to the log or any
+worker is started; then open the run (new epoch), start workers, reconcile them with
+the log, and hand over to the controller loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import structlog
+
+from controller import policies
+from controller.cli_common import CliError, add_store_args, open_store
+from controller.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
+from controller.observe import MetricsSink, Progress, configure_logging
+from controller.recovery import reconcile_workers
+from controller.startup import RunExistsError, create_run, resume_run
+from events import schema as ev
+from events.errors import FencedError
+
+log = structlog.get_logger("rl_controller.run")
+
+EXAMPLES = """examples:
+  rl-controller run                                   embedded default, new run
+  rl-controller run --steps 20 --set staleness.window_versions=0
+  rl-controller run --config run.toml --run-id exp1
+  rl-controller run --resume --run-id exp1 --steps 200
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train (embedded default with no flags)",
+        description="Train with the event-sourced controller. With no flags: its own "
+        "redis-server, a local Ray, TransferQueue, the tiny model and the default task.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument("--steps", type=int, help="train until this trainer_version (run.steps)")
+    p.add_argument("--run-id", help="run id (default: run-<UTC time>)")
+    p.add_argument("--resume", action="store_true", help="continue an existing run")
+    p.add_argument("--ray-address", help="join an existing Ray cluster")
+    p.add_argument("--local-workers", action="store_true",
+                   help="run workers in this process (debugging/tests; no Ray actors)")
+    p.add_argument("--no-progress", action="store_true", help="plain lines instead of a live table")
+    add_store_args(p)
+    p.set_defaults(func=cmd_run)
+
+
+def _resolve_config(args: argparse.Namespace) -> Config:
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    if args.ray_address:
+        overrides.append(f'ray.address="{args.ray_address}"')
+    return load_config(args.config, overrides)
+
+
+def _resume_config(logged: dict, args: argparse.Namespace) -> Config:
+    if args.config or args.set:
+        raise CliError(
+            "a resumed run keeps the config recorded in its log; only --steps and "
+            "--ray-address may change (drop --config/--set)"
+        )
+    cfg = config_from_dict(logged)
+    extra = []
+    if args.steps is not None:
+        extra.append(f"run.steps={args.steps}")
+    if args.ray_address:
+        extra.append(f'ray.address="{args.ray_address}"')
+    return load_config(None, _flatten(config_to_dict(cfg)) + extra) if extra else cfg
+
+
+def _flatten(d: dict, prefix: str = "") -> list[str]:
+    import json
+
+    out = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.extend(_flatten(v, key + "."))
+        else:
+            out.append(f"{key}={json.dumps(v)}")
+    return out
+
+
+def _settings(cfg: Config, run_dir: Path) -> LoopSettings:
+    return LoopSettings(
+        target_version=cfg.run.steps,
+        window_versions=cfg.staleness.window_versions,
+        groups_per_step=cfg.train.groups_per_step,
+        groups_per_microbatch=min(cfg.train.groups_per_microbatch, cfg.train.groups_per_step),
+        samples_per_group=cfg.rollout.samples_per_group,
+        selection=cfg.staleness.selection,
+        capacity=cfg.buffer_capacity,
+        max_attempts=cfg.rollout.max_attempts,
+        num_prompts=cfg.task.num_prompts,
+        seed=cfg.run.seed,
+        stall_timeout_s=cfg.controller.stall_timeout_s,
+        step_retries=cfg.controller.step_retries,
+        checkpoint_every=cfg.checkpoint.every_steps,
+        retain_payloads=cfg.checkpoint.retain_payloads,
+        checkpoint_dir=str(run_dir / "checkpoints"),
+    )
+
+
+def _code_version() -> str:
+    try:
+        return f"rl-controller {metadata.version('rl-controller')}"
+    except metadata.PackageNotFoundError:
+        return "rl-controller (source)"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = None if args.resume else _resolve_config(args)
+    if cfg is not None:
+        policies.check_capacity(
+            capacity=cfg.buffer_capacity,
+            groups_per_step=cfg.train.groups_per_step,
+            window=cfg.staleness.window_versions,
+        )
+    run_id = args.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
+    if args.resume and not args.run_id:
+        raise CliError("--resume needs --run-id (see 'rl-controller runs')")
+    with open_store(args, start=True) as store:
+        if args.resume:
+            writer = resume_run(store, run_id)
+            cfg = _resume_config(writer.state.config, args)
+        else:
+            try:
+                writer = create_run(
+                    store, run_id,
+                    config=config_to_dict(cfg), seed=cfg.run.seed, code_version=_code_version(),
+                    window_versions=cfg.staleness.window_versions,
+                    groups_per_step=cfg.train.groups_per_step,
+                    samples_per_group=cfg.rollout.samples_per_group,
+                )
+            except RunExistsError as err:
+                raise CliError(str(err)) from None
+        return _train(args, cfg, writer, store)
+
+
+def _train(args, cfg: Config, writer, store) -> int:
+    from controller.wiring import start_workers, worker_spec
+
+    run_dir = Path(args.data_dir) / "runs" / writer.run_id
+    configure_logging(run_dir / "controller.log.jsonl")
+    structlog.contextvars.bind_contextvars(run_id=writer.run_id, epoch=writer.epoch)
+    progress = Progress(cfg.run.steps, enabled=not args.no_progress)
+    sink = MetricsSink(run_dir)
+    progress.console.print(
+        f"run [bold]{writer.run_id}[/] epoch {writer.epoch}: trainer_version "
+        f"{writer.state.trainer_version} -> {cfg.run.steps}, log at position {writer.position}"
+    )
+    workers = start_workers(cfg, worker_spec(cfg, writer.run_id, run_dir), local=args.local_workers)
+    started = time.monotonic()
+    try:
+        with progress:
+            progress.status("reconciling workers with the log")
+            asyncio.run(reconcile_workers(writer, workers, _settings(cfg, run_dir)))
+
+            def on_step(step: int, version: int, metrics: dict[str, float]) -> None:
+                sink.write(step, version, metrics)
+                progress.step(step, version, metrics, len(writer.state.buffer), len(writer.state.admitted))
+                structlog.contextvars.bind_contextvars(step=step, trainer_version=version)
+                log.info("step_finished", **metrics)
+
+            progress.status("training")
+            controller = Controller(
+                writer, _settings(cfg, run_dir), workers.trainer, workers.generators,
+                workers.publisher, workers.payloads, on_step=on_step,
+            )
+            reason = asyncio.run(controller.run())
+            writer.append(writer.make(ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}", reason=reason))
+    except FencedError as err:
+        raise CliError(f"stopped: {err}", 3) from None
+    except (StallError, StepRetriesExhausted) as err:
+        raise CliError(f"stopped: {err}", 4) from None
+    finally:
+        sink.close()
+        workers.close()
+        _snapshot(store, writer)
+    _summary(progress, writer, run_dir, time.monotonic() - started)
+    return 0
+
+
+def _snapshot(store, writer) -> None:
+    from controller.state import encode_state
+
+    try:
+        store.save_snapshot(writer.run_id, writer.position, encode_state(writer.state))
+    except Exception as err:  # a snapshot is a cache; the log is intact without it
+        log.warning("snapshot_failed", error=str(err))
+
+
+def _summary(progress: Progress, writer, run_dir: Path, elapsed_s: float) -> None:
+    state = writer.state
+    last = state.steps.get(state.version_steps.get(state.trainer_version, -1))
+    reward = last.metrics.get("reward/mean") if last else None
+    c = progress.console
+    c.print(f"\n[bold]run {writer.run_id}[/] finished: trainer_version {state.trainer_version}, "
+            f"{len(state.steps)} steps, {state.position} events, {elapsed_s:.0f}s"
+            + (f", last reward {reward:.3f}" if reward is not None else ""))
+    c.print(f"  metrics   {run_dir / 'metrics.jsonl'}")
+    c.print(f"  audit     rl-controller audit --run {writer.run_id}")
+    c.print(f"  staleness rl-controller staleness --run {writer.run_id}")
+    c.print(f"  replay    rl-controller replay --run {writer.run_id} --step {max(state.steps, default=0)}")

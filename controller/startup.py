@@ -1,0 +1,135 @@
+"""Opening a run: create it, or take it over (new epoch) and make the log consistent.
+
+New run::   claim epoch 1 -> [RunStarted, ControllerStarted]
+Resume::    claim epoch e+1 (fences the previous controller) -> fold (snapshot + tail)
+            -> ControllerStarted -> StepAborted(restart) for an open step
+            -> GroupFailed(restart) for every admitted-but-uncommitted group
+               (the loop re-admits them as the next attempt)
+
+What the workers hold (trainer weights, data-plane rows) is reconciled separately by
+``controller.recovery``; this module only touches the log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from controller.fold import fold_raw, fold_raw_from_snapshot
+from controller.log_writer import LogWriter
+from controller.state import RunState, initial_state
+from events import schema as ev
+from events.errors import RunNotFoundError
+from events.store import EventStore
+
+
+class RunExistsError(RuntimeError):
+    """A new run was asked for with an id that already has a log."""
+
+
+def load_state(store: EventStore, run_id: str) -> RunState:
+    """Fold the run's log, starting from its newest snapshot when there is one."""
+    snap = store.load_snapshot(run_id)
+    start = 1 if snap is None else snap[0] + 1
+    tail = ((e.position, e.data) for e in _read_all_raw(store, run_id, start))
+    if snap is None:
+        return fold_raw(tail)
+    try:
+        return fold_raw_from_snapshot(snap[1], tail)
+    except Exception:
+        # A snapshot is only a cache: if it cannot be used, fold from the beginning.
+        return fold_raw((e.position, e.data) for e in _read_all_raw(store, run_id, 1))
+
+
+def _read_all_raw(store: EventStore, run_id: str, start: int, page: int = 20_000):
+    while True:
+        entries = store.read_raw(run_id, start=start, count=page)
+        yield from entries
+        if len(entries) < page:
+            return
+        start = entries[-1].position + 1
+
+
+def create_run(
+    store: EventStore,
+    run_id: str,
+    *,
+    config: dict[str, Any],
+    seed: int,
+    code_version: str,
+    window_versions: int,
+    groups_per_step: int,
+    samples_per_group: int,
+) -> LogWriter:
+    if store.run_exists(run_id):
+        raise RunExistsError(
+            f"run {run_id!r} already exists; pass --resume to continue it, "
+            "or choose another --run-id"
+        )
+    epoch = store.claim_epoch(run_id)
+    writer = LogWriter(store, run_id, epoch, initial_state())
+    writer.append(
+        writer.make(
+            ev.RunStarted,
+            event_id=ev.run_started_id(run_id),
+            run_id=run_id,
+            config=config,
+            seed=seed,
+            code_version=code_version,
+            window_versions=window_versions,
+            groups_per_step=groups_per_step,
+            samples_per_group=samples_per_group,
+        ),
+        _controller_started(writer),
+    )
+    return writer
+
+
+def resume_run(store: EventStore, run_id: str) -> LogWriter:
+    if not store.run_exists(run_id):
+        raise RunNotFoundError(run_id, sorted(r.run_id for r in store.list_runs()))
+    # Claim first: from here on the previous controller's appends are refused, so the
+    # state folded below cannot move under us.
+    epoch = store.claim_epoch(run_id)
+    writer = LogWriter(store, run_id, epoch, load_state(store, run_id))
+    writer.append(_controller_started(writer))
+    repair_log(writer, reason="restart")
+    return writer
+
+
+def repair_log(writer: LogWriter, *, reason: str) -> None:
+    """Abort the open step and fail in-flight generations (both were in the old process)."""
+    state = writer.state
+    events: list[ev.Event] = []
+    if state.open_step is not None:
+        events.append(
+            writer.make(
+                ev.StepAborted,
+                event_id=ev.step_event_id(state.open_step.step, "aborted"),
+                step=state.open_step.step,
+                reason=reason,
+            )
+        )
+    for gid in list(state.admitted):
+        group = state.groups[gid]
+        events.append(
+            writer.make(
+                ev.GroupFailed,
+                event_id=ev.group_event_id(gid, "failed", group.attempt),
+                group_id=gid,
+                attempt=group.attempt,
+                reason=f"{reason}: generation was in flight",
+            )
+        )
+    if events:
+        writer.append(*events)
+
+
+def _controller_started(writer: LogWriter) -> ev.ControllerStarted:
+    return writer.make(
+        ev.ControllerStarted,
+        event_id=ev.controller_started_id(writer.epoch),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+    )

@@ -1,0 +1,177 @@
+"""From a validated ``Config`` to running workers: the only place the controller
+package reaches into ``workers``.
+
+Two modes: Ray (the default: trainer and generators are Ray actors, the data plane is
+TransferQueue) and local (every worker in this process on its own threads; the data
+plane may be the in-memory twin). Local mode exists for fast tests and debugging; it
+is chosen explicitly, never as a fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.config import Config
+from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.handles import (
+    GeneratorClientImpl,
+    LocalHandle,
+    PayloadStoreImpl,
+    Publisher,
+    RayHandle,
+    TrainerClientImpl,
+)
+from workers.loss import Aggregation, LossConfig
+from workers.models.factory import ModelConfig
+from workers.models.sampling import SamplingConfig
+from workers.service import GeneratorWorker, TrainerWorker, WorkerSpec
+from workers.trainer import TrainerConfig
+from workers.trainer.config import OptimizerConfig, SchedulerConfig
+
+
+class WorkerStartError(RuntimeError):
+    """A worker (or Ray / the data plane) could not be started; the message says which."""
+
+
+@dataclass
+class Workers:
+    trainer: TrainerClientImpl
+    generators: list[GeneratorClientImpl]
+    publisher: Publisher
+    payloads: PayloadStoreImpl
+    dataplane: DataPlane
+    handles: list[Any]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            try:
+                handle.close()
+            except Exception:
+                pass
+        try:
+            self.dataplane.close()
+        except Exception:
+            pass
+
+
+def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
+    model = ModelConfig(
+        kind=cfg.model.kind,
+        context_len=cfg.model.context_len,
+        d_model=cfg.model.d_model,
+        n_layers=cfg.model.n_layers,
+        n_heads=cfg.model.n_heads,
+        init_seed=cfg.run.seed,
+        path=cfg.model.path or None,
+    )
+    loss = LossConfig(
+        clip_low=cfg.train.loss.clip_low,
+        clip_high=cfg.train.loss.clip_high,
+        aggregation=Aggregation(cfg.train.loss.aggregation),
+        kl_coef=cfg.train.loss.kl_coef,
+        is_truncation_cap=cfg.train.loss.is_cap,
+        temperature=cfg.sampling.temperature,
+    )
+    trainer = TrainerConfig(
+        optimizer=OptimizerConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay),
+        scheduler=SchedulerConfig(warmup_steps=cfg.train.warmup_steps),
+        max_grad_norm=cfg.train.grad_clip,
+        seed=cfg.run.seed,
+        keep_reference=cfg.train.loss.kl_coef > 0,
+    )
+    return WorkerSpec(
+        run_id=run_id,
+        model=model,
+        task=cfg.task.name,
+        sampling=SamplingConfig(
+            temperature=cfg.sampling.temperature,
+            top_p=None if cfg.sampling.top_p >= 1.0 else cfg.sampling.top_p,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+        ),
+        dataplane=DataPlaneConfig(
+            kind=cfg.dataplane.kind,
+            spill_dir=str(run_dir / "spill") if cfg.dataplane.spill else None,
+            ray_address=cfg.ray.address or None,
+            ray_num_cpus=cfg.ray.num_cpus,
+        ),
+        trainer=trainer,
+        loss=loss,
+        num_prompts=cfg.task.num_prompts,
+        prompt_seed=cfg.run.seed,
+        dataset=cfg.task.dataset or None,
+        data_parallel=cfg.train.data_parallel,
+    )
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        if cfg.ray.address:
+            ray.init(address=cfg.ray.address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False)
+    except Exception as err:
+        where = cfg.ray.address or "a local Ray"
+        raise WorkerStartError(f"cannot start or join Ray ({where}): {err}") from None
+
+
+def start_workers(cfg: Config, spec: WorkerSpec, *, local: bool) -> Workers:
+    if local:
+        return _start_local(cfg, spec)
+    init_ray(cfg)
+    return _start_ray(cfg, spec)
+
+
+def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
+    plane = make_dataplane(spec.dataplane)
+    trainer_h = LocalHandle(TrainerWorker(spec, plane), name="trainer")
+    gens = [
+        GeneratorClientImpl(
+            f"generator-{i}",
+            # two threads: a weight update may arrive while a group is generating
+            LocalHandle(GeneratorWorker(spec, f"generator-{i}", plane), threads=2, name=f"gen{i}"),
+        )
+        for i in range(cfg.rollout.num_generators)
+    ]
+    return Workers(
+        trainer=TrainerClientImpl(trainer_h),
+        generators=gens,
+        publisher=Publisher(trainer_h, gens),
+        payloads=PayloadStoreImpl(plane, spec.run_id),
+        dataplane=plane,
+        handles=[trainer_h, *(g.handle for g in gens)],
+    )
+
+
+def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
+    import ray
+
+    try:
+        plane = make_dataplane(spec.dataplane)
+    except Exception as err:
+        raise WorkerStartError(f"data plane ({spec.dataplane.kind}) failed to start: {err}") from None
+    trainer_actor = ray.remote(TrainerWorker).options(num_cpus=1).remote(spec)
+    trainer_h = RayHandle(trainer_actor)
+    gens = []
+    for i in range(cfg.rollout.num_generators):
+        actor = ray.remote(GeneratorWorker).options(num_cpus=1, max_concurrency=2).remote(
+            spec, f"generator-{i}"
+        )
+        gens.append(GeneratorClientImpl(f"generator-{i}", RayHandle(actor)))
+    try:  # surface constructor errors now, with the worker's name
+        ray.get([trainer_actor.version_and_digest.remote()] + [g.handle.actor.weight_version.remote() for g in gens])
+    except Exception as err:
+        raise WorkerStartError(f"workers failed to start: {err}") from None
+    return Workers(
+        trainer=TrainerClientImpl(trainer_h),
+        generators=gens,
+        publisher=Publisher(trainer_h, gens),
+        payloads=PayloadStoreImpl(plane, spec.run_id),
+        dataplane=plane,
+        handles=[trainer_h, *(g.handle for g in gens)],
+    )
