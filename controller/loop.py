@@ -146,10 +146,13 @@ class Controller:
         self._wake.set()
 
     async def _wait_wake(self, timeout_s: float = 0.5) -> None:
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+        # that races with the event being set, and a pump would then never stop.
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+        except TimeoutError:
             pass
 
     # -- the run ----------------------------------------------------------------

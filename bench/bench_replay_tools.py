@@ -1,0 +1,123 @@
+"""Read-only tools over a 1M-event log in a real redis-server: audit and staleness speed.
+
+Generates a realistic log (``tests.unit.log_builder.random_run``: admissions ahead of the
+trainer, out-of-order commits, failures, evictions, aborts, restarts, checkpoints,
+releases), writes it into a fresh redis-server (temp dir, loopback) through
+``RedisEventStore.append`` in batches, then times, side by side in one run (best of
+``--repeat``), each exactly as the CLI runs it (store reads included):
+
+  (a) fold only         -- ``replay.reader.fold_log`` (read pages + decode + reducer)
+  (b) audit             -- (a) + the audit report (history, cross-check)
+  (c) staleness         -- (a) with the staleness trace + the analysis
+  (d) read only         -- the pages alone, for attribution
+
+and prints events/s for each. Target: audit and staleness < 10 s for 1M events.
+
+    python bench/bench_replay_tools.py --events 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from events.redis_store import RedisEventStore  # noqa: E402
+from replay import staleness  # noqa: E402
+from replay.audit import build_report  # noqa: E402
+from replay.reader import fold_log, iter_pages  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+from tests.unit.log_builder import random_run  # noqa: E402
+
+EVENTS_PER_STEP = 23
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def write_log(store: RedisEventStore, run_id: str, events: list, batch: int = 2000) -> None:
+    """Append with fencing: claim each epoch the log moves to, batches within an epoch."""
+    position, i = 0, 0
+    while i < len(events):
+        epoch = events[i].epoch
+        while not store.run_exists(run_id) or store.current_epoch(run_id) < epoch:
+            store.claim_epoch(run_id)
+        j = i
+        while j < len(events) and events[j].epoch == epoch and j - i < batch:
+            j += 1
+        store.append(run_id, events[i:j], expected_position=position, epoch=epoch)
+        position += j - i
+        i = j
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000, help="approximate log length")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    builder = random_run(
+        args.seed, max(1, args.events // EVENTS_PER_STEP), window=2, groups_per_step=8,
+        samples_per_group=8, microbatch_groups=2, p_fail=0.01, p_abort=0.005,
+        p_restart=0.001, checkpoint_every=20,
+    )
+    events = [s.event for s in builder.events]
+    n = len(events)
+    print(f"log: {n} events (generated in {time.perf_counter() - t0:.1f}s)")
+
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp), appendfsync="everysec") as server:
+        store = RedisEventStore(server.url)
+        t0 = time.perf_counter()
+        write_log(store, builder.run_id, events)
+        print(f"written to redis-server in {time.perf_counter() - t0:.1f}s")
+        del events, builder
+        run_id = store.list_runs()[0].run_id
+
+        def read_only() -> None:
+            for _ in iter_pages(store, run_id):
+                pass
+
+        def fold_only() -> None:
+            assert fold_log(store, run_id).problem is None
+
+        def audit() -> None:
+            report = build_report(fold_log(store, run_id))
+            assert report.ok, report.problem
+
+        def stale() -> None:
+            trace = staleness.Trace()
+            result = fold_log(store, run_id, observers=trace.observers())
+            staleness.analyze(result.state, trace)
+
+        rows = [
+            ("(a) fold only", _best(fold_only, args.repeat)),
+            ("(b) audit", _best(audit, args.repeat)),
+            ("(c) staleness", _best(stale, args.repeat)),
+            ("(d) read only", _best(read_only, args.repeat)),
+        ]
+        store.close()
+    print(f"{'measure':<16} {'seconds':>9} {'events/s':>12}")
+    for name, secs in rows:
+        print(f"{name:<16} {secs:>9.2f} {n / secs:>12,.0f}")
+    worst = max(rows[1][1], rows[2][1])
+    print(f"audit and staleness within 10 s per 1M events: "
+          f"{'yes' if worst * 1_000_000 / n < 10 else 'NO'} ({worst * 1_000_000 / n:.1f} s per 1M)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""The read-only subcommands: ``runs``, ``tail``, ``replay``, ``staleness``, ``audit``.
+
+None of them appends to a log; all work on a live run (they read what is there now)
+and on the embedded default with no flags (``./rlc-data``, see ``cli_common``).
+Exit status: 0 ok, 1 the log has a problem (malformed entry or invariant violation,
+named by position), 2 a usage or store error (one line on stderr), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+from controller.cli_common import CliError, add_store_args, open_store, require_run
+from replay import render
+
+_FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def register(subparsers: Any) -> None:
+    """Add the read-only subcommands to the ``rl-controller`` parser."""
+    _register_runs(subparsers)
+    _register_tail(subparsers)
+    add_replay_arguments(
+        _sub(subparsers, "replay", "the folded state at any point of a run",
+             "  rl-controller replay --run r1 --at 1200\n"
+             "  rl-controller replay --run r1 --step 7 --json"),
+    ).set_defaults(func=cmd_replay)
+    _register_staleness(subparsers)
+    _register_audit(subparsers)
+
+
+def _sub(subparsers: Any, name: str, help_text: str, examples: str) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+        epilog="examples:\n" + examples, formatter_class=_FORMATTER,
+    )
+    add_store_args(parser)
+    return parser
+
+
+def _add_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="RUN_ID", help="run id (see 'rl-controller runs')")
+
+
+# -- runs --------------------------------------------------------------------------------
+
+
+def _register_runs(subparsers: Any) -> None:
+    p = _sub(subparsers, "runs", "list the runs in the store",
+             "  rl-controller runs\n  rl-controller runs --redis-url redis://host:6379/0 --json")
+    p.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    p.set_defaults(func=cmd_runs)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        rows = [_run_row(store, info) for info in store.list_runs()]
+    if args.json:
+        render.write_json(rows)
+    else:
+        render.console().print(render.runs_table(rows))
+    return 0
+
+
+def _run_row(store: Any, info: Any) -> dict[str, Any]:
+    """Cheap facts: last event type says finished; the newest StepFinished in the tail says
+    the trainer_version (None when the tail has none)."""
+    from events.codec import decode
+    from events.errors import EventDecodeError
+
+    finished, version = None, None
+    if info.last_position:
+        tail = store.read_raw(info.run_id, max(1, info.last_position - 199), info.last_position)
+        finished = bool(tail) and tail[-1].event_type == "RunFinished"
+        for entry in reversed(tail):
+            if entry.event_type in ("StepFinished", "RunRewound"):
+                try:
+                    event = decode(entry.data, entry.position)
+                except EventDecodeError:
+                    break
+                version = getattr(event, "trainer_version", None)
+                if version is None:
+                    version = event.to_trainer_version  # type: ignore[union-attr]
+                break
+    return {
+        "run_id": info.run_id,
+        "events": info.last_position,
+        "epoch": info.epoch,
+        "finished": finished,
+        "trainer_version": version,
+        "snapshot_position": info.snapshot_position,
+    }
+
+
+# -- tail --------------------------------------------------------------------------------
+
+
+def _register_tail(subparsers: Any) -> None:
+    p = _sub(subparsers, "tail", "print a run's events, one per line",
+             "  rl-controller tail --run r1 --from 1000\n"
+             "  rl-controller tail --run r1 --follow --json   # Ctrl-C to stop")
+    _add_run(p)
+    p.add_argument("--from", dest="start", type=int, default=1, metavar="POS",
+                   help="first position to print (default: 1)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_tail)
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    if args.start < 1:
+        raise CliError(f"--from must be >= 1, got {args.start}")
+    with open_store(args) as store:
+        require_run(store, args.run)
+        printer = _TailPrinter(args.json)
+        try:
+            last = printer.print_existing(store, args.run, args.start)
+            if args.follow:
+                _run_until_interrupted(printer.follow(store, args.run, last))
+        except KeyboardInterrupt:
+            return 130
+        except BrokenPipeError:
+            sys.stderr.close()  # the reader went away (e.g. | head): not an error
+            return 0
+    return 1 if printer.malformed else 0
+
+
+def _run_until_interrupted(coro: Any) -> None:
+    """Run ``coro`` until it ends or Ctrl-C, which raises KeyboardInterrupt here, cleanly.
+
+    Not ``asyncio.run``: Ctrl-C must neither leave a traceback from inside a task nor
+    wait on a blocking stream read that does not end promptly when cancelled.
+    """
+    import logging
+    import signal
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    task = loop.create_task(coro)
+
+    async def until_stopped() -> None:
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+
+    previous = signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(stop.set))
+    try:
+        loop.run_until_complete(until_stopped())
+        if task.done():
+            task.result()  # the follow's own error, if any
+            return
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.wait([task], timeout=1.0))
+        if task.done():
+            with contextlib.suppress(BaseException):
+                task.result()
+        else:
+            # We are exiting: do not let asyncio complain about the read we abandon.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _TailPrinter:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.malformed = 0
+
+    def emit(self, position: int, event: Any) -> None:
+        if self.as_json:
+            render.write_json(render.event_json(position, event))
+        else:
+            sys.stdout.write(render.event_line(position, event) + "\n")
+
+    def bad(self, position: int, reason: str) -> None:
+        self.malformed += 1
+        sys.stdout.flush()
+        print(f"rl-controller: malformed entry at position {position}: {reason}", file=sys.stderr)
+
+    def print_existing(self, store: Any, run_id: str, start: int) -> int:
+        from events.codec import decode
+        from events.errors import EventDecodeError
+        from replay.reader import iter_pages
+
+        last = start - 1
+        for page in iter_pages(store, run_id, start):
+            for position, data in page:
+                try:
+                    self.emit(position, decode(data, position))
+                except EventDecodeError as err:
+                    self.bad(position, err.reason)
+                last = position
+            sys.stdout.flush()
+        return last
+
+    async def follow(self, store: Any, run_id: str, last: int) -> None:
+        from events.errors import EventDecodeError
+
+        while True:
+            try:
+                async for stored in store.follow(run_id, last):
+                    self.emit(stored.position, stored.event)
+                    sys.stdout.flush()
+                    last = stored.position
+                return
+            except EventDecodeError as err:
+                # Report it and go on after it (follow decodes a batch at a time).
+                position = err.position if err.position is not None else last + 1
+                last = self.print_existing(store, run_id, last + 1) if position > last + 1 else last
+                self.bad(position, err.reason)
+                last = max(last, position)
+
+
+# -- replay ------------------------------------------------------------------------------
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of ``replay``; extend the command by adding more to ``parser``."""
+    _add_run(parser)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--at", type=int, metavar="POSITION",
+                       help="the state right after the event at POSITION (default: the end)")
+    where.add_argument("--until", type=int, metavar="POSITION", dest="until",
+                       help="older spelling of --at")
+    where.add_argument("--step", type=int, metavar="K",
+                       help="the state right after step K's StepFinished or StepAborted")
+    parser.add_argument("--json", action="store_true", help="JSON instead of tables")
+    parser.add_argument("--no-snapshot", action="store_true",
+                        help="fold from the first event even when a snapshot would do")
+    return parser
+
+
+def replay_point(args: argparse.Namespace, store: Any) -> Any:
+    """Fold to the point ``args`` names; raises CliError / the log's problem."""
+    from replay.reader import fold_log
+
+    require_run(store, args.run)
+    at = args.at if args.at is not None else args.until
+    if at is not None and at < 1:
+        raise CliError(f"--at must be >= 1, got {at}")
+    end = store.last_position(args.run)
+    if at is not None and at > end:
+        raise CliError(f"--at {at} is past the end of run {args.run!r} (last position {end})")
+    result = fold_log(store, args.run, until=at, stop_step=args.step,
+                      use_snapshot=not args.no_snapshot)
+    if result.problem is not None:
+        raise CliError(result.problem.describe(), 1)
+    if args.step is not None and not result.reached:
+        ended = sorted(result.state.steps)
+        raise CliError(
+            f"step {args.step} has not ended in run {args.run!r} "
+            f"(ended steps: {_ranges(ended) or 'none'})"
+        )
+    return result
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return ""
+    return f"{values[0]}..{values[-1]}" if len(values) > 3 else ", ".join(map(str, values))
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from replay.point import state_at
+
+    with open_store(args) as store:
+        result = replay_point(args, store)
+    point = state_at(result.state, result.last_ts, log_end=result.log_end)
+    if args.json:
+        render.write_json(point)
+    else:
+        con = render.console()
+        for table in render.point_tables(point):
+            con.print(table)
+    return 0
+
+
+# -- staleness ---------------------------------------------------------------------------
+
+
+def _register_staleness(subparsers: Any) -> None:
+    p = _sub(subparsers, "staleness", "lag analysis, plots and policy what-if",
+             "  rl-controller staleness --run r1\n"
+             "  rl-controller staleness --run r1 --json --plot staleness.png\n"
+             "  rl-controller staleness --run r1 --what-if window=0 --what-if policy=oldest_first")
+    _add_run(p)
+    p.add_argument("--json", action="store_true", help="JSON instead of tables")
+    p.add_argument("--plot", metavar="FILE.png", help="write lag/occupancy/reward plots")
+    p.add_argument("--what-if", action="append", default=[], metavar="KEY=VALUE",
+                   help="re-run the policies with window=N, policy=in_order|oldest_first|"
+                        "ready_first or microbatch=N (repeatable)")
+    p.add_argument("--last", type=int, default=30, metavar="N",
+                   help="steps shown in the table (0 = all; JSON has all)")
+    p.set_defaults(func=cmd_staleness)
+
+
+def cmd_staleness(args: argparse.Namespace) -> int:
+    from replay import staleness, whatif
+    from replay.reader import fold_log, read_events
+
+    with open_store(args) as store:
+        require_run(store, args.run)
+        trace = staleness.Trace()
+        result = fold_log(store, args.run, observers=trace.observers())
+        if result.problem is not None:
+            raise CliError(result.problem.describe(), 1)
+        report = staleness.analyze(result.state, trace)
+        comparison = None
+        if args.what_if:
+            try:
+                settings = whatif.parse_what_if(args.what_if, whatif.recorded_settings(result.state))
+            except whatif.WhatIfError as err:
+                raise CliError(str(err)) from None
+            events = read_events(store, args.run, 1, result.state.position)
+            comparison = whatif.compare(result.state, whatif.simulate(events, settings))
+    data = report.to_dict()
+    if comparison is not None:
+        data["what_if"] = comparison
+    if args.plot:
+        from replay.plots import write_plot
+
+        write_plot(report, args.plot)
+    if args.json:
+        render.write_json(data)
+    else:
+        con = render.console()
+        for table in render.staleness_tables(data, args.last):
+            con.print(table)
+        if comparison is not None:
+            for table in render.whatif_tables(comparison):
+                con.print(table)
+        if args.plot:
+            con.print(f"plot written to {args.plot}")
+    return 0
+
+
+# -- audit -------------------------------------------------------------------------------
+
+
+def _register_audit(subparsers: Any) -> None:
+    p = _sub(subparsers, "audit", "trainer_version history and invariant check",
+             "  rl-controller audit --run r1            # exit 1 names the first bad position\n"
+             "  rl-controller audit --run r1 --csv history.csv")
+    _add_run(p)
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="the whole report as JSON")
+    out.add_argument("--csv", metavar="FILE", help="write one row per trainer_version to FILE")
+    p.add_argument("--last", type=int, default=50, metavar="N",
+                   help="rows shown per table (0 = all; JSON/CSV have all)")
+    p.set_defaults(func=cmd_audit)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from replay.audit import build_report, write_csv
+    from replay.reader import fold_log
+
+    with open_store(args) as store:
+        require_run(store, args.run)
+        report = build_report(fold_log(store, args.run))
+    if args.json:
+        render.write_json(report.to_dict())
+    else:
+        if args.csv:
+            with open(args.csv, "w", newline="") as fh:
+                write_csv(report, fh)
+        con = render.console()
+        for table in render.audit_tables(report.to_dict(), args.last):
+            con.print(table)
+    if report.problem is not None:
+        p = report.problem
+        print(f"rl-controller: audit failed: {p['kind']} at position {p['position']}: {p['reason']}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,291 @@
+"""Staleness analysis of a run: how old the data each step trained on was, and why.
+
+Per finished step: the consumed groups' lag (trainer_version at the step's start minus
+the weight version the group's generation started from) -- mean, max and weighted by
+completion tokens --, how long each group waited in the buffer (its commit ts to the ts
+of the microbatch that trained it), the groups evicted while the step was being filled,
+and the groups whose generation crossed a weight update (end version != start version).
+
+Most of it is read off the folded state (``StepRecord``/``GroupRecord`` keep history).
+What the state forgets is collected during the fold by a :class:`Trace` that observes a
+few event types only: the microbatch ts of each claim, each eviction, and the number of
+live groups over time.
+
+Time the admission gate was closed -- method: after every event that changes the number
+of live groups (admitted, committed or claimed but not consumed) or the trainer/weight
+versions, the gate of ``controller.policies.admission`` is evaluated on those numbers
+(closed when live >= capacity, or when a group dispatched at the published weight
+version could be trained beyond the window: trainer_version + live // groups_per_step -
+weight_version > window); a closed gate counts until the next such event. Capacity is
+``staleness.buffer_groups`` from the run's config, else groups_per_step * (window + 1).
+The gate also waits for a free generator; that is not visible in the log and not counted.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from controller.state import GroupRecord, RunState, StepRecord, StepStatus
+from events.schema import (
+    GroupCommitted,
+    GroupEvicted,
+    GroupFailed,
+    MicrobatchTrained,
+    RolloutAdmitted,
+    RunRewound,
+    StepAborted,
+    StepFinished,
+    WeightsPublished,
+)
+
+GATE_METHOD = (
+    "gate closed while live groups >= capacity or trainer_version + live // groups_per_step "
+    "- weight_version > window, evaluated after each event that changes them (generator "
+    "availability is not in the log and not counted)"
+)
+
+
+def capacity_of(state: RunState) -> int:
+    """Buffer capacity of the run, from its RunStarted config (as the run resolved it)."""
+    staleness = state.config.get("staleness", {}) if isinstance(state.config, dict) else {}
+    explicit = staleness.get("buffer_groups", 0) if isinstance(staleness, dict) else 0
+    return int(explicit or state.groups_per_step * (state.window_versions + 1))
+
+
+class Trace:
+    """Fold observer: what the state does not keep. Register with :meth:`observers`."""
+
+    def __init__(self) -> None:
+        self.ts = array("d")
+        self.live = array("l")
+        self.buffered = array("l")
+        self.gate_closed = array("b")
+        #: group id -> ts of the microbatch that (last) claimed it
+        self.claim_ts: dict[str, float] = {}
+        #: (position, ts, group id, lag, reason) of each eviction
+        self.evictions: list[tuple[int, float, str, int, str]] = []
+        self._claimed = 0
+        self._capacity = 0
+
+    def observers(self) -> dict[type, Any]:
+        sample = self._sample
+        return {
+            RolloutAdmitted: sample,
+            GroupCommitted: sample,
+            GroupFailed: sample,
+            GroupEvicted: self._evicted,
+            MicrobatchTrained: self._microbatch,
+            StepFinished: self._step_ended,
+            StepAborted: self._step_ended,
+            WeightsPublished: sample,
+            RunRewound: sample,
+        }
+
+    def _sample(self, event: Any, position: int, state: RunState) -> None:
+        if not self._capacity:
+            self._capacity = capacity_of(state)
+        live = len(state.admitted) + len(state.buffer) + self._claimed
+        closed = live >= self._capacity or (
+            state.trainer_version + live // max(state.groups_per_step, 1) - state.weight_version
+            > state.window_versions
+        )
+        self.ts.append(event.ts)
+        self.live.append(live)
+        self.buffered.append(len(state.buffer))
+        self.gate_closed.append(closed)
+
+    def _evicted(self, event: GroupEvicted, position: int, state: RunState) -> None:
+        self.evictions.append((position, event.ts, event.group_id, event.lag, event.reason))
+        self._sample(event, position, state)
+
+    def _microbatch(self, event: MicrobatchTrained, position: int, state: RunState) -> None:
+        ts = event.ts
+        claim = self.claim_ts
+        for gid in event.group_ids:
+            claim[gid] = ts
+        self._claimed += len(event.group_ids)
+        self._sample(event, position, state)
+
+    def _step_ended(self, event: Any, position: int, state: RunState) -> None:
+        self._claimed = 0
+        self._sample(event, position, state)
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+@dataclass
+class StepStaleness:
+    step: int
+    trainer_version: int
+    ended_ts: float
+    groups: int
+    lag_mean: float
+    lag_max: int
+    lag_token_weighted: float
+    wait_mean_s: float
+    wait_max_s: float
+    evicted: int
+    crossed_update: int
+    reward_mean: float
+    lost: bool
+
+
+@dataclass
+class StalenessReport:
+    run_id: str
+    window: int
+    groups_per_step: int
+    capacity: int
+    steps: list[StepStaleness]
+    summary: dict[str, Any]
+    #: (lag, mean reward) per consumed group, for the reward-vs-lag plot
+    reward_vs_lag: list[tuple[int, float]] = field(default_factory=list)
+    #: (seconds since the first sample, live groups, buffered groups), down-sampled
+    occupancy: list[tuple[float, int, int]] = field(default_factory=list)
+    lag_histogram: dict[int, int] = field(default_factory=dict)
+    gate_method: str = GATE_METHOD
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["lag_histogram"] = {str(k): v for k, v in sorted(self.lag_histogram.items())}
+        return out
+
+
+def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> StalenessReport:
+    """The staleness report of a folded state plus the trace collected while folding."""
+    groups = state.groups
+    finished = [s for s in state.steps.values() if s.status is StepStatus.FINISHED]
+    finished.sort(key=lambda s: s.step)
+    ends = [s.ended_position for s in finished]
+    evicted_per_step = [0] * len(finished)
+    for position, *_ in trace.evictions:
+        i = bisect_right(ends, position)
+        if i < len(finished):
+            evicted_per_step[i] += 1
+    rows, reward_vs_lag, waits, hist = [], [], [], {}
+    all_lags: list[int] = []
+    lag_tokens = tokens_total = crossed_total = 0
+    for record, evicted in zip(finished, evicted_per_step):
+        members = [groups[g] for g in record.group_ids]
+        row, group_waits = _step_row(record, members, trace.claim_ts, evicted)
+        rows.append(row)
+        waits += group_waits
+        for g in members:
+            lag = g.lag or 0
+            hist[lag] = hist.get(lag, 0) + 1
+            all_lags.append(lag)
+            tokens = sum(g.lengths)
+            lag_tokens += lag * tokens
+            tokens_total += tokens
+            crossed_total += g.weight_version_end != g.weight_version_start
+            if g.rewards:
+                reward_vs_lag.append((lag, sum(g.rewards) / len(g.rewards)))
+    summary = _summary(state, trace, rows, all_lags, waits, lag_tokens, tokens_total, crossed_total)
+    return StalenessReport(
+        run_id=state.run_id,
+        window=state.window_versions,
+        groups_per_step=state.groups_per_step,
+        capacity=capacity_of(state),
+        steps=rows,
+        summary=summary,
+        reward_vs_lag=reward_vs_lag,
+        occupancy=_downsample(trace, max_points),
+        lag_histogram=hist,
+    )
+
+
+def _step_row(
+    record: StepRecord, members: list[GroupRecord], claim_ts: dict[str, float], evicted: int
+) -> tuple[StepStaleness, list[float]]:
+    lags = [g.lag or 0 for g in members]
+    tokens = [sum(g.lengths) for g in members]
+    total = sum(tokens)
+    waits = [
+        claim_ts.get(g.group_id, record.ended_ts) - (g.committed_ts or 0.0) for g in members
+    ]
+    rewards = [r for g in members for r in g.rewards]
+    return (
+        StepStaleness(
+            step=record.step,
+            trainer_version=record.trainer_version or 0,
+            ended_ts=record.ended_ts,
+            groups=len(members),
+            lag_mean=sum(lags) / len(lags) if lags else 0.0,
+            lag_max=max(lags, default=0),
+            lag_token_weighted=sum(l * t for l, t in zip(lags, tokens)) / total if total else 0.0,
+            wait_mean_s=sum(waits) / len(waits) if waits else 0.0,
+            wait_max_s=max(waits, default=0.0),
+            evicted=evicted,
+            crossed_update=sum(g.weight_version_end != g.weight_version_start for g in members),
+            reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+            lost=record.lost,
+        ),
+        waits,
+    )
+
+
+def _summary(
+    state: RunState,
+    trace: Trace,
+    rows: list[StepStaleness],
+    lags: list[int],
+    waits: list[float],
+    lag_tokens: int,
+    tokens_total: int,
+    crossed: int,
+) -> dict[str, Any]:
+    closed_s, span_s = _gate_closed_time(trace)
+    waits_sorted = sorted(waits)
+    aborted = sum(1 for s in state.steps.values() if s.status is StepStatus.ABORTED)
+    return {
+        "steps_finished": len(rows),
+        "steps_aborted": aborted,
+        "groups_consumed": len(lags),
+        "lag_mean": sum(lags) / len(lags) if lags else 0.0,
+        "lag_max": max(lags, default=0),
+        "lag_token_weighted": lag_tokens / tokens_total if tokens_total else 0.0,
+        "wait_mean_s": sum(waits) / len(waits) if waits else 0.0,
+        "wait_p50_s": _quantile(waits_sorted, 0.5),
+        "wait_p95_s": _quantile(waits_sorted, 0.95),
+        "wait_max_s": waits_sorted[-1] if waits_sorted else 0.0,
+        "evicted": len(trace.evictions),
+        "crossed_update": crossed,
+        "crossed_update_fraction": crossed / len(lags) if lags else 0.0,
+        "in_flight_now": len(state.admitted),
+        "buffered_now": len(state.buffer),
+        "gate_closed_s": closed_s,
+        "gate_closed_fraction": closed_s / span_s if span_s > 0 else 0.0,
+        "observed_span_s": span_s,
+    }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _gate_closed_time(trace: Trace) -> tuple[float, float]:
+    ts, closed = trace.ts, trace.gate_closed
+    if len(ts) < 2:
+        return 0.0, 0.0
+    total = 0.0
+    for i in range(len(ts) - 1):
+        if closed[i]:
+            total += max(0.0, ts[i + 1] - ts[i])
+    return total, max(0.0, ts[-1] - ts[0])
+
+
+def _downsample(trace: Trace, max_points: int) -> list[tuple[float, int, int]]:
+    n = len(trace.ts)
+    if n == 0:
+        return []
+    stride = max(1, -(-n // max_points))
+    t0 = trace.ts[0]
+    return [
+        (trace.ts[i] - t0, trace.live[i], trace.buffered[i]) for i in range(0, n, stride)
+    ]

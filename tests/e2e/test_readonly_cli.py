@@ -1,0 +1,244 @@
+"""The read-only commands through the real CLI entry, against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.cli import main
+from events.codec import encode
+from events.redis_store import RedisEventStore
+from tests.unit.log_builder import LogBuilder, random_run
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_log(url: str, b: LogBuilder, garbage_at: dict[int, bytes] | None = None) -> None:
+    """Append the builder's events raw (hand-built logs may be invalid on purpose)."""
+    store = RedisEventStore(url)
+    try:
+        store.claim_epoch(b.run_id)
+        for stored in b.events:
+            data = (garbage_at or {}).get(stored.position) or encode(stored.event)
+            store.append_raw(b.run_id, data, event_type=type(stored.event).__name__,
+                             event_id=stored.event.event_id)
+    finally:
+        store.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_env_url(monkeypatch):
+    monkeypatch.delenv("RLC_REDIS_URL", raising=False)
+
+
+def cli(capsys, url: str, *argv: str) -> tuple[int, str, str]:
+    args = [argv[0], "--redis-url", url, *argv[1:]]
+    try:
+        code = main(args)
+    except SystemExit as exc:  # run_command's one-line errors exit this way
+        code = exc.code
+    out, err = capsys.readouterr()
+    return int(code or 0), out, err
+
+
+@pytest.fixture
+def run(redis_url: str) -> LogBuilder:
+    b = random_run(11, 20, p_abort=0.05, p_restart=0.05)
+    write_log(redis_url, b)
+    return b
+
+
+def test_runs_lists_the_run(capsys, redis_url, run):
+    code, out, _ = cli(capsys, redis_url, "runs", "--json")
+    assert code == 0
+    [row] = json.loads(out)
+    assert row["run_id"] == run.run_id and row["events"] == run.last_position
+    assert row["finished"] is True and row["trainer_version"] == 20
+    code, out, _ = cli(capsys, redis_url, "runs")
+    assert code == 0 and run.run_id in out
+
+
+def test_tail_prints_one_line_per_event(capsys, redis_url, run):
+    code, out, _ = cli(capsys, redis_url, "tail", "--run", run.run_id, "--from", "3")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == run.last_position - 2
+    assert lines[-1].split()[0] == str(run.last_position) and "RunFinished" in lines[-1]
+    code, out, _ = cli(capsys, redis_url, "tail", "--run", run.run_id, "--json")
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["position"] for e in events] == list(range(1, run.last_position + 1))
+    assert events[0]["type"] == "RunStarted"
+
+
+def test_replay_at_and_step(capsys, redis_url, run):
+    state = run.fold()
+    step = state.steps[5]
+    code, out, _ = cli(capsys, redis_url, "replay", "--run", run.run_id, "--step", "5", "--json")
+    assert code == 0
+    point = json.loads(out)
+    assert point["position"] == step.ended_position
+    code, out, _ = cli(capsys, redis_url, "replay", "--run", run.run_id, "--at", str(step.ended_position), "--json")
+    assert json.loads(out) == point
+    code, out, _ = cli(capsys, redis_url, "replay", "--run", run.run_id, "--until", "40")
+    assert code == 0 and "at position 40" in out and "buffer" in out
+    code, _, err = cli(capsys, redis_url, "replay", "--run", run.run_id, "--at", "999999")
+    assert code == 2 and "past the end" in err and len(err.strip().splitlines()) == 1
+
+
+def test_replay_point_has_ages_and_lags(capsys, redis_url):
+    b = LogBuilder(run_id="pt", window=1, groups_per_step=2, dt=1.0, t0=100.0).start()
+    b.group("g1").admit("g2")
+    write_log(redis_url, b)
+    code, out, _ = cli(capsys, redis_url, "replay", "--run", "pt", "--json")
+    point = json.loads(out)
+    assert point["buffer"][0]["group_id"] == "g1" and point["buffer"][0]["age_s"] == 1.0
+    assert point["buffer"][0]["lag"] == 0
+    assert point["in_flight"][0]["group_id"] == "g2" and point["in_flight"][0]["age_s"] == 0.0
+
+
+def test_audit_clean_and_csv(capsys, redis_url, run, tmp_path):
+    code, out, err = cli(capsys, redis_url, "audit", "--run", run.run_id)
+    assert code == 0 and "all hold" in out and err == ""
+    csv_file = tmp_path / "history.csv"
+    code, _, _ = cli(capsys, redis_url, "audit", "--run", run.run_id, "--csv", str(csv_file))
+    assert code == 0 and len(csv_file.read_text().splitlines()) == 21
+    code, out, _ = cli(capsys, redis_url, "audit", "--run", run.run_id, "--json")
+    assert json.loads(out)["problem"] is None
+
+
+def test_audit_violation_exits_1_naming_the_position(capsys, redis_url):
+    b = LogBuilder(run_id="bad", window=1, groups_per_step=2).start().group("g1").group("g2")
+    b.train_step(["g1", "g2"]).begin_step().microbatch(["g1"])  # g1 consumed twice
+    bad = b.last_position
+    write_log(redis_url, b)
+    code, out, err = cli(capsys, redis_url, "audit", "--run", "bad")
+    assert code == 1
+    assert f"position {bad}" in err and "Traceback" not in err
+    code, out, _ = cli(capsys, redis_url, "audit", "--run", "bad", "--json")
+    assert code == 1 and json.loads(out)["problem"]["position"] == bad
+
+
+def test_malformed_entry_named_without_traceback(capsys, redis_url):
+    b = LogBuilder(run_id="junk").start().group("g1").group("g2")
+    write_log(redis_url, b, garbage_at={4: b"\x00garbage"})
+    for command in ("audit", "replay", "staleness"):
+        code, _, err = cli(capsys, redis_url, command, "--run", "junk")
+        assert code == 1, command
+        assert "position 4" in err and "Traceback" not in err
+    code, out, err = cli(capsys, redis_url, "tail", "--run", "junk")
+    assert code == 1 and "position 4" in err and len(out.splitlines()) == b.last_position - 1
+
+
+def test_staleness_json_plot_and_what_if(capsys, redis_url, run, tmp_path):
+    png = tmp_path / "s.png"
+    code, out, _ = cli(capsys, redis_url, "staleness", "--run", run.run_id, "--json", "--plot", str(png),
+                       "--what-if", "policy=ready_first")
+    assert code == 0 and png.stat().st_size > 10_000
+    data = json.loads(out)
+    assert data["summary"]["steps_finished"] == 20
+    assert len(data["steps"]) == 20
+    # random_run trains whatever committed first: ready_first reproduces it exactly
+    assert data["what_if"]["steps"]["identical"] == 20
+    assert data["what_if"]["assumptions"]
+    code, out, _ = cli(capsys, redis_url, "staleness", "--run", run.run_id, "--what-if", "window=0")
+    assert code == 0 and "what-if assumptions" in out
+    code, _, err = cli(capsys, redis_url, "staleness", "--run", run.run_id, "--what-if", "speed=2")
+    assert code == 2 and "speed=2" in err
+
+
+def test_wrong_run_id_lists_the_runs(capsys, redis_url, run):
+    for command in ("tail", "replay", "staleness", "audit"):
+        code, out, err = cli(capsys, redis_url, command, "--run", "nope")
+        assert code == 2, command
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "nope" in lines[0] and run.run_id in lines[0]
+
+
+def test_unreachable_redis_is_one_clear_line(capsys):
+    from events.embedded import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    code, _, err = cli(capsys, url, "runs")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "unavailable" in lines[0]
+
+
+def test_no_embedded_log_in_data_dir(capsys, tmp_path):
+    try:
+        code = main(["audit", "--data-dir", str(tmp_path), "--run", "r"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "no runs in" in err
+
+
+def test_embedded_default_is_found_without_flags(capsys, tmp_path, monkeypatch):
+    from events.embedded import ensure_embedded_redis, stop_embedded_redis
+
+    data_dir = tmp_path / "rlc-data"
+    server = ensure_embedded_redis(data_dir)
+    try:
+        write_log(server.url, random_run(2, 3))
+        monkeypatch.chdir(tmp_path)
+        assert main(["audit", "--run", "sim-2"]) == 0
+        assert "sim-2" in capsys.readouterr().out
+    finally:
+        stop_embedded_redis(data_dir)
+
+
+def test_help_has_examples(capsys):
+    for command in ("runs", "tail", "replay", "staleness", "audit"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0
+        assert "examples:" in capsys.readouterr().out
+
+
+def test_subprocess_entry_point(redis_url, run):
+    env = {**os.environ, "RLC_REDIS_URL": redis_url}
+    proc = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "audit", "--run", run.run_id, "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["summary"]["trainer_version"] == 20
+    proc = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "replay", "--run", "missing"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and run.run_id in proc.stderr
+
+
+def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
+    b = LogBuilder(run_id="live").start()
+    write_log(redis_url, b)
+    env = {**os.environ, "RLC_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", "tail", "--run", "live", "--follow"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert "RunStarted" in proc.stdout.readline()
+        assert "ControllerStarted" in proc.stdout.readline()
+        store = RedisEventStore(redis_url)
+        b.admit("g1")
+        store.append_raw("live", encode(b.events[-1].event), event_type="RolloutAdmitted")
+        store.close()
+        line = proc.stdout.readline()
+        assert line.split()[0] == "3" and "RolloutAdmitted" in line
+        import signal
+
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        assert proc.returncode in (0, 130)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

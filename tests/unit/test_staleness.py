@@ -1,0 +1,113 @@
+"""Staleness analysis and plots over hand-built logs with known lags, waits and evictions."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.state import StepStatus
+from replay import staleness
+from replay.plots import plot_data, write_plot
+from replay.reader import fold_log
+from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.test_audit import store_of
+
+
+def analyze(b: LogBuilder) -> staleness.StalenessReport:
+    trace = staleness.Trace()
+    result = fold_log(store_of(b), b.run_id, observers=trace.observers())
+    assert result.problem is None
+    return staleness.analyze(result.state, trace)
+
+
+def _two_steps() -> LogBuilder:
+    """window 2, two groups per step; step 1 trains g3 at lag 1 (start 0) and g4 at lag 0."""
+    b = LogBuilder(window=2, groups_per_step=2, dt=1.0, t0=0.0).start()
+    b.group("g1").group("g2")                                   # positions 3..6
+    b.admit("g3")                                               # dispatched at v0
+    b.train_step(["g1", "g2"], microbatch_groups=2).publish()   # v1
+    b.commit("g3", start=0, end=1, lengths=[10, 10])            # crossed the update
+    b.admit("g4").commit("g4", lengths=[30, 30])                # start 1
+    b.train_step(["g3", "g4"], microbatch_groups=1).publish()
+    return b
+
+
+def test_per_step_lag_wait_and_crossing():
+    b = _two_steps()
+    report = analyze(b)
+    s0, s1 = report.steps
+    assert (s0.lag_mean, s0.lag_max, s0.crossed_update) == (0.0, 0, 0)
+    assert (s1.lag_mean, s1.lag_max) == (0.5, 1)
+    assert s1.lag_token_weighted == pytest.approx((1 * 20 + 0 * 60) / 80)
+    assert s1.crossed_update == 1
+    # waits: commit ts -> ts of the microbatch that trained the group (ts = position)
+    state = b.fold()
+    pos = {e.event.group_id: e.position for e in b.events if type(e.event).__name__ == "GroupCommitted"}
+    mbs = [e for e in b.events if type(e.event).__name__ == "MicrobatchTrained"]
+    assert s0.wait_max_s == mbs[0].position - pos["g1"]
+    assert s1.wait_mean_s == pytest.approx(((mbs[1].position - pos["g3"]) + (mbs[2].position - pos["g4"])) / 2)
+    assert report.summary["groups_consumed"] == 4
+    assert report.summary["crossed_update"] == 1
+    assert report.lag_histogram == {0: 3, 1: 1}
+    assert state.steps[1].status is StepStatus.FINISHED
+
+
+def test_evictions_are_counted_in_the_step_they_delayed():
+    b = LogBuilder(window=0, groups_per_step=1).start()
+    b.group("g1").group("g2").train_step(["g1"]).publish()
+    b.evict("g2", lag=1).group("g3").train_step(["g3"]).publish()
+    report = analyze(b)
+    assert [s.evicted for s in report.steps] == [0, 1]
+    assert report.summary["evicted"] == 1
+
+
+def test_gate_closed_time_from_live_groups():
+    # capacity = 1 * (0 + 1) = 1: closed from g1's admission (buffer full), then from
+    # StepFinished until v1 is published (generators behind: window closed).
+    b = LogBuilder(window=0, groups_per_step=1, dt=1.0, t0=0.0).start()
+    b.admit("g1")                   # pos 3, ts 3: live 1 -> closed
+    b.commit("g1")                  # pos 4
+    b.train_step(["g1"])            # pos 5..7: consumed at ts 7, but v1 not published
+    b.publish()                     # pos 8: open
+    b.admit("g2")                   # pos 9: closed again (not counted: nothing after it)
+    report = analyze(b)
+    assert report.summary["gate_closed_s"] == pytest.approx(8 - 3)
+    assert report.summary["observed_span_s"] == pytest.approx(9 - 3)
+    assert report.capacity == 1
+
+
+def test_capacity_comes_from_the_config_when_set():
+    b = LogBuilder(window=1, groups_per_step=2).start(config={"staleness": {"buffer_groups": 9}})
+    assert staleness.capacity_of(b.fold()) == 9
+    assert staleness.capacity_of(LogBuilder(window=1, groups_per_step=2).start().fold()) == 4
+
+
+def test_plot_data_and_png(tmp_path):
+    b = random_run(3, 25)
+    report = analyze(b)
+    data = plot_data(report)
+    state = b.fold()
+    finished = [s for s in state.steps.values() if s.status is StepStatus.FINISHED]
+    assert len(data["lag_per_step"]["step"]) == len(finished) == 25
+    assert len(data["reward_vs_lag"]["lag"]) == sum(len(s.group_ids) for s in finished)
+    assert 0 < len(data["occupancy"]["t_s"]) == len(data["occupancy"]["live"])
+    assert max(data["occupancy"]["live"]) <= report.capacity
+    out = write_plot(report, tmp_path / "sub" / "staleness.png")
+    assert out.exists() and out.stat().st_size > 10_000
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_occupancy_is_downsampled_to_the_limit():
+    b = random_run(4, 60)
+    trace = staleness.Trace()
+    result = fold_log(store_of(b), b.run_id, observers=trace.observers())
+    report = staleness.analyze(result.state, trace, max_points=50)
+    assert len(report.occupancy) <= 50 < len(trace.ts)
+
+
+def test_report_is_json_ready():
+    import msgspec
+
+    report = analyze(_two_steps())
+    data = msgspec.json.decode(msgspec.json.encode(report.to_dict()))
+    assert data["summary"]["lag_max"] == 1
+    assert data["lag_histogram"] == {"0": 3, "1": 1}

@@ -1,0 +1,201 @@
+"""What-if: re-running the policies over a recorded log.
+
+The recorded logs come from a simulation that drives ``controller.policies`` the way
+``controller.loop`` does (admission gate, evict-then-select per microbatch, selection
+re-checked after every event, aborts), so "what-if with the recorded settings gives the
+recorded batches" is tested against the loop's own decision procedure.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from controller import policies
+from controller.fold import fold
+from controller.reducer import apply
+from controller.state import initial_state
+from replay import whatif
+from tests.unit.log_builder import LogBuilder
+
+
+def loop_like_run(
+    seed: int, *, policy: str, window: int, gps: int = 4, gpm: int = 2, steps: int = 25,
+    p_fail: float = 0.05, p_abort: float = 0.05,
+) -> LogBuilder:
+    rng = random.Random(seed)
+    b = LogBuilder(run_id=f"loop-{seed}", window=window, groups_per_step=gps, samples_per_group=2)
+    state = initial_state()
+
+    def sync() -> None:
+        for stored in b.events[state.position:]:
+            apply(state, stored)
+
+    config = {"staleness": {"selection": policy, "window_versions": window},
+              "train": {"groups_per_step": gps, "groups_per_microbatch": gpm}}
+    b.start(config=config)
+    sync()
+    capacity = gps * (window + 1)
+    in_flight: list[str] = []
+    retry: list[str] = []
+    t = {"phase": "select", "want": min(gpm, gps), "busy": 0, "ids": [], "claimed": 0}
+    finished = 0
+
+    def try_select() -> None:
+        for gid, lag in policies.to_evict(state, trainer_version=state.trainer_version, window=window):
+            b.evict(gid, lag=lag)
+            sync()
+        ids = policies.select(state, policy, t["want"])  # type: ignore[arg-type]
+        if len(ids) < t["want"]:
+            return
+        if state.open_step is None:
+            b.begin_step()
+            sync()
+        t.update(phase="train", ids=ids, busy=rng.randint(0, 3))
+
+    def trainer_tick() -> int:
+        if t["phase"] == "select":
+            try_select()
+        elif t["busy"] > 0:
+            t["busy"] -= 1
+        elif t["phase"] == "train":
+            if rng.random() < p_abort:
+                b.abort_step("trainer error")
+                sync()
+                t.update(phase="select", want=min(gpm, gps), claimed=0)
+                try_select()
+                return 0
+            b.microbatch(t["ids"])
+            sync()
+            t["claimed"] += len(t["ids"])
+            if t["claimed"] < gps:
+                t.update(phase="select", want=min(gpm, gps - t["claimed"]))
+                try_select()
+            else:
+                t.update(phase="finish", busy=rng.randint(0, 2))
+        else:  # finish
+            b.finish_step()
+            b.publish()
+            sync()
+            t.update(phase="select", want=min(gpm, gps), claimed=0)
+            try_select()
+            return 1
+        return 0
+
+    n = 0
+    while finished < steps:
+        r = rng.random()
+        gate = policies.admission(state, dispatch_version=state.weight_version, window=window,
+                                  groups_per_step=gps, capacity=capacity)
+        if r < 0.45 and gate.allowed:
+            if retry:
+                gid = retry.pop(0)
+            else:
+                gid, n = f"g{n:05d}", n + 1
+            b.admit(gid)
+            in_flight.append(gid)
+        elif r < 0.9 and in_flight:
+            gid = in_flight.pop(rng.randrange(len(in_flight)))
+            if rng.random() < p_fail:
+                b.fail(gid)
+                retry.append(gid)
+            else:
+                b.commit(gid)
+        sync()
+        finished += trainer_tick()
+    return b
+
+
+def _pairs(b: LogBuilder):
+    return [(s.position, s.event) for s in b.events]
+
+
+CASES = [(seed, policy, window) for seed in (0, 1, 2)
+         for policy in policies.SELECTION_POLICIES for window in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("seed, policy, window", CASES)
+def test_recorded_settings_reproduce_recorded_batches_exactly(seed, policy, window):
+    b = loop_like_run(seed, policy=policy, window=window)
+    state = fold(b.events)
+    settings = whatif.recorded_settings(state)
+    assert (settings.policy, settings.window, settings.groups_per_microbatch) == (policy, window, 2)
+    result = whatif.simulate(_pairs(b), settings)
+    recorded = whatif.recorded_batches(state)
+    got = {s.step: s.microbatches for s in result.finished()}
+    assert got == recorded
+    aborted = [s.step for s in result.steps if s.status == "aborted"]
+    assert aborted == [s.step for s in state.steps.values() if s.status.value == "aborted"]
+    cmp = whatif.compare(state, result)
+    assert cmp["steps"]["different"] == 0
+    assert cmp["recorded"]["lag_mean"] == cmp["what_if"]["lag_mean"]
+    assert result.lateness_s == 0.0
+    assert result.stopped == "end of log"
+
+
+def test_smaller_window_removes_lag_and_evicts_more():
+    b = loop_like_run(3, policy="ready_first", window=2, steps=40)
+    state = fold(b.events)
+    base = whatif.recorded_settings(state)
+    recorded = whatif.compare(state, whatif.simulate(_pairs(b), base))
+    assert recorded["recorded"]["lag_max"] == 2  # the run did use its window
+    for window in (0, 1):
+        cmp = whatif.compare(
+            state, whatif.simulate(_pairs(b), whatif.parse_what_if([f"window={window}"], base))
+        )
+        assert cmp["what_if"]["lag_max"] <= window
+        assert cmp["what_if"]["lag_mean"] < recorded["recorded"]["lag_mean"]
+        assert cmp["what_if"]["evicted"] > cmp["recorded"]["evicted"]
+        assert cmp["steps"]["different"] > 0
+
+
+def test_bigger_window_keeps_groups_that_were_evicted():
+    # window 0, one group per step: g2 (generated at v0) is evicted once v1 exists.
+    b = LogBuilder(window=0, groups_per_step=1).start(
+        config={"staleness": {"selection": "in_order"}, "train": {"groups_per_microbatch": 1}}
+    )
+    b.group("g1").group("g2").train_step(["g1"]).publish()
+    b.evict("g2", lag=1).group("g3").train_step(["g3"]).publish()
+    state = fold(b.events)
+    base = whatif.recorded_settings(state)
+    same = whatif.compare(state, whatif.simulate(_pairs(b), base))
+    assert same["steps"]["identical"] == 2 and same["what_if"]["evicted"] == 1
+    wider = whatif.simulate(_pairs(b), whatif.parse_what_if(["window=1"], base))
+    cmp = whatif.compare(state, wider)
+    assert cmp["recorded"]["evicted"] == 1 and cmp["what_if"]["evicted"] == 0
+    assert [s.group_ids for s in wider.finished()] == [["g1"], ["g2"]]
+    assert [s.lags for s in wider.finished()] == [[0], [1]]
+    assert cmp["what_if"]["lag_max"] == 1 and cmp["recorded"]["lag_max"] == 0
+
+
+def test_policy_change_changes_composition_not_group_set_size():
+    b = loop_like_run(5, policy="in_order", window=1, steps=30, p_abort=0.0)
+    state = fold(b.events)
+    base = whatif.recorded_settings(state)
+    result = whatif.simulate(_pairs(b), whatif.parse_what_if(["policy=oldest_first"], base))
+    assert all(len(s.group_ids) == 4 for s in result.finished())
+    assert all(0 <= lag <= 1 for s in result.finished() for lag in s.lags)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("window=-1", "out of range"),
+    ("window=x", "expected an integer"),
+    ("policy=random", "choose one of"),
+    ("speed=3", "key one of"),
+    ("window", "key one of"),
+])
+def test_bad_what_if_names_the_key(item, message):
+    base = whatif.WhatIfSettings(window=1, policy="in_order", groups_per_step=4, groups_per_microbatch=2)
+    with pytest.raises(whatif.WhatIfError, match=message):
+        whatif.parse_what_if([item], base)
+
+
+def test_what_if_stops_at_a_rewind():
+    b = LogBuilder(window=1, groups_per_step=1).start().checkpoint()
+    b.group("g1").train_step(["g1"]).publish().checkpoint().group("g2").train_step(["g2"]).rewind(1)
+    b.group("g3").train_step(["g3"])
+    state = fold(b.events)
+    result = whatif.simulate(_pairs(b), whatif.recorded_settings(state))
+    assert result.stopped.startswith("RunRewound at position")
+    assert [s.group_ids for s in result.finished()] == [["g1"], ["g2"]]
