@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from controller.reducer import apply
-from controller.state import RunState
+from controller.state import RunState, encode_state
 from events.errors import FencedError, StoreUnavailableError
 from events.schema import Event, StoredEvent
 from events.store import EventStore
@@ -34,6 +34,7 @@ class LogWriter:
         clock: Callable[[], float] = time.time,
         retries: int = 5,
         retry_delay_s: float = 0.2,
+        snapshot_every: int = 5000,
     ) -> None:
         self.store = store
         self.run_id = run_id
@@ -44,6 +45,9 @@ class LogWriter:
         self.retry_delay_s = retry_delay_s
         self.fenced: FencedError | None = None
         self.appended = 0
+        #: save a snapshot of the folded state every this many events (0 = never)
+        self.snapshot_every = snapshot_every
+        self._last_snapshot = state.position
 
     @property
     def position(self) -> int:
@@ -74,4 +78,14 @@ class LogWriter:
         for pos, event in zip(positions, batch):
             apply(self.state, StoredEvent(position=pos, event=event))
         self.appended += len(batch)
+        if self.snapshot_every and self.position - self._last_snapshot >= self.snapshot_every:
+            self.snapshot()
         return positions
+
+    def snapshot(self) -> None:
+        """Save the folded state at the current position (a cache for fast recovery)."""
+        try:
+            self.store.save_snapshot(self.run_id, self.position, encode_state(self.state))
+            self._last_snapshot = self.position
+        except StoreUnavailableError:
+            pass  # only a cache: the next append retries the store anyway

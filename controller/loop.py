@@ -133,6 +133,8 @@ class Controller:
         self._aborts_in_row = 0
         self._gate_reason = ""
         self._waiting_for = ""
+        #: groups consumed by steps finished in this controller's lifetime
+        self._consumed_groups = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -418,6 +420,7 @@ class Controller:
             )
         )
         crash_point("after_step_finished", step)
+        self._consumed_groups += len(group_ids)
         if self.on_step is not None:
             self.on_step(step, result.trainer_version, metrics)
         await self._publish(result.trainer_version)
@@ -439,18 +442,13 @@ class Controller:
             ),
             "perf/data_wait_s": self.t.data_wait,
             "perf/step_s": wall,
-            "perf/groups_per_s": self._groups_consumed_total() / total,
+            # this step's groups are claimed, not yet consumed: count them in
+            "perf/groups_per_s": (self._consumed_groups + len(group_ids)) / total,
             "buffer/groups": float(len(self.state.buffer)),
             "buffer/in_flight": float(len(self.state.admitted)),
         })
         self.t = _Timers(started=self.t.started, last_progress=self.t.last_progress)
         return m
-
-    def _groups_consumed_total(self) -> int:
-        return sum(
-            len(s.group_ids) for s in self.state.steps.values()
-            if s.trainer_version is not None and not s.lost
-        ) + self.s.groups_per_step
 
     async def _timed_trainer(self, call):
         started = self.clock()

@@ -23,7 +23,7 @@ import structlog
 
 from controller import policies
 from controller.cli_common import CliError, add_store_args, open_store
-from controller.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import reconcile_workers
@@ -161,6 +161,7 @@ def _train(args, cfg: Config, writer, store) -> int:
     from controller.wiring import start_workers, worker_spec
 
     run_dir = Path(args.data_dir) / "runs" / writer.run_id
+    writer.snapshot_every = cfg.controller.snapshot_every_events
     configure_logging(run_dir / "controller.log.jsonl")
     structlog.contextvars.bind_contextvars(run_id=writer.run_id, epoch=writer.epoch)
     progress = Progress(cfg.run.steps, enabled=not args.no_progress)
@@ -196,18 +197,9 @@ def _train(args, cfg: Config, writer, store) -> int:
     finally:
         sink.close()
         workers.close()
-        _snapshot(store, writer)
+        writer.snapshot()
     _summary(progress, writer, run_dir, time.monotonic() - started)
     return 0
-
-
-def _snapshot(store, writer) -> None:
-    from controller.state import encode_state
-
-    try:
-        store.save_snapshot(writer.run_id, writer.position, encode_state(writer.state))
-    except Exception as err:  # a snapshot is a cache; the log is intact without it
-        log.warning("snapshot_failed", error=str(err))
 
 
 def _summary(progress: Progress, writer, run_dir: Path, elapsed_s: float) -> None:
