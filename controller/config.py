@@ -27,7 +27,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RunSection(_Section):
     seed: int = 0
     """Seed for prompt order, sampling seeds and model init."""
-    steps: int = 60
+    steps: int = 200
     """Optimizer steps to train (trainer_version to reach)."""
 
 
@@ -54,11 +54,11 @@ class TaskSection(_Section):
 class SamplingSection(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 8
+    max_new_tokens: int = 6
 
 
 class RolloutSection(_Section):
-    samples_per_group: int = 8
+    samples_per_group: int = 16
     """Completions per prompt (the GRPO group size)."""
     num_generators: int = 1
     max_attempts: int = 3
@@ -84,8 +84,8 @@ class LossSection(_Section):
 
 class TrainSection(_Section):
     backend: Literal["torch", "megatron"] = "torch"
-    groups_per_step: int = 4
-    groups_per_microbatch: int = 2
+    groups_per_step: int = 16
+    groups_per_microbatch: int = 8
     lr: float = 3e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0

@@ -25,5 +25,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "[setup] installing torch==2.13.0 (CPU) and the project"
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[dev]'
+.venv/bin/pip install -q -e '.[dev,megatron]'
 echo "[setup] done: .venv/bin/rl-controller --help"

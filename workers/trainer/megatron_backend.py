@@ -1,0 +1,509 @@
+"""Megatron-core backend of the trainer split API: mcore ``DistributedDataParallel``.
+
+Same contract, state machine, metrics, logprobs and checkpoint layout as
+:class:`~workers.trainer.torch_backend.TorchTrainer` (it is a subclass and reuses all
+of that); what differs is the gradient path, through mcore's contiguous gradient
+buffers (``param.main_grad``) and its bucketed data-parallel collective::
+
+    begin     zero_grad_buffer; save config.grad_sync_func / no_sync_func, set both None
+    micro*    with ddp.no_sync(): forward, loss with normaliser 1, backward
+              (grads accumulate into the fp32 buffer; nothing is communicated)
+    finish    gather the step's counts -> global N; ddp.scale_gradients(1/N);
+              MoE aux grads += aux / (global microbatch count);
+              ONE cross-DP reduction: start_grad_sync() only if overlap_grad_reduce,
+              then finish_grad_sync() (which, with overlap off, *is* the synchronous
+              reduction -- calling both would reduce twice: gradients x world size);
+              clip, read the LR, optimizer step, scheduler step; restore the hooks
+    abort     wait out any reduction in flight, zero the buffer, restore RNG and hooks
+
+Why the hooks are nulled: mcore schedules and overlapping wrappers read
+``config.no_sync_func`` / ``config.grad_sync_func``. The no-pipelining schedule runs
+its *last* microbatch outside ``no_sync_func``; with overlap on, that microbatch's
+backward hooks count per-parameter "grad ready" events, the counts are kept as the
+golden set at the next ``zero_grad_buffer`` and later steps auto-dispatch a reduction
+mid-step. The split API decides which microbatch is last only at ``finish``, so during
+a step nothing may dispatch a sync but ``finish``; after it (or after any exception)
+the caller's hooks are back exactly as they were.
+
+Gradient scaling: the DDP wrapper gets a copy of the model's ``TransformerConfig``
+with ``calculate_per_token_loss = True``, which makes mcore's collective a plain SUM
+(scaling factor 1); the only division is by the global N, once. The model itself
+keeps its own config (its MoE router is unaffected).
+
+MoE auxiliary losses: the router attaches them to activations through
+``MoEAuxLossAutoScaler``, whose backward scale mcore sets to 1/num_microbatches before
+the step -- unknown here until ``finish``. So each microbatch captures the aux losses
+instead, differentiates their sum separately (``autograd.grad``, which does not run the
+DDP accumulation hooks) into a side buffer, and ``finish`` adds it scaled by 1/M, M =
+the global count of real microbatches, before the one reduction.
+
+Optimizers: on CPU (or with ``use_distributed_optimizer = False``) a torch optimizer
+over the parameters, stepping on ``main_grad`` -- megatron's own optimizers cannot be
+built without CUDA; this path is numerically the torch backend's. On GPU by default,
+megatron's distributed optimizer (``get_megatron_optimizer``; gradients are
+reduce-scattered, parameters all-gathered after the step).
+
+Models: any causal-LM ``nn.Module`` (``model(input_ids) -> logits``), e.g. the built-in
+``TinyCausalLM`` (mcore DDP wraps any module given a ``TransformerConfig``), or
+:class:`McoreGPTFactory`, mcore's ``GPTModel`` with the local (non-TransformerEngine)
+layer spec, which runs on CPU with ``workers.trainer.megatron_shims``. Tensor and
+pipeline parallel size are 1: the data-parallel group is the whole world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.backends import BackendUnavailableError, check_megatron
+from workers.batch import TrainBatch
+from workers.loss import LossConfig, grpo_loss, token_logprobs, valid_counts
+from workers.trainer import checkpoint as ckpt
+from workers.trainer import distributed as dd
+from workers.trainer import megatron_shims as shims
+from workers.trainer.api import (
+    CheckpointInfo,
+    MicrobatchResult,
+    NonFiniteGradientError,
+    StepPhase,
+    StepResult,
+)
+from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
+from workers.trainer.metrics import combine, loss_normaliser, normalise
+from workers.trainer.torch_backend import TorchTrainer, _OpenStep, _trim, digest_parameters
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """Knobs of the megatron backend (``trainer.megatron.*``)."""
+
+    #: bucketed async reduction (mcore ``overlap_grad_reduce``); finish then dispatches it
+    overlap_grad_reduce: bool = False
+    #: megatron's distributed optimizer; None = on when the trainer runs on CUDA
+    use_distributed_optimizer: bool | None = None
+    #: accumulate and reduce gradients in fp32 whatever the parameter dtype
+    grad_reduce_in_fp32: bool = True
+    #: elements per bucket with overlap on; None = mcore's default
+    bucket_size: int | None = None
+
+
+@dataclass(frozen=True)
+class McoreGPTFactory:
+    """Picklable factory for mcore's ``GPTModel`` (local layer spec, tied embeddings)."""
+
+    vocab_size: int
+    context_len: int = 64
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+
+    def __call__(self) -> nn.Module:
+        return McoreGPTLM(self)
+
+
+class McoreGPTLM(nn.Module):
+    """``GPTModel`` behind the workers' model interface: ``model(input_ids) -> logits``."""
+
+    def __init__(self, cfg: McoreGPTFactory) -> None:
+        super().__init__()
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        self.context_len = cfg.context_len
+        self.config = TransformerConfig(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            params_dtype=torch.float32,
+        )
+        self.gpt = GPTModel(
+            self.config,
+            get_gpt_layer_local_spec(),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.context_len,
+            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=True,
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        if t > self.context_len:
+            raise ValueError(f"sequence of {t} tokens exceeds context_len {self.context_len}")
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        # mcore masks where True; passing it avoids its CUDA-only default causal mask
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).triu(1)
+        return self.gpt(input_ids, positions, attention_mask=causal[None, None])
+
+
+def _ddp_transformer_config(module: nn.Module) -> Any:
+    """A copy of the module's TransformerConfig (or a minimal one) with SUM reduction."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    own = getattr(module, "config", None)
+    if isinstance(own, TransformerConfig):
+        cfg = copy.copy(own)
+    else:
+        cfg = TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1)
+    cfg.calculate_per_token_loss = True  # gradient_scaling_factor 1: the collective sums
+    cfg.grad_sync_func = None
+    cfg.no_sync_func = None
+    return cfg
+
+
+@contextlib.contextmanager
+def _capture_aux_losses(into: list[torch.Tensor]) -> Iterator[None]:
+    """Collect MoE aux losses instead of attaching them to the activations' graph."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    except ImportError:  # pragma: no cover - megatron-core without MoE
+        yield
+        return
+    original = MoEAuxLossAutoScaler.apply
+
+    def capture(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        into.append(aux_loss)
+        return output
+
+    MoEAuxLossAutoScaler.apply = capture  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.apply = original  # type: ignore[method-assign]
+
+
+class _SavedHooks:
+    """The DDP config's sync hooks, nulled while a step is open (see module docstring)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self._saved: tuple[Any, Any] | None = None
+
+    def save_and_null(self) -> None:
+        self._saved = (self.config.grad_sync_func, self.config.no_sync_func)
+        self.config.grad_sync_func = None
+        self.config.no_sync_func = None
+
+    def restore(self) -> None:
+        """Put the saved hooks back; idempotent."""
+        if self._saved is not None:
+            self.config.grad_sync_func, self.config.no_sync_func = self._saved
+            self._saved = None
+
+
+class _ManualLr:
+    """LambdaLR's arithmetic for optimizers that are not ``torch.optim.Optimizer``."""
+
+    def __init__(self, optimizer: Any, base_lr: float, schedule: LrSchedule) -> None:
+        self.optimizer, self.base_lr, self.schedule = optimizer, base_lr, schedule
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base_lr * self.schedule(self.last_epoch)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self._apply()
+
+
+class MegatronTrainer(TorchTrainer):
+    """One data-parallel rank over mcore DDP (the default group is the DP group)."""
+
+    def __init__(
+        self,
+        model_factory: ModelFactory,
+        config: TrainerConfig | None = None,
+        options: MegatronOptions | None = None,
+    ) -> None:
+        shims.require_megatron()
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.config = cfg = config or TrainerConfig()
+        self.options = opts = options or MegatronOptions()
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        shims.ensure_parallel_state()
+        self.rank, self.world_size = dd.rank_and_world()
+        self.device = self._resolve_device(cfg.device)
+        use_dist_opt = opts.use_distributed_optimizer
+        if use_dist_opt is None:
+            use_dist_opt = self.device.type == "cuda"
+        check_megatron(installed=True, cuda=self.device.type == "cuda", require_gpu=use_dist_opt)
+        torch.manual_seed(cfg.seed)
+        module = model_factory().to(self.device)
+        module.eval()  # dropout off: determinism
+        dd.broadcast_module_(module)
+        self._model = module
+        self._reference: nn.Module | None = None
+        self._reference_digest: str | None = None
+        if cfg.keep_reference:
+            # a second instance, not deepcopy: mcore modules hold process groups
+            reference = model_factory().to(self.device).eval()
+            reference.load_state_dict(module.state_dict())
+            self._reference = reference.requires_grad_(False)
+            self._reference_digest = digest_parameters(self._reference)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=opts.grad_reduce_in_fp32,
+            overlap_grad_reduce=opts.overlap_grad_reduce,
+            use_distributed_optimizer=use_dist_opt,
+            bucket_size=opts.bucket_size,
+            average_in_collective=False,
+        )
+        with shims.buffers_on_cpu():
+            self._ddp = DistributedDataParallel(_ddp_transformer_config(module), ddp_config, module)
+        # what megatron's training loop installs; saved and nulled while a step is open
+        self._ddp.config.no_sync_func = self._ddp.no_sync
+        self._ddp.config.grad_sync_func = self._ddp.start_grad_sync
+        self._hooks = _SavedHooks(self._ddp.config)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._aux_grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._mcore_optimizer = use_dist_opt
+        if use_dist_opt:
+            self._optimizer = self._make_megatron_optimizer()
+            self._scheduler = _ManualLr(
+                self._optimizer, cfg.optimizer.lr, LrSchedule(cfg.scheduler)
+            )
+        else:
+            self._optimizer = self._make_optimizer()
+            self._scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self._optimizer, LrSchedule(cfg.scheduler)
+            )
+        torch.manual_seed(cfg.seed + 1 + self.rank)
+        self._version = 0
+        self._last_step: int | None = None
+        self._phase = StepPhase.IDLE
+        self._open: _OpenStep | None = None
+
+    def _make_megatron_optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o, max_norm = self.config.optimizer, self.config.max_grad_norm
+        mcfg = OptimizerConfig(
+            optimizer="sgd" if o.kind == "sgd" else "adam",
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            sgd_momentum=o.momentum,
+            clip_grad=0.0 if max_norm is None else max_norm,
+            use_distributed_optimizer=True,
+        )
+        return get_megatron_optimizer(mcfg, [self._ddp])
+
+    @property
+    def ddp(self) -> Any:
+        """The mcore ``DistributedDataParallel`` wrapper (its ``config`` holds the hooks)."""
+        return self._ddp
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Tensors of the model's state dict (mcore adds non-tensor ``_extra_state``)."""
+        return {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in self._model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    # -- the split API (the gradient path; state checks are TorchTrainer's) -------------
+
+    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
+        super().begin_train_step(step, loss_config)  # checks, zero_grad, opens the step
+        self._ddp.zero_grad_buffer()
+        self._aux_grads.clear()
+        self._hooks.save_and_null()
+
+    def _fail(self, open_: _OpenStep, err: BaseException) -> None:
+        self._hooks.restore()
+        super()._fail(open_, err)
+
+    def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult:
+        """Forward + backward under ``no_sync`` with normaliser 1; None = zero-weight dummy."""
+        open_ = self._require_open("train_microbatch")
+        index = open_.num_microbatches + open_.num_dummy
+        if batch is None:
+            open_.num_dummy += 1
+            return MicrobatchResult(index=index, num_sequences=0, num_tokens=0, dummy=True)
+        try:
+            n_seq, n_tok = valid_counts(batch.loss_mask)
+            mb = _trim(batch, self.device)
+            cfg = open_.loss_config
+            aux: list[torch.Tensor] = []
+            with self._ddp.no_sync(), _capture_aux_losses(aux):
+                logits = self._ddp(mb.input_ids)
+                if not isinstance(logits, torch.Tensor):
+                    logits = logits.logits
+                lp = token_logprobs(logits, mb.input_ids, cfg.temperature)
+                ref = mb.reference_logprobs
+                if ref is None and cfg.kl_coef > 0 and self._reference is not None:
+                    with torch.no_grad():
+                        ref = token_logprobs(
+                            self._logits(self._reference, mb.input_ids), mb.input_ids,
+                            cfg.temperature,
+                        )
+                out = grpo_loss(lp, mb, cfg, reference_logprobs=ref)
+                if aux:
+                    self._accumulate_aux(torch.stack([a.sum() for a in aux]).sum())
+                out.loss_sum.backward()
+            open_.metrics.add(out.metrics)
+        except BaseException as err:
+            self._fail(open_, err)
+            raise
+        open_.num_microbatches += 1
+        open_.num_sequences += n_seq
+        open_.num_tokens += n_tok
+        return MicrobatchResult(index=index, num_sequences=n_seq, num_tokens=n_tok)
+
+    @staticmethod
+    def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    def _accumulate_aux(self, aux_total: torch.Tensor) -> None:
+        grads = torch.autograd.grad(aux_total, self._params, retain_graph=True, allow_unused=True)
+        for p, g in zip(self._params, grads):
+            if g is not None:
+                acc = self._aux_grads.get(p)
+                g = g.detach().to(torch.float32)
+                self._aux_grads[p] = g if acc is None else acc + g
+
+    def finish_train_step(self) -> StepResult:
+        """Global normalise, ONE cross-DP reduction, clip, optimizer + scheduler step."""
+        open_ = self._require_open("finish_train_step")
+        cfg = open_.loss_config
+        try:
+            local = open_.metrics.stats(
+                open_.num_sequences, open_.num_tokens, open_.num_microbatches, open_.num_dummy
+            )
+            total = combine(dd.all_gather_objects(local))
+            n = loss_normaliser(total, cfg.aggregation)
+            if n == 0:
+                raise ValueError(
+                    f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
+                    "rank; abort it"
+                )
+            self._ddp.scale_gradients(1.0 / n)
+            for p, g in self._aux_grads.items():
+                p.main_grad.add_(g, alpha=1.0 / total.num_microbatches)
+            if self.options.overlap_grad_reduce:
+                self._ddp.start_grad_sync()  # async dispatch; finish_grad_sync waits on it
+            self._ddp.finish_grad_sync()  # with overlap off this IS the (only) reduction
+            grad_norm = self._clip_gradients()
+            if not math.isfinite(grad_norm):
+                raise NonFiniteGradientError(
+                    f"step {open_.step}: gradient norm is {grad_norm}; no update applied"
+                )
+            lr = float(self._optimizer.param_groups[0]["lr"])
+            self._optimizer_step()
+            self._scheduler.step()
+        except BaseException as err:
+            self._fail(open_, err)
+            raise
+        self._hooks.restore()
+        self._drop_gradients()
+        self._version += 1
+        self._last_step = open_.step
+        self._open = None
+        self._phase = StepPhase.IDLE
+        return StepResult(
+            step=open_.step,
+            trainer_version=self._version,
+            metrics=normalise(total, cfg.aggregation),
+            grad_norm=grad_norm,
+            lr=lr,
+            num_sequences=total.num_sequences,
+            num_tokens=total.num_tokens,
+            num_microbatches=total.num_microbatches,
+            weights_digest=self.weights_digest() if self.config.digest_on_finish else None,
+        )
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.config.max_grad_norm
+        if self._mcore_optimizer:
+            self._optimizer.prepare_grads()
+            norm = float(self._optimizer.get_grad_norm())
+            if max_norm is not None and math.isfinite(norm):
+                self._optimizer.clip_grad_norm(max_norm)
+            return norm
+        for p in self._params:
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        return float(
+            torch.nn.utils.clip_grad_norm_(self._params, math.inf if max_norm is None else max_norm)
+        )
+
+    def _optimizer_step(self) -> None:
+        if self._mcore_optimizer:
+            self._optimizer.step_with_ready_grads()
+        else:
+            self._optimizer.step()
+
+    def _drop_gradients(self) -> None:
+        """Wait out any reduction in flight, zero the buffers and optimizer gradients."""
+        for group in self._ddp.bucket_groups + self._ddp.expert_parallel_bucket_groups:
+            if group.grad_reduce_handle is not None:
+                group.grad_reduce_handle.wait()
+                group.grad_reduce_handle = None
+        self._ddp.zero_grad_buffer()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._aux_grads.clear()
+
+    def abort_train_step(self) -> None:
+        """Drop the open (or failed) step; a no-op when idle. Never touches weights."""
+        if self._phase is StepPhase.IDLE:
+            return
+        assert self._open is not None
+        self._hooks.restore()
+        self._drop_gradients()
+        self._set_rng_state(self._open.rng)
+        self._open = None
+        self._phase = StepPhase.IDLE
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | Path) -> CheckpointInfo:
+        """As the torch backend (same files); not yet for the distributed optimizer."""
+        if self._mcore_optimizer:
+            raise ckpt.CheckpointError(
+                "checkpointing megatron's distributed optimizer is not implemented yet "
+                "(its state is sharded over ranks); use use_distributed_optimizer = false"
+            )
+        return super().save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str | Path) -> CheckpointInfo:
+        if self._mcore_optimizer:
+            raise ckpt.CheckpointError(
+                "loading into megatron's distributed optimizer is not implemented yet"
+            )
+        return super().load_checkpoint(directory)
+
+
+__all__ = [
+    "BackendUnavailableError",
+    "McoreGPTFactory",
+    "McoreGPTLM",
+    "MegatronOptions",
+    "MegatronTrainer",
+]
