@@ -1,0 +1,136 @@
+"""``rl-controller run`` end to end through the installed command, in its default mode.
+
+A real embedded redis-server in a temporary ``--data-dir``, a local Ray, TransferQueue
+and the tiny model: three steps, then ``audit`` over the run. Then bad input, each of
+which must give one clear line on stderr, a non-zero exit and no write to the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from events.embedded import stop_embedded_redis
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_ID = "e2e-run"
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).parent / "rl-controller"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("rl-controller")
+    return [found] if found else [sys.executable, "-m", "controller.cli"]
+
+
+def cli(*argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
+    args = [*_command(), *argv]
+    try:
+        return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:  # a hang is a failure to report, with what it said
+        said = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        return subprocess.CompletedProcess(args, -9, "", f"{said}\n[no answer after {timeout_s:g} s]")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("rlc-data")
+    try:
+        yield path
+    finally:
+        stop_embedded_redis(path)
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir: Path) -> dict:
+    """The one good run of this module; returns its row of ``rl-controller runs``."""
+    proc = cli("run", "--steps", "3", "--run-id", RUN_ID, "--no-progress",
+               "--data-dir", str(data_dir), timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the human summary goes to stderr (the console), like the progress display
+    assert f"run {RUN_ID} finished: trainer_version 3" in proc.stdout + proc.stderr
+    return runs(data_dir)[RUN_ID]
+
+
+def runs(data_dir: Path) -> dict[str, dict]:
+    proc = cli("runs", "--json", "--data-dir", str(data_dir))
+    assert proc.returncode == 0, proc.stderr
+    return {row["run_id"]: row for row in json.loads(proc.stdout)}
+
+
+def test_run_three_steps_then_audit(data_dir, trained):
+    assert trained["trainer_version"] == 3
+    assert trained["finished"] is True
+    proc = cli("audit", "--run", RUN_ID, "--data-dir", str(data_dir))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    metrics = data_dir / "runs" / RUN_ID / "metrics.jsonl"
+    assert [json.loads(line)["trainer_version"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode != 0, proc.stdout[-1000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, "expected one line on stderr, got:\n" + proc.stderr[-3000:]
+    assert lines[0].startswith("rl-controller: error: "), lines[0]
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+BAD_INPUT = {
+    "invalid value": (["--set", "train.lr=-1"], ["train.lr"]),
+    "wrong type": (["--set", "rollout.samples_per_group=many"], ["rollout.samples_per_group"]),
+    "unknown policy": (["--set", "staleness.selection=newest"], ["staleness.selection", "in_order"]),
+    "unknown key": (["--set", "train.no_such_key=1"], ["train.no_such_key"]),
+    "window too small a buffer": (
+        ["--set", "staleness.window_versions=2", "--set", "staleness.buffer_groups=5"],
+        ["staleness.buffer_groups"],
+    ),
+    "unreachable ray": (["--ray-address", "127.0.0.1:1"], ["127.0.0.1:1"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_and_writes_nothing(data_dir, trained, case):
+    args, needles = BAD_INPUT[case]
+    run_id = f"bad-{case.replace(' ', '-')}"
+    # A clear refusal takes seconds; 60 s is far beyond it.
+    proc = cli("run", "--steps", "1", "--run-id", run_id, "--no-progress",
+               "--data-dir", str(data_dir), *args, timeout_s=60)
+    assert_one_line_error(proc, *needles)
+    after = runs(data_dir)
+    assert run_id not in after, f"{case}: the bad run was written to the log: {after[run_id]}"
+    assert after[RUN_ID] == trained
+
+
+def test_unreachable_redis_is_one_line(data_dir, trained):
+    proc = cli("run", "--steps", "1", "--run-id", "bad-redis", "--no-progress",
+               "--redis-url", "redis://127.0.0.1:1", timeout_s=120)
+    assert_one_line_error(proc, "127.0.0.1:1")
+    after = runs(data_dir)
+    assert "bad-redis" not in after and after[RUN_ID] == trained
+
+
+def test_existing_run_id_without_resume_is_refused(data_dir, trained):
+    proc = cli("run", "--steps", "4", "--run-id", RUN_ID, "--no-progress",
+               "--data-dir", str(data_dir), timeout_s=120)
+    assert_one_line_error(proc, RUN_ID, "--resume")
+    assert runs(data_dir)[RUN_ID] == trained  # same events, same epoch
+
+
+def test_resume_of_a_missing_run_is_refused(data_dir, trained):
+    proc = cli("run", "--resume", "--run-id", "no-such-run", "--no-progress",
+               "--data-dir", str(data_dir), timeout_s=120)
+    assert_one_line_error(proc, "no-such-run")
+    after = runs(data_dir)
+    assert "no-such-run" not in after and after[RUN_ID] == trained

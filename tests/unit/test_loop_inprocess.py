@@ -1,0 +1,312 @@
+"""The controller loop end to end in one process: in-memory log, real in-process workers.
+
+Every test drives the real ``Controller`` (admission, train and watchdog pumps) with a
+``MemoryEventStore`` and real ``TrainerWorker`` / ``GeneratorWorker`` objects on their
+own threads (tiny model, in-memory data plane, no spill). Failures come from fakes --
+subclasses of the real workers that raise or block on a chosen call -- never mocks.
+After each run the log is folded again from the store and audited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.config import Config, config_to_dict, load_config
+from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
+from controller.log_writer import LogWriter
+from controller.policies import SELECTION_POLICIES
+from controller.recovery import reconcile_workers
+from controller.startup import create_run
+from controller.state import GroupStatus
+from controller.wiring import Workers, start_workers, worker_spec
+from events import schema as ev
+from events.store import MemoryEventStore
+from replay.audit import build_report
+from replay.reader import fold_log
+from workers.service import GeneratorWorker, TrainerWorker
+
+RUN = "loop-test"
+
+
+# -- fakes: real workers that fail on purpose ------------------------------------------
+
+
+class FailingGenerator(GeneratorWorker):
+    """Raises on the chosen (group_id, attempt) pairs; generates normally otherwise."""
+
+    fail_on: frozenset[tuple[str, int]] = frozenset()
+
+    def generate(self, req):
+        if (req.group_id, req.attempt) in self.fail_on:
+            raise RuntimeError(f"injected failure on {req.group_id} attempt {req.attempt}")
+        return super().generate(req)
+
+
+class BlockingGenerator(GeneratorWorker):
+    """Holds every group for ``block_s`` before generating it (a hung worker)."""
+
+    block_s = 0.0
+
+    def generate(self, req):
+        time.sleep(self.block_s)
+        return super().generate(req)
+
+
+class FlakyTrainer(TrainerWorker):
+    """Raises inside ``train_microbatch`` of the chosen steps (every step if None),
+    after ``fail_after`` microbatches of that step succeeded."""
+
+    fail_steps: frozenset[int] | None = frozenset()
+    fail_after = 0
+    step = -1
+    done_in_step = 0
+
+    def begin_train_step(self, step: int) -> None:
+        self.step, self.done_in_step = step, 0
+        super().begin_train_step(step)
+
+    def train_microbatch(self, ref):
+        chosen = self.fail_steps is None or self.step in self.fail_steps
+        if chosen and self.done_in_step >= self.fail_after:
+            raise RuntimeError(f"injected trainer failure in step {self.step}")
+        self.done_in_step += 1
+        return super().train_microbatch(ref)
+
+
+# -- harness ----------------------------------------------------------------------------
+
+
+def make_config(*overrides: str) -> Config:
+    return load_config(None, [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.context_len=16",
+        "sampling.max_new_tokens=4", "task.num_prompts=64",
+        "rollout.samples_per_group=4", "rollout.num_generators=2",
+        "train.groups_per_step=2", "train.groups_per_microbatch=1",
+        "dataplane.kind=memory", "dataplane.spill=false",
+        "checkpoint.every_steps=1000", "checkpoint.retain_payloads=all",
+        "controller.stall_timeout_s=20",
+        *overrides,
+    ])
+
+
+def settings_for(cfg: Config, run_dir: Path) -> LoopSettings:
+    return LoopSettings(
+        target_version=cfg.run.steps,
+        window_versions=cfg.staleness.window_versions,
+        groups_per_step=cfg.train.groups_per_step,
+        groups_per_microbatch=cfg.train.groups_per_microbatch,
+        samples_per_group=cfg.rollout.samples_per_group,
+        selection=cfg.staleness.selection,
+        capacity=cfg.buffer_capacity,
+        max_attempts=cfg.rollout.max_attempts,
+        num_prompts=cfg.task.num_prompts,
+        seed=cfg.run.seed,
+        stall_timeout_s=cfg.controller.stall_timeout_s,
+        step_retries=cfg.controller.step_retries,
+        checkpoint_every=cfg.checkpoint.every_steps,
+        retain_payloads=cfg.checkpoint.retain_payloads,
+        checkpoint_dir=str(run_dir / "checkpoints"),
+    )
+
+
+class Harness:
+    """One run: store, writer, workers (with fakes swapped in) and the controller."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        tmp_path: Path,
+        *,
+        generator: type[GeneratorWorker] | None = None,
+        trainer: type[TrainerWorker] | None = None,
+        **fake_attrs: Any,
+    ) -> None:
+        self.cfg = cfg
+        self.store = MemoryEventStore()
+        spec = worker_spec(cfg, RUN, tmp_path)
+        self.workers: Workers = start_workers(cfg, spec, local=True)
+        # Swap the real workers behind their handles for the fakes (same constructor).
+        if generator is not None:
+            for gen in self.workers.generators:
+                gen.handle.obj = self._fake(generator(spec, gen.name, self.workers.dataplane), fake_attrs)
+        if trainer is not None:
+            self.workers.trainer.handle.obj = self._fake(trainer(spec, self.workers.dataplane), fake_attrs)
+        self.writer: LogWriter = create_run(
+            self.store, RUN, config=config_to_dict(cfg), seed=cfg.run.seed, code_version="test",
+            window_versions=cfg.staleness.window_versions,
+            groups_per_step=cfg.train.groups_per_step,
+            samples_per_group=cfg.rollout.samples_per_group,
+        )
+        self.settings = settings_for(cfg, tmp_path)
+
+    @staticmethod
+    def _fake(worker: Any, attrs: dict[str, Any]) -> Any:
+        for name, value in attrs.items():
+            setattr(worker, name, value)
+        return worker
+
+    def run(self) -> str:
+        try:
+            asyncio.run(reconcile_workers(self.writer, self.workers, self.settings))
+            w = self.workers
+            controller = Controller(
+                self.writer, self.settings, w.trainer, w.generators, w.publisher, w.payloads
+            )
+            return asyncio.run(controller.run())
+        finally:
+            self.workers.close()
+
+    def events(self, kind: type | None = None) -> list[Any]:
+        out = [e.event for e in self.store.read(RUN)]
+        return out if kind is None else [e for e in out if isinstance(e, kind)]
+
+    def check_log(self) -> None:
+        """The stored log folds without a problem to the writer's state and audits clean."""
+        result = fold_log(self.store, RUN)
+        assert result.problem is None, result.problem
+        report = build_report(result)
+        assert report.ok, report.problem
+        folded, live = result.state, self.writer.state
+        assert folded.position == live.position == self.store.last_position(RUN)
+        assert folded.trainer_version == live.trainer_version
+        assert folded.groups == live.groups
+
+    def consumed(self) -> list[Any]:
+        return [g for g in self.writer.state.groups.values() if g.status is GroupStatus.CONSUMED]
+
+
+# -- the happy path -----------------------------------------------------------------------
+
+
+def test_runs_n_steps_with_lag_within_the_window(tmp_path):
+    cfg = make_config("run.steps=4", "staleness.window_versions=1")
+    h = Harness(cfg, tmp_path)
+    assert h.run() == "completed"
+    h.check_log()
+    state = h.writer.state
+    assert state.trainer_version == 4
+    finished = h.events(ev.StepFinished)
+    assert [e.trainer_version for e in finished] == [1, 2, 3, 4]
+    consumed = h.consumed()
+    assert len(consumed) == 4 * cfg.train.groups_per_step
+    assert all(0 <= g.lag <= 1 for g in consumed), [(g.group_id, g.lag) for g in consumed]
+    # lag as the design defines it: trainer_version at consumption - start version
+    for g in consumed:
+        base = state.steps[g.consumed_step].trainer_version - 1
+        assert g.lag == base - g.weight_version_start
+    published = [e.weight_version for e in h.events(ev.WeightsPublished)]
+    assert published == [0, 1, 2, 3, 4]
+
+
+def test_window_zero_is_on_policy(tmp_path):
+    cfg = make_config("run.steps=2", "staleness.window_versions=0")
+    h = Harness(cfg, tmp_path)
+    h.run()
+    h.check_log()
+    assert h.writer.state.trainer_version == 2
+    consumed = h.consumed()
+    assert len(consumed) == 4
+    assert [g.lag for g in consumed] == [0] * 4
+    # on-policy: every group was dispatched and generated with the weights it is trained on
+    for g in consumed:
+        version = h.writer.state.steps[g.consumed_step].trainer_version - 1
+        assert g.dispatch_weight_version == g.weight_version_start == g.weight_version_end == version
+
+
+@pytest.mark.parametrize("selection", SELECTION_POLICIES)
+def test_each_selection_policy_runs(tmp_path, selection):
+    cfg = make_config("run.steps=2", "staleness.window_versions=1", f"staleness.selection={selection}")
+    h = Harness(cfg, tmp_path)
+    h.run()
+    h.check_log()
+    assert h.writer.state.trainer_version == 2
+    assert all(g.lag <= 1 for g in h.consumed())
+    if selection == "in_order":  # strict admission order, whatever finished first
+        trained = [gid for e in h.events(ev.MicrobatchTrained) for gid in e.group_ids]
+        assert trained == sorted(trained)
+
+
+# -- failures ----------------------------------------------------------------------------
+
+
+def test_failed_generation_is_readmitted_as_attempt_two(tmp_path):
+    cfg = make_config("run.steps=2", "rollout.max_attempts=2")
+    h = Harness(cfg, tmp_path, generator=FailingGenerator, fail_on=frozenset({("g000001", 1)}))
+    h.run()
+    h.check_log()
+    [failed] = h.events(ev.GroupFailed)
+    assert (failed.group_id, failed.attempt) == ("g000001", 1)
+    assert "injected failure on g000001 attempt 1" in failed.reason
+    admitted = [(e.group_id, e.attempt) for e in h.events(ev.RolloutAdmitted)]
+    assert ("g000001", 2) in admitted
+    committed = [e for e in h.events(ev.GroupCommitted) if e.group_id == "g000001"]
+    assert [e.attempt for e in committed] == [2]
+    group = h.writer.state.groups["g000001"]
+    assert group.attempt == 2 and group.status is GroupStatus.CONSUMED
+    assert h.writer.state.trainer_version == 2
+
+
+def test_trainer_error_aborts_the_step_and_the_run_continues(tmp_path):
+    cfg = make_config("run.steps=3", "controller.step_retries=2")
+    # step 1 fails in its second microbatch: the first one's group was already claimed
+    h = Harness(cfg, tmp_path, trainer=FlakyTrainer, fail_steps=frozenset({1}), fail_after=1)
+    h.run()
+    h.check_log()
+    [aborted] = h.events(ev.StepAborted)
+    assert aborted.step == 1
+    assert "injected trainer failure in step 1" in aborted.reason
+    state = h.writer.state
+    assert state.trainer_version == 3
+    # step numbers are never reused; the aborted step's groups went to the next one
+    assert [e.step for e in h.events(ev.StepFinished)] == [0, 2, 3]
+    returned = state.steps[1].group_ids
+    assert len(returned) == 1 and state.groups[returned[0]].consumed_step == 2
+
+
+def test_step_retries_exhausted_stops_the_run(tmp_path):
+    cfg = make_config("run.steps=3", "controller.step_retries=1")
+    h = Harness(cfg, tmp_path, trainer=FlakyTrainer, fail_steps=None)
+    with pytest.raises(StepRetriesExhausted, match="2 steps in a row aborted"):
+        h.run()
+    h.check_log()
+    assert [e.step for e in h.events(ev.StepAborted)] == [0, 1]
+    assert h.events(ev.StepFinished) == []
+    assert h.writer.state.trainer_version == 0 and h.writer.state.open_step is None
+
+
+def test_stall_watchdog_says_what_waited_on_what(tmp_path):
+    cfg = make_config(
+        "run.steps=2", "rollout.num_generators=1", "controller.stall_timeout_s=0.3"
+    )
+    h = Harness(cfg, tmp_path, generator=BlockingGenerator, block_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(StallError) as info:
+        h.run()
+    assert time.monotonic() - started < 10
+    message = str(info.value)
+    assert "stall_timeout_s=0.3" in message
+    assert "train pump waiting for 1 selectable groups" in message
+    assert "generators busy: {'generator-0': 1}" in message
+    h.check_log()
+    assert h.writer.state.trainer_version == 0
+
+
+def test_window_zero_admits_as_soon_as_weights_are_published(tmp_path):
+    # At window 0 the admission gate opens only on WeightsPublished: that append must
+    # wake the admission pump, not leave it to its 0.5 s wake-up timeout every step.
+    cfg = make_config("run.steps=3", "staleness.window_versions=0")
+    h = Harness(cfg, tmp_path)
+    h.run()
+    events = h.events()
+    gaps = []
+    for i, e in enumerate(events):
+        if isinstance(e, ev.WeightsPublished) and 0 < e.weight_version < 3:
+            nxt = next(x for x in events[i + 1:] if isinstance(x, ev.RolloutAdmitted))
+            gaps.append(nxt.ts - e.ts)
+    assert len(gaps) == 2
+    assert max(gaps) < 0.3, f"admission waited {max(gaps):.3f}s after WeightsPublished"
