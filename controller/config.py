@@ -27,7 +27,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RunSection(_Section):
     seed: int = 0
     """Seed for prompt order, sampling seeds and model init."""
-    steps: int = 200
+    steps: int = 150
     """Optimizer steps to train (trainer_version to reach)."""
 
 

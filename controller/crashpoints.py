@@ -4,7 +4,9 @@
 (``os._exit``, no cleanup, no flush: as close to ``kill -9`` as a process can do to
 itself) the moment it reaches ``after_step_begun`` with key 3. Without a key
 (``RLC_CRASH_AT=before_group_committed``) the first hit crashes. Several points may be
-given, comma separated. Chaos tests use this to stop the controller between an intent
+given, comma separated. ``after_step_finished:1@trainer`` kills a *worker* (the trainer,
+or ``generator-0``, ...) at that point instead, once, and the controller carries on:
+the in-run WorkerLost path. Chaos tests use this to stop the controller between an intent
 and its side effect, and between a side effect and its fact.
 """
 
@@ -12,45 +14,66 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Final
+from typing import Callable, Final
 
 ENV_VAR: Final = "RLC_CRASH_AT"
 EXIT_CODE: Final = 137
 
-#: Every boundary the controller announces, in protocol order.
+#: Every boundary the controller announces, in protocol order. ``before_X`` sits
+#: between a side effect and the fact ``X`` that records it (or just before the intent
+#: ``X``); ``after_X`` sits right after the log acknowledged ``X``.
 CRASH_POINTS: Final = (
+    # opening a run (controller.startup)
     "after_run_started",
+    "after_controller_started",
+    "after_log_repaired",
+    # reconciling workers with the log (controller.recovery)
+    "after_spill_reloaded",
+    "after_orphans_deleted",
+    "after_lost_payloads_evicted",
+    "after_checkpoint_rejected",
+    "after_step_retrained",
+    "after_run_rewound",
+    # the loop's admission side
     "after_rollout_admitted",
     "before_group_committed",
     "after_group_committed",
+    "after_group_failed",
+    "after_group_evicted",
+    # the loop's train side
     "after_step_begun",
     "after_begin_train_step",
     "before_microbatch_trained",
     "after_microbatch_trained",
     "before_step_finished",
     "after_step_finished",
+    "after_step_aborted",
     "before_weights_published",
     "after_weights_published",
     "before_checkpoint_saved",
     "after_checkpoint_saved",
     "before_payloads_released",
     "after_payloads_released",
+    # a worker died during the run and was restarted
+    "after_worker_lost",
 )
 
 
-def _parse(spec: str) -> dict[str, str | None]:
-    armed: dict[str, str | None] = {}
+def _parse(spec: str) -> dict[str, list[tuple[str | None, str | None]]]:
+    armed: dict[str, list[tuple[str | None, str | None]]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        item, _, worker = item.partition("@")
         name, _, key = item.partition(":")
         if name not in CRASH_POINTS:
             raise ValueError(
                 f"{ENV_VAR}: unknown crash point {name!r}; known: {', '.join(CRASH_POINTS)}"
             )
-        armed[name] = key or None
+        armed.setdefault(name, []).append((key or None, worker or None))
     return armed
 
 
-_armed: dict[str, str | None] = _parse(os.environ.get(ENV_VAR, ""))
+_armed = _parse(os.environ.get(ENV_VAR, ""))
+_killer: Callable[[str], None] | None = None
 
 
 def rearm(spec: str) -> None:
@@ -59,16 +82,36 @@ def rearm(spec: str) -> None:
     _armed = _parse(spec)
 
 
+def set_worker_killer(kill: Callable[[str], None] | None) -> None:
+    """How ``name@worker`` kills a worker by name (registered by the wiring)."""
+    global _killer
+    _killer = kill
+
+
 def crash_point(name: str, key: object = None) -> None:
-    """Exit the process abruptly if ``name`` (with ``key``) is armed."""
+    """Exit the process abruptly if ``name`` (with ``key``) is armed.
+
+    An entry armed as ``name[:key]@worker`` kills that worker instead (once), and the
+    controller goes on -- to notice the death at its next call to the worker.
+    """
     if not _armed:
         return
-    if name not in _armed:
+    entries = _armed.get(name)
+    if entries is None:
         if name not in CRASH_POINTS:
             raise ValueError(f"crash_point({name!r}) is not a declared crash point")
         return
-    want = _armed[name]
-    if want is None or want == str(key):
+    for entry in list(entries):
+        want, worker = entry
+        if want is not None and want != str(key):
+            continue
+        if worker is not None:
+            entries.remove(entry)
+            if _killer is None:
+                raise RuntimeError(f"{ENV_VAR}: {name}@{worker} armed but no worker killer set")
+            sys.stderr.write(f"[rl-controller] crash point {name}:{key}: killing {worker}\n")
+            _killer(worker)
+            continue
         sys.stderr.write(f"[rl-controller] crash point {name}:{key} reached; exiting\n")
         sys.stderr.flush()
         os._exit(EXIT_CODE)

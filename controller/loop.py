@@ -22,10 +22,20 @@
       waits on: nothing; fires when no event was appended for stall_timeout_s:
       aborts the open step and stops with what was waiting on what.
 
+      a worker dies (WorkerLostError from a call)
+      trainer:   StepAborted + WorkerLost -> restart -> recovery.bring_trainer_to_log
+      generator: GroupFailed + WorkerLost -> restart -> publish current weights to it
+
 Every decision is appended to the log *before* the side effect it announces (intent)
 or *after* the side effect returned (fact) -- see DESIGN.md, write-ahead protocol. The
 loop owns no state of its own beyond timers: everything it decides on is
 ``writer.state``, the fold of what the log acknowledged.
+
+Fencing: a newer controller's claim makes this one's next append raise
+``FencedError``. Side effects that no append immediately precedes (a microbatch,
+finishing a step, publishing, checkpointing, deleting rows) first check the run's
+epoch, so a fenced controller stops without touching a worker again; on
+``FencedError`` every pump and in-flight generation task is cancelled at once.
 """
 
 from __future__ import annotations
@@ -47,8 +57,10 @@ from controller.clients import (
     TrainerClient,
     WeightPublisher,
 )
+from controller import recovery
 from controller.crashpoints import crash_point
 from controller.log_writer import LogWriter
+from controller.recovery import WorkerLostError, WorkerRestarter
 from controller.state import GroupStatus
 from controller.step_metrics import consumed_group_stats
 from events import schema as ev
@@ -63,6 +75,10 @@ class StallError(RuntimeError):
 
 class StepRetriesExhausted(RuntimeError):
     pass
+
+
+class _StepLost(RuntimeError):
+    """The open step was aborted under the train pump (its trainer died elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +132,7 @@ class Controller:
         *,
         on_step: Callable[[int, int, dict[str, float]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        restarter: WorkerRestarter | None = None,
     ) -> None:
         self.w = writer
         self.s = settings
@@ -125,6 +142,12 @@ class Controller:
         self.payloads = payloads
         self.on_step = on_step
         self.clock = clock
+        self.restarter = restarter
+        #: generators being replaced after a WorkerLost (admission skips them)
+        self._restarting: set[str] = set()
+        self._fatal: asyncio.Future | None = None
+        #: the one trainer replacement in progress (both pumps may see the death)
+        self._trainer_recovery: asyncio.Task | None = None
         self.t = _Timers()
         self._wake = asyncio.Event()
         self._busy: dict[str, int] = {g.name: 0 for g in generators}
@@ -144,8 +167,26 @@ class Controller:
 
     def _append(self, *events: ev.Event) -> None:
         self.w.append(*events)
+        self._progressed()
+
+    def _progressed(self) -> None:
+        """Something was appended (here or by a ``recovery`` helper): wake the pumps."""
         self.t.last_progress = self.clock()
         self._wake.set()
+
+    def _ensure_owner(self) -> None:
+        """Raise FencedError if a newer controller claimed the run (before a side effect)."""
+        if self.w.fenced is not None:
+            raise self.w.fenced
+        current = self.w.store.current_epoch(self.w.run_id)
+        if current != self.w.epoch:
+            self.w.fenced = FencedError(self.w.run_id, self.w.epoch, current)
+            raise self.w.fenced
+
+    def _stop_with(self, err: BaseException) -> None:
+        """A task outside the pumps hit a fatal error: stop the run with it."""
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(err)
 
     async def _wait_wake(self, timeout_s: float = 0.5) -> None:
         # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
@@ -165,20 +206,30 @@ class Controller:
             g.group_id for g in self.state.groups.values()
             if g.status is GroupStatus.FAILED and g.attempt < self.s.max_attempts
         ]
+        self._fatal = asyncio.get_running_loop().create_future()
         pumps = [
             asyncio.create_task(self._admission_pump(), name="admission"),
             asyncio.create_task(self._train_pump(), name="train"),
             asyncio.create_task(self._watchdog(), name="watchdog"),
         ]
         try:
-            done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*pumps, self._fatal], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # re-raise a pump's error
         finally:
+            if self._fatal.done():
+                self._fatal.exception()  # retrieved (raised above, or a pump's error won)
+            else:
+                self._fatal.cancel()
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            await self._drain_generations()
+            if self.w.fenced is not None:
+                # Fenced: nothing these generations return may be logged or acted on.
+                for task in list(self._tasks):
+                    task.cancel()
+            else:
+                await self._drain_generations()
         return "completed"
 
     async def _drain_generations(self, timeout_s: float = 30.0) -> None:
@@ -192,6 +243,8 @@ class Controller:
 
     def _free_generator(self) -> GeneratorClient | None:
         for gen in self.generators:
+            if gen.name in self._restarting:
+                continue
             if self._busy[gen.name] < self.s.generator_slots:
                 return gen
         return None
@@ -250,16 +303,68 @@ class Controller:
     async def _generate(self, gen: GeneratorClient, req: GenerationRequest) -> None:
         started = self.clock()
         try:
-            outcome = await gen.generate(req)
+            try:
+                outcome = await gen.generate(req)
+            except asyncio.CancelledError:
+                raise
+            except WorkerLostError as err:
+                self._busy[gen.name] -= 1
+                self._on_generation_failed(req, f"{gen.name}: {err}")
+                await self._replace_generator(gen, err)
+                return
+            except Exception as err:  # a worker failure is data, not a crash
+                self._busy[gen.name] -= 1
+                self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
+                return
+            self._busy[gen.name] -= 1
+            self.t.generator_busy += self.clock() - started
+            self._commit(req, outcome)
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # a worker failure is data, not a crash
-            self._busy[gen.name] -= 1
-            self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
-            return
-        self._busy[gen.name] -= 1
-        self.t.generator_busy += self.clock() - started
-        self._commit(req, outcome)
+        except Exception as err:  # fenced, store gone, or the restart failed: stop the run
+            self._stop_with(err)
+
+    def _generator(self, name: str) -> GeneratorClient:
+        return next(g for g in self.generators if g.name == name)
+
+    async def _replace_generator(
+        self, gen: GeneratorClient, err: WorkerLostError, *, publish_all: bool = False
+    ) -> None:
+        """Record the loss, restart the generator, give it the current weights."""
+        if gen.name in self._restarting:
+            return  # another of its calls saw the same death first
+        if self.restarter is None:
+            raise err
+        self._restarting.add(gen.name)
+        try:
+            self._append(self._worker_lost(err))
+            crash_point("after_worker_lost", gen.name)
+            await self.restarter.restart_generator(gen.name)
+            while True:
+                await self._trainer_ready()
+                self._ensure_owner()
+                try:
+                    await recovery.publish_current(
+                        self.w, self.publisher, only=None if publish_all else [gen.name]
+                    )
+                    self._progressed()
+                    break
+                except WorkerLostError as lost:
+                    if lost.role != "trainer":
+                        raise
+                    await self._trainer_lost(lost)  # weights come from the trainer
+        finally:
+            self._restarting.discard(gen.name)
+        self._wake.set()
+
+    def _worker_lost(self, err: WorkerLostError) -> ev.WorkerLost:
+        return self.w.make(
+            ev.WorkerLost,
+            event_id=f"worker:{err.worker}:lost:e{self.w.epoch}:p{self.w.position}",
+            worker=err.worker,
+            role=err.role,
+            reason=err.reason[:500],
+        )
 
     def _commit(self, req: GenerationRequest, out: GenerationOutcome) -> None:
         crash_point("before_group_committed", req.group_id)
@@ -289,6 +394,7 @@ class Controller:
                 reason=reason[:500],
             )
         )
+        crash_point("after_group_failed", req.group_id)
         self.t.failed += 1
         if req.attempt < self.s.max_attempts:
             self._retry_queue.append(req.group_id)
@@ -302,6 +408,13 @@ class Controller:
                 self._aborts_in_row = 0
             except (FencedError, StallError, asyncio.CancelledError):
                 raise
+            except _StepLost:
+                continue  # already aborted and recorded by the trainer's replacement
+            except WorkerLostError as err:
+                if err.role == "trainer":
+                    await self._trainer_lost(err)
+                else:  # a generator died while weights were published to it
+                    await self._replace_generator(self._generator(err.worker), err, publish_all=True)
             except Exception as err:
                 await self._abort_open_step(f"worker error: {type(err).__name__}: {err}")
                 self._aborts_in_row += 1
@@ -312,6 +425,7 @@ class Controller:
 
     async def _train_one_step(self) -> None:
         first = await self._select_microbatch()
+        await self._trainer_ready()
         step = self.state.next_step
         base = self.state.trainer_version
         self._append(
@@ -332,6 +446,46 @@ class Controller:
                 break
             ids = await self._select_microbatch()
         await self._finish_step(step, base)
+
+    def _trainer_lost(self, err: WorkerLostError) -> asyncio.Task:
+        """The one replacement of the dead trainer (whoever noticed first starts it)."""
+        task = self._trainer_recovery
+        if task is None or (task.done() and not self._failed_handle_is_current(err)):
+            task = asyncio.create_task(self._replace_trainer(err), name="trainer-recovery")
+            self._trainer_recovery = task
+        return task
+
+    def _failed_handle_is_current(self, err: WorkerLostError) -> bool:
+        # A death reported by a call on an already replaced handle is old news.
+        return getattr(self.trainer, "handle", None) is getattr(err, "handle", None)
+
+    async def _trainer_ready(self) -> None:
+        if self._trainer_recovery is not None and not self._trainer_recovery.done():
+            await self._trainer_recovery
+
+    async def _replace_trainer(self, err: WorkerLostError) -> None:
+        """The trainer died: record it, restart it, rebuild its weights from the log."""
+        if self.restarter is None:
+            raise err
+        events: list[ev.Event] = []
+        if self.state.open_step is not None:
+            step = self.state.open_step.step
+            events.append(self.w.make(
+                ev.StepAborted, event_id=ev.step_event_id(step, "aborted"), step=step,
+                reason=f"worker lost: {err}"[:500],
+            ))
+        self._append(*events, self._worker_lost(err))
+        if events:
+            crash_point("after_step_aborted", events[0].step)
+        crash_point("after_worker_lost", err.worker)
+        log.warning("worker_lost", worker=err.worker, role=err.role, reason=err.reason)
+        await self.restarter.restart_trainer()
+        self._ensure_owner()
+        await recovery.bring_trainer_to_log(self.w, self.trainer, self.payloads)
+        self._progressed()
+        if self.state.weight_version < self.state.trainer_version:
+            await recovery.publish_current(self.w, self.publisher)
+            self._progressed()
 
     def _claimed_count(self) -> int:
         open_step = self.state.open_step
@@ -369,6 +523,7 @@ class Controller:
                     lag=lag,
                 )
             )
+            crash_point("after_group_evicted", group_id)
             self.t.evicted += 1
 
     async def _train_microbatch(self, step: int, ids: list[str]) -> None:
@@ -380,7 +535,10 @@ class Controller:
             self.t.zero_variance += zero_var
             keys.extend(group.payload_keys)
             advantages.extend(adv)
+        if self.state.open_step is None or self.state.open_step.step != step:
+            raise _StepLost(step)
         index = len(self.state.open_step.microbatches)
+        self._ensure_owner()
         out = await self._timed_trainer(
             self.trainer.train_microbatch(MicrobatchRef(payload_keys=keys, advantages=advantages))
         )
@@ -399,7 +557,10 @@ class Controller:
         crash_point("after_microbatch_trained", step)
 
     async def _finish_step(self, step: int, base: int) -> None:
+        if self.state.open_step is None or self.state.open_step.step != step:
+            raise _StepLost(step)
         group_ids = [g for mb in self.state.open_step.microbatches for g in mb]
+        self._ensure_owner()
         result = await self._timed_trainer(self.trainer.finish_train_step())
         if result.trainer_version != base + 1:
             raise RuntimeError(
@@ -458,21 +619,18 @@ class Controller:
             self.t.trainer_busy += self.clock() - started
 
     async def _publish(self, version: int) -> None:
-        crash_point("before_weights_published", version)
-        acked = await self.publisher.publish(version)
-        self._append(
-            self.w.make(
-                ev.WeightsPublished,
-                event_id=f"weights:{version}:published:e{self.w.epoch}",
-                weight_version=version,
-                generators=acked,
-            )
-        )
-        crash_point("after_weights_published", version)
+        self._ensure_owner()
+        await recovery.publish_current(self.w, self.publisher)
+        self._progressed()
 
     async def checkpoint_and_release(self, version: int) -> None:
         crash_point("before_checkpoint_saved", version)
-        ck = await self.trainer.save_checkpoint(f"{self.s.checkpoint_dir}/v{version:06d}")
+        self._ensure_owner()
+        # The epoch in the name: a version may be checkpointed again after a crash
+        # between the save and its CheckpointSaved, or after a RunRewound.
+        ck = await self.trainer.save_checkpoint(
+            f"{self.s.checkpoint_dir}/v{version:06d}-e{self.w.epoch}"
+        )
         self._append(
             self.w.make(
                 ev.CheckpointSaved,
@@ -487,30 +645,14 @@ class Controller:
             await self.release_covered(version)
 
     async def release_covered(self, version: int) -> None:
-        groups = [
-            g for g in self.state.groups.values()
-            if g.status is GroupStatus.CONSUMED
-            and self.state.steps[g.consumed_step].trainer_version <= version
-        ]
-        if not groups:
-            return
-        await self.payloads.delete([k for g in groups for k in g.payload_keys])
-        crash_point("before_payloads_released", version)
-        self._append(
-            self.w.make(
-                ev.PayloadsReleased,
-                event_id=f"payloads:released:v{version}:e{self.w.epoch}",
-                group_ids=[g.group_id for g in groups],
-            )
-        )
-        crash_point("after_payloads_released", version)
+        self._ensure_owner()
+        await recovery.release_covered(self.w, self.payloads, version)
+        self._progressed()
 
     async def _abort_open_step(self, reason: str) -> None:
+        # The fact first: if this controller is fenced the append raises and the
+        # trainer (possibly the new owner's) is not touched.
         open_step = self.state.open_step
-        try:
-            await self.trainer.abort_train_step()
-        except Exception as err:  # the trainer is gone; the log still gets the fact
-            log.error("abort_failed", error=str(err))
         if open_step is not None:
             self._append(
                 self.w.make(
@@ -520,6 +662,13 @@ class Controller:
                     reason=reason[:500],
                 )
             )
+            crash_point("after_step_aborted", open_step.step)
+        else:
+            self._ensure_owner()
+        try:
+            await self.trainer.abort_train_step()
+        except Exception as err:  # the trainer is gone; the log has the fact
+            log.error("abort_failed", error=str(err))
         log.warning("step_aborted", reason=reason)
 
     # -- watchdog -----------------------------------------------------------------

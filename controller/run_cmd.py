@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -26,7 +27,7 @@ from controller.cli_common import CliError, add_store_args, open_store
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
-from controller.recovery import reconcile_workers
+from controller.recovery import RecoveryError, reconcile_workers
 from controller.startup import RunExistsError, create_run, resume_run
 from events import schema as ev
 from events.errors import FencedError
@@ -56,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="train until this trainer_version (run.steps)")
     p.add_argument("--run-id", help="run id (default: run-<UTC time>)")
     p.add_argument("--resume", action="store_true", help="continue an existing run")
+    p.add_argument("--rewind-to-checkpoint", action="store_true",
+                   help="with --resume: if payloads needed to rebuild the weights are lost, "
+                        "continue from the newest usable checkpoint and record a RunRewound "
+                        "(the discarded steps are named in the log and by 'audit')")
     p.add_argument("--ray-address", help="join an existing Ray cluster")
     p.add_argument("--local-workers", action="store_true",
                    help="run workers in this process (debugging/tests; no Ray actors)")
@@ -121,6 +126,23 @@ def _settings(cfg: Config, run_dir: Path) -> LoopSettings:
     )
 
 
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast (one line) when ``--ray-address host:port`` does not answer.
+
+    ``ray.init`` would otherwise retry for minutes. ``auto`` and ``ray://`` addresses
+    are left to Ray.
+    """
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CliError(f"--ray-address {address!r}: expected host:port (or 'auto')")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise CliError(f"cannot reach Ray at {address}: {err.strerror or err}") from None
+
+
 def _code_version() -> str:
     try:
         return f"rl-controller {metadata.version('rl-controller')}"
@@ -139,6 +161,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_id = args.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
     if args.resume and not args.run_id:
         raise CliError("--resume needs --run-id (see 'rl-controller runs')")
+    if args.rewind_to_checkpoint and not args.resume:
+        raise CliError("--rewind-to-checkpoint only applies to --resume")
+    if not args.local_workers:
+        # Before anything is written: an unreachable cluster must leave no run behind.
+        check_ray_address(args.ray_address or (cfg.ray.address if cfg else ""))
     with open_store(args, start=True) as store:
         if args.resume:
             writer = resume_run(store, run_id)
@@ -170,12 +197,19 @@ def _train(args, cfg: Config, writer, store) -> int:
         f"run [bold]{writer.run_id}[/] epoch {writer.epoch}: trainer_version "
         f"{writer.state.trainer_version} -> {cfg.run.steps}, log at position {writer.position}"
     )
-    workers = start_workers(cfg, worker_spec(cfg, writer.run_id, run_dir), local=args.local_workers)
+    from controller.wiring import WorkerStartError
+
+    try:
+        workers = start_workers(cfg, worker_spec(cfg, writer.run_id, run_dir), local=args.local_workers)
+    except WorkerStartError as err:
+        raise CliError(str(err)) from None
     started = time.monotonic()
     try:
         with progress:
             progress.status("reconciling workers with the log")
-            asyncio.run(reconcile_workers(writer, workers, _settings(cfg, run_dir)))
+            asyncio.run(reconcile_workers(
+                writer, workers, _settings(cfg, run_dir), rewind=args.rewind_to_checkpoint
+            ))
 
             def on_step(step: int, version: int, metrics: dict[str, float]) -> None:
                 sink.write(step, version, metrics)
@@ -186,7 +220,7 @@ def _train(args, cfg: Config, writer, store) -> int:
             progress.status("training")
             controller = Controller(
                 writer, _settings(cfg, run_dir), workers.trainer, workers.generators,
-                workers.publisher, workers.payloads, on_step=on_step,
+                workers.publisher, workers.payloads, on_step=on_step, restarter=workers,
             )
             reason = asyncio.run(controller.run())
             writer.append(writer.make(ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}", reason=reason))
@@ -194,10 +228,13 @@ def _train(args, cfg: Config, writer, store) -> int:
         raise CliError(f"stopped: {err}", 3) from None
     except (StallError, StepRetriesExhausted) as err:
         raise CliError(f"stopped: {err}", 4) from None
+    except RecoveryError as err:
+        raise CliError(f"recovery stopped: {err}", 5) from None
     finally:
         sink.close()
         workers.close()
-        writer.snapshot()
+        if writer.fenced is None:  # a fenced controller leaves the store alone
+            writer.snapshot()
     _summary(progress, writer, run_dir, time.monotonic() - started)
     return 0
 

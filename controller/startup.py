@@ -16,6 +16,7 @@ import os
 import socket
 from typing import Any
 
+from controller.crashpoints import crash_point
 from controller.fold import fold_raw, fold_raw_from_snapshot
 from controller.log_writer import LogWriter
 from controller.state import RunState, initial_state
@@ -62,7 +63,9 @@ def create_run(
     groups_per_step: int,
     samples_per_group: int,
 ) -> LogWriter:
-    if store.run_exists(run_id):
+    # A run whose log is empty was claimed by a start that died before RunStarted
+    # landed: nothing happened in it, so it is started afresh (with a newer epoch).
+    if store.run_exists(run_id) and store.last_position(run_id) > 0:
         raise RunExistsError(
             f"run {run_id!r} already exists; pass --resume to continue it, "
             "or choose another --run-id"
@@ -83,6 +86,7 @@ def create_run(
         ),
         _controller_started(writer),
     )
+    crash_point("after_run_started", run_id)
     return writer
 
 
@@ -94,6 +98,7 @@ def resume_run(store: EventStore, run_id: str) -> LogWriter:
     epoch = store.claim_epoch(run_id)
     writer = LogWriter(store, run_id, epoch, load_state(store, run_id))
     writer.append(_controller_started(writer))
+    crash_point("after_controller_started", epoch)
     repair_log(writer, reason="restart")
     return writer
 
@@ -124,6 +129,7 @@ def repair_log(writer: LogWriter, *, reason: str) -> None:
         )
     if events:
         writer.append(*events)
+        crash_point("after_log_repaired", writer.epoch)
 
 
 def _controller_started(writer: LogWriter) -> ev.ControllerStarted:

@@ -9,10 +9,12 @@ is chosen explicitly, never as a fallback.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from controller import crashpoints
 from controller.config import Config
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
 from workers.handles import (
@@ -37,14 +39,58 @@ class WorkerStartError(RuntimeError):
 
 @dataclass
 class Workers:
+    """The started workers, plus how to replace one that died (``WorkerRestarter``)."""
+
     trainer: TrainerClientImpl
     generators: list[GeneratorClientImpl]
     publisher: Publisher
     payloads: PayloadStoreImpl
     dataplane: DataPlane
     handles: list[Any]
+    #: builds a fresh handle: (role, name) -> handle
+    factory: Callable[[str, str], Any] | None = None
+
+    async def restart_trainer(self) -> None:
+        self.trainer.handle = await self._replace(self.trainer.handle, "trainer", "trainer")
+
+    async def restart_generator(self, name: str) -> None:
+        for gen in self.generators:
+            if gen.name == name:
+                gen.handle = await self._replace(gen.handle, "generator", name)
+                return
+        raise KeyError(f"no generator named {name!r}")
+
+    async def _replace(self, old: Any, role: str, name: str) -> Any:
+        if self.factory is None:
+            raise WorkerStartError(f"cannot restart {role} {name}: no worker factory")
+        try:
+            old.close()
+        except Exception:
+            pass  # it is dead already
+        new = await asyncio.to_thread(self.factory, role, name)
+        self.handles = [new if h is old else h for h in self.handles]
+        return new
+
+    def kill_worker(self, name: str) -> None:
+        """Chaos hook: make a worker die as a crashed process would."""
+        handle = self.trainer.handle if name == "trainer" else next(
+            g.handle for g in self.generators if g.name == name
+        )
+        if isinstance(handle, RayHandle):
+            import os
+            import signal
+
+            import ray
+
+            try:  # kill -9 of the actor's process, as a crash would
+                os.kill(ray.get(handle.actor.pid.remote(), timeout=30), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # on another node
+                ray.kill(handle.actor, no_restart=True)
+        else:
+            handle.kill(f"killed by chaos hook ({name})")
 
     def close(self) -> None:
+        crashpoints.set_worker_killer(None)
         for handle in self.handles:
             try:
                 handle.close()
@@ -129,23 +175,14 @@ def start_workers(cfg: Config, spec: WorkerSpec, *, local: bool) -> Workers:
 
 def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
     plane = make_dataplane(spec.dataplane)
-    trainer_h = LocalHandle(TrainerWorker(spec, plane), name="trainer")
-    gens = [
-        GeneratorClientImpl(
-            f"generator-{i}",
-            # two threads: a weight update may arrive while a group is generating
-            LocalHandle(GeneratorWorker(spec, f"generator-{i}", plane), threads=2, name=f"gen{i}"),
-        )
-        for i in range(cfg.rollout.num_generators)
-    ]
-    return Workers(
-        trainer=TrainerClientImpl(trainer_h),
-        generators=gens,
-        publisher=Publisher(trainer_h, gens),
-        payloads=PayloadStoreImpl(plane, spec.run_id),
-        dataplane=plane,
-        handles=[trainer_h, *(g.handle for g in gens)],
-    )
+
+    def factory(role: str, name: str) -> LocalHandle:
+        if role == "trainer":
+            return LocalHandle(TrainerWorker(spec, plane), name=name, role=role)
+        # two threads: a weight update may arrive while a group is generating
+        return LocalHandle(GeneratorWorker(spec, name, plane), threads=2, name=name, role=role)
+
+    return _assemble(cfg, spec, plane, factory)
 
 
 def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
@@ -155,23 +192,37 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
         plane = make_dataplane(spec.dataplane)
     except Exception as err:
         raise WorkerStartError(f"data plane ({spec.dataplane.kind}) failed to start: {err}") from None
-    trainer_actor = ray.remote(TrainerWorker).options(num_cpus=1).remote(spec)
-    trainer_h = RayHandle(trainer_actor)
-    gens = []
-    for i in range(cfg.rollout.num_generators):
-        actor = ray.remote(GeneratorWorker).options(num_cpus=1, max_concurrency=2).remote(
-            spec, f"generator-{i}"
-        )
-        gens.append(GeneratorClientImpl(f"generator-{i}", RayHandle(actor)))
-    try:  # surface constructor errors now, with the worker's name
-        ray.get([trainer_actor.version_and_digest.remote()] + [g.handle.actor.weight_version.remote() for g in gens])
-    except Exception as err:
-        raise WorkerStartError(f"workers failed to start: {err}") from None
-    return Workers(
-        trainer=TrainerClientImpl(trainer_h),
+
+    def factory(role: str, name: str) -> RayHandle:
+        if role == "trainer":
+            actor = ray.remote(TrainerWorker).options(num_cpus=1).remote(spec)
+            probe = actor.version_and_digest.remote()
+        else:
+            actor = ray.remote(GeneratorWorker).options(num_cpus=1, max_concurrency=2).remote(spec, name)
+            probe = actor.weight_version.remote()
+        try:  # surface constructor errors now, with the worker's name
+            ray.get(probe)
+        except Exception as err:
+            raise WorkerStartError(f"{role} {name} failed to start: {err}") from None
+        return RayHandle(actor, name=name, role=role)
+
+    return _assemble(cfg, spec, plane, factory)
+
+
+def _assemble(cfg: Config, spec: WorkerSpec, plane: DataPlane, factory) -> Workers:
+    trainer = TrainerClientImpl(factory("trainer", "trainer"))
+    gens = [
+        GeneratorClientImpl(f"generator-{i}", factory("generator", f"generator-{i}"))
+        for i in range(cfg.rollout.num_generators)
+    ]
+    workers = Workers(
+        trainer=trainer,
         generators=gens,
-        publisher=Publisher(trainer_h, gens),
+        publisher=Publisher(trainer, gens),
         payloads=PayloadStoreImpl(plane, spec.run_id),
         dataplane=plane,
-        handles=[trainer_h, *(g.handle for g in gens)],
+        handles=[trainer.handle, *(g.handle for g in gens)],
+        factory=factory,
     )
+    crashpoints.set_worker_killer(workers.kill_worker)
+    return workers

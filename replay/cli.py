@@ -27,7 +27,9 @@ def register(subparsers: Any) -> None:
     add_replay_arguments(
         _sub(subparsers, "replay", "the folded state at any point of a run",
              "  rl-controller replay --run r1 --at 1200\n"
-             "  rl-controller replay --run r1 --step 7 --json"),
+             "  rl-controller replay --run r1 --step 7 --json\n"
+             "  rl-controller replay --run r1 --retrain --verify        # rebuild the weights\n"
+             "  rl-controller replay --run r1 --retrain --from-checkpoint 20 --verify"),
     ).set_defaults(func=cmd_replay)
     _register_staleness(subparsers)
     _register_audit(subparsers)
@@ -233,6 +235,18 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--json", action="store_true", help="JSON instead of tables")
     parser.add_argument("--no-snapshot", action="store_true",
                         help="fold from the first event even when a snapshot would do")
+    retrain = parser.add_argument_group(
+        "deterministic replay",
+        "rebuild the weights by re-running the log's finished steps (up to --at/--step) "
+        "and compare each step's weights digest with its StepFinished",
+    )
+    retrain.add_argument("--retrain", action="store_true",
+                         help="re-train the logged steps from the spilled payloads")
+    retrain.add_argument("--from-checkpoint", type=int, metavar="V", dest="from_checkpoint",
+                         help="start from the run's checkpoint of trainer_version V "
+                              "(default: the initial weights)")
+    retrain.add_argument("--verify", action="store_true",
+                         help="stop at the first digest mismatch and exit 1")
     return parser
 
 
@@ -269,8 +283,12 @@ def _ranges(values: list[int]) -> str:
 def cmd_replay(args: argparse.Namespace) -> int:
     from replay.point import state_at
 
+    if (args.from_checkpoint is not None or args.verify) and not args.retrain:
+        raise CliError("--from-checkpoint and --verify go with --retrain")
     with open_store(args) as store:
         result = replay_point(args, store)
+    if args.retrain:
+        return _cmd_retrain(args, result.state)
     point = state_at(result.state, result.last_ts, log_end=result.log_end)
     if args.json:
         render.write_json(point)
@@ -279,6 +297,36 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for table in render.point_tables(point):
             con.print(table)
     return 0
+
+
+def _cmd_retrain(args: argparse.Namespace, state: Any) -> int:
+    from pathlib import Path
+
+    from replay.retrain import RetrainError, run_retrain
+
+    run_dir = Path(args.data_dir) / "runs" / args.run
+
+    def show(check: Any) -> None:
+        if not args.json:
+            mark = "match" if check.match else "MISMATCH"
+            print(f"step {check.step:>5}  v{check.trainer_version:<5} {mark:<8} "
+                  f"recorded {check.recorded[:16]}  replayed {check.replayed[:16]}  "
+                  f"{check.replay_s * 1000:7.1f} ms (original {check.original_s * 1000:.1f} ms)",
+                  flush=True)
+
+    try:
+        report = run_retrain(state, run_dir, from_version=args.from_checkpoint,
+                             stop_on_mismatch=args.verify, on_step=show)
+    except RetrainError as err:
+        raise CliError(str(err)) from None
+    if args.json:
+        render.write_json(report.to_dict())
+    else:
+        bad = [c for c in report.checks if not c.match]
+        print(f"replayed {len(report.checks)} steps from trainer_version {report.from_version}: "
+              + ("all digests match" if not bad else f"{len(bad)} mismatch(es), first at step "
+                 f"{bad[0].step}") + f"; final weights {report.final_digest}")
+    return 1 if args.verify and not report.ok else 0
 
 
 # -- staleness ---------------------------------------------------------------------------

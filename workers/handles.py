@@ -4,6 +4,11 @@ The controller loop awaits these; neither kind blocks the event loop. Weight
 publishing goes trainer -> generators: with Ray the trainer's exported weights are
 one object in the object store and every generator gets it by reference (one put,
 many gets); in-process they are handed over directly.
+
+A worker that dies mid-call surfaces as :class:`controller.recovery.WorkerLostError`
+(Ray's actor-died errors are translated here), so the controller can record
+``WorkerLost``, have the worker replaced behind the same client object (the clients
+hold a handle that ``controller.wiring`` swaps) and reconcile the new one.
 """
 
 from __future__ import annotations
@@ -21,32 +26,53 @@ from controller.clients import (
     MicrobatchRef,
     StepOutcome,
 )
+from controller.recovery import WorkerLostError
 from workers.dataplane import DataPlane
 
 
 class LocalHandle:
     """Calls a plain object's methods on its own worker threads."""
 
-    def __init__(self, obj: Any, *, threads: int = 1, name: str = "worker") -> None:
+    def __init__(self, obj: Any, *, threads: int = 1, name: str = "worker", role: str = "worker") -> None:
         self.obj = obj
+        self.name = name
+        self.role = role
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._lost: str | None = None
 
     async def call(self, method: str, *args: Any) -> Any:
+        if self._lost is not None:
+            err = WorkerLostError(self.name, self.role, self._lost)
+            err.handle = self  # which incarnation died (a restart swaps the handle)
+            raise err
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(getattr(self.obj, method), *args))
+
+    def kill(self, reason: str = "killed") -> None:
+        """Make the worker unreachable, as a dead process would be (tests, chaos)."""
+        self._lost = reason
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RayHandle:
-    """Calls a Ray actor's methods."""
+    """Calls a Ray actor's methods; a dead actor raises ``WorkerLostError``."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, *, name: str = "worker", role: str = "worker") -> None:
         self.actor = actor
+        self.name = name
+        self.role = role
 
     async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.actor, method).remote(*args)
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError as err:  # ActorDiedError, ActorUnavailableError, ...
+            lost = WorkerLostError(self.name, self.role, f"{type(err).__name__}: {err}"[:300])
+            lost.handle = self  # which incarnation died (a restart swaps the handle)
+            raise lost from err
 
     def ref(self, method: str, *args: Any) -> Any:
         return getattr(self.actor, method).remote(*args)
@@ -84,8 +110,11 @@ class TrainerClientImpl:
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
         return await self.handle.call("save_checkpoint", directory)
 
-    async def load_checkpoint(self, directory: str) -> tuple[int, str]:
-        return tuple(await self.handle.call("load_checkpoint", directory))  # type: ignore[return-value]
+    async def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
+        return tuple(await self.handle.call("load_checkpoint", directory, expected_sha256))  # type: ignore[return-value]
+
+    async def reset(self) -> None:
+        await self.handle.call("reset")
 
 
 class GeneratorClientImpl:
@@ -105,17 +134,20 @@ class GeneratorClientImpl:
 class Publisher:
     """``controller.clients.WeightPublisher``: trainer weights -> every generator."""
 
-    def __init__(self, trainer: Handle, generators: list[GeneratorClientImpl]) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: TrainerClientImpl, generators: list[GeneratorClientImpl]) -> None:
+        self.trainer = trainer  # the client, not its handle: a restart swaps the handle
         self.generators = generators
 
-    async def publish(self, version: int) -> list[str]:
-        if isinstance(self.trainer, RayHandle):
-            weights = self.trainer.ref("export_weights")  # stays in the object store
+    async def publish(self, version: int, only: list[str] | None = None) -> list[str]:
+        """Send the trainer's weights to every generator (or those named in ``only``)."""
+        handle = self.trainer.handle
+        if isinstance(handle, RayHandle):
+            weights = handle.ref("export_weights")  # stays in the object store
         else:
-            weights = await self.trainer.call("export_weights")
+            weights = await handle.call("export_weights")
+        targets = [g for g in self.generators if only is None or g.name in only]
         acks = await asyncio.gather(
-            *(g.handle.call("update_weights", version, weights) for g in self.generators)
+            *(g.handle.call("update_weights", version, weights) for g in targets)
         )
         return [ack.generator for ack in acks]
 

@@ -11,8 +11,11 @@ class runs in-process (tests, single-process runs) or as a Ray actor
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from workers.models.factory import ModelConfig, build_model
 from workers.models.sampling import SamplingConfig
 from workers.tasks import make_task, prompt_set
 from workers.trainer import TorchTrainer, TrainerConfig
+from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
 from workers.trainer.config import BuiltModelFactory
 from workers.weight_sync import WeightsAck
 
@@ -63,13 +67,22 @@ class TrainerWorker:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
-        factory = BuiltModelFactory(spec.model)
-        if spec.data_parallel == 1:
-            self.trainer: Any = TorchTrainer(factory, spec.trainer)
-        else:
-            from workers.trainer.actor import TrainerGroup
+        self.trainer: Any = self._build()
 
-            self.trainer = TrainerGroup(spec.data_parallel, factory, spec.trainer)
+    def _build(self) -> Any:
+        factory = BuiltModelFactory(self.spec.model)
+        if self.spec.data_parallel == 1:
+            return TorchTrainer(factory, self.spec.trainer)
+        from workers.trainer.actor import TrainerGroup
+
+        return TrainerGroup(self.spec.data_parallel, factory, self.spec.trainer)
+
+    def reset(self) -> None:
+        """Back to the initial weights (seeded init, version 0), as if just started."""
+        close = getattr(self.trainer, "close", None)
+        if close is not None:
+            close()
+        self.trainer = self._build()
 
     def begin_train_step(self, step: int) -> None:
         self.trainer.begin_train_step(step, self.spec.loss)
@@ -106,12 +119,32 @@ class TrainerWorker:
         info = self.trainer.save_checkpoint(directory)
         return CheckpointOutcome(trainer_version=info.trainer_version, uri=info.path, sha256=info.sha256)
 
-    def load_checkpoint(self, directory: str) -> tuple[int, str]:
+    def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
+        """Load a checkpoint; with ``expected_sha256`` (the log's), refuse any other one.
+
+        The manifest hash is checked before anything is loaded; the trainer then checks
+        every file against the manifest and the weights against the manifest's digest.
+        """
+        if expected_sha256 is not None:
+            manifest = Path(directory) / MANIFEST_NAME
+            try:
+                got = hashlib.sha256(manifest.read_bytes()).hexdigest()
+            except OSError as err:
+                raise CheckpointCorruptError(f"checkpoint {directory}: {err}") from None
+            if got != expected_sha256:
+                raise CheckpointCorruptError(
+                    f"checkpoint {directory}: manifest sha256 {got[:12]}..., the log recorded "
+                    f"{expected_sha256[:12]}..."
+                )
         info = self.trainer.load_checkpoint(directory)
         return info.trainer_version, self.trainer.weights_digest()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.export_weights()
+
+    def pid(self) -> int:
+        """This worker's process id (chaos tests kill -9 it)."""
+        return os.getpid()
 
 
 class GeneratorWorker:
@@ -145,3 +178,6 @@ class GeneratorWorker:
 
     def weight_version(self) -> int:
         return self.generator.weight_version
+
+    def pid(self) -> int:
+        return os.getpid()

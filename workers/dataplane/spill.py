@@ -28,6 +28,7 @@ from workers.dataplane.api import DataPlane, Fields, Row, Tags, as_columns
 
 _SUFFIX = ".safetensors"
 _TAGS = "tags"
+_TMP_PREFIX = ".tmp-"
 
 
 class SpillDataPlane:
@@ -98,6 +99,10 @@ class SpillDataPlane:
         for part in parts:
             folder = self._folder(part)
             for path in sorted(folder.glob("*" + _SUFFIX)) if folder.exists() else []:
+                if path.name.startswith(_TMP_PREFIX):
+                    # a write that a crash interrupted before its rename: never a row
+                    path.unlink(missing_ok=True)
+                    continue
                 row, tags = _read(path)
                 key = unquote(path.name[: -len(_SUFFIX)])
                 self.inner.put(part, [key], [row], [tags])
@@ -119,7 +124,7 @@ def _read(path: Path) -> tuple[Row, Tags]:
 
 
 def _write_atomic(path: Path, row: Row, tags: Tags) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=_SUFFIX)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=_SUFFIX)
     os.close(fd)
     try:
         tensors = {k: v.detach().cpu().contiguous() for k, v in row.items()}
