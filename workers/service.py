@@ -58,6 +58,8 @@ class WorkerSpec:
     task_options: Mapping[str, Any] = field(default_factory=dict)
     data_parallel: int = 1
     torch_threads: int = 1
+    #: "torch" or "megatron" (megatron-core DDP; data parallel 1 in ``run`` so far)
+    trainer_backend: str = "torch"
 
 
 class TrainerWorker:
@@ -71,6 +73,16 @@ class TrainerWorker:
 
     def _build(self) -> Any:
         factory = BuiltModelFactory(self.spec.model)
+        if self.spec.trainer_backend != "torch":
+            if self.spec.data_parallel != 1:
+                raise ValueError(
+                    f"trainer.backend = {self.spec.trainer_backend!r} runs with "
+                    "train.data_parallel = 1 under 'rl-controller run' (its data-parallel "
+                    "parity is tested directly, see docs/backends.md)"
+                )
+            from workers.backends import make_trainer
+
+            return make_trainer(self.spec.trainer_backend, factory, self.spec.trainer)
         if self.spec.data_parallel == 1:
             return TorchTrainer(factory, self.spec.trainer)
         from workers.trainer.actor import TrainerGroup
