@@ -10,6 +10,8 @@ by side in one run (best of ``--repeat``):
   (c) reduce only  -- the reducer over already-decoded events (for attribution)
 
 and prints events/s and the ratio (b)/(a). Targets: (b) >= 300k events/s and >= 0.3x (a).
+The three are timed in turn within each repeat (not all (a) first), so a load change on
+a shared machine shows in all of them alike; the load average is printed too.
 
     python bench/bench_fold.py --events 400000
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,13 +39,15 @@ from tests.unit.log_builder import random_run  # noqa: E402
 EVENTS_PER_STEP = 30  # measured with the settings below (8 admits + 8 commits + 4 microbatches + releases ...)
 
 
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
+def _best_interleaved(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Best wall time of each function, running them in turn within each repeat."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeat):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for i, fn in enumerate(fns):
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -84,13 +89,15 @@ def main() -> None:
     events = [(pos, decoder.decode(data)) for pos, data in entries]
 
     def reduce_only() -> None:
-        state = initial_state()
-        for pos, event in events:
-            apply_event(state, event, pos)
+        gc.disable()  # as fold_raw does
+        try:
+            state = initial_state()
+            for pos, event in events:
+                apply_event(state, event, pos)
+        finally:
+            gc.enable()
 
-    t_raw = _best(raw_decode, args.repeat)
-    t_fold = _best(decode_and_fold, args.repeat)
-    t_reduce = _best(reduce_only, args.repeat)
+    t_raw, t_fold, t_reduce = _best_interleaved([raw_decode, decode_and_fold, reduce_only], args.repeat)
 
     rows = [
         ("(a) raw decode", t_raw),
@@ -102,6 +109,7 @@ def main() -> None:
         print(f"{name:<20} {secs:>9.3f} {n / secs:>12,.0f}")
     ratio = t_raw / t_fold
     print(f"ratio (b)/(a) throughput: {ratio:.2f}x   (targets: (b) >= 300,000/s, ratio >= 0.30)")
+    print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":

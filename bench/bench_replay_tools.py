@@ -7,9 +7,13 @@ releases), writes it into a fresh redis-server (temp dir, loopback) through
 ``--repeat``), each exactly as the CLI runs it (store reads included):
 
   (a) fold only         -- ``replay.reader.fold_log`` (read pages + decode + reducer)
-  (b) audit             -- (a) + the audit report (history, cross-check)
-  (c) staleness         -- (a) with the staleness trace + the analysis
+  (b) audit             -- (a) + the audit report (history, cross-check) + ``to_dict()``
+  (c) staleness         -- (a) with the staleness trace + the analysis + ``to_dict()``
   (d) read only         -- the pages alone, for attribution
+
+(the CLI renders both reports from ``to_dict()``, tables and JSON alike). The machine's
+load average is printed with the results: on a shared machine, compare runs only at
+similar loads.
 
 and prints events/s for each. Target: audit and staleness < 10 s for 1M events.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import tempfile
 import time
@@ -98,11 +103,12 @@ def main() -> None:
         def audit() -> None:
             report = build_report(fold_log(store, run_id))
             assert report.ok, report.problem
+            report.to_dict()
 
         def stale() -> None:
             trace = staleness.Trace()
             result = fold_log(store, run_id, observers=trace.observers())
-            staleness.analyze(result.state, trace)
+            staleness.analyze(result.state, trace).to_dict()
 
         rows = [
             ("(a) fold only", _best(fold_only, args.repeat)),
@@ -114,6 +120,7 @@ def main() -> None:
     print(f"{'measure':<16} {'seconds':>9} {'events/s':>12}")
     for name, secs in rows:
         print(f"{name:<16} {secs:>9.2f} {n / secs:>12,.0f}")
+    print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     worst = max(rows[1][1], rows[2][1])
     print(f"audit and staleness within 10 s per 1M events: "
           f"{'yes' if worst * 1_000_000 / n < 10 else 'NO'} ({worst * 1_000_000 / n:.1f} s per 1M)")

@@ -25,10 +25,15 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from itertools import compress, islice, repeat
+from operator import sub
+from dataclasses import dataclass, field
 from typing import Any
 
-from controller.state import GroupRecord, RunState, StepRecord, StepStatus
+import msgspec
+
+from controller.state import RunState, StepStatus
 from events.schema import (
     GroupCommitted,
     GroupEvicted,
@@ -69,6 +74,7 @@ class Trace:
         self.evictions: list[tuple[int, float, str, int, str]] = []
         self._claimed = 0
         self._capacity = 0
+        self._per_step = 1
 
     def observers(self) -> dict[type, Any]:
         sample = self._sample
@@ -85,16 +91,20 @@ class Trace:
         }
 
     def _sample(self, event: Any, position: int, state: RunState) -> None:
+        # Runs after most events of a fold: kept to a few attribute reads. RunStarted
+        # (never sampled) fixed capacity, groups_per_step and the window for the run.
         if not self._capacity:
             self._capacity = capacity_of(state)
-        live = len(state.admitted) + len(state.buffer) + self._claimed
+            self._per_step = max(state.groups_per_step, 1)
+        buffered = len(state.buffer)
+        live = len(state.admitted) + buffered + self._claimed
         closed = live >= self._capacity or (
-            state.trainer_version + live // max(state.groups_per_step, 1) - state.weight_version
+            state.trainer_version + live // self._per_step - state.weight_version
             > state.window_versions
         )
         self.ts.append(event.ts)
         self.live.append(live)
-        self.buffered.append(len(state.buffer))
+        self.buffered.append(buffered)
         self.gate_closed.append(closed)
 
     def _evicted(self, event: GroupEvicted, position: int, state: RunState) -> None:
@@ -102,10 +112,7 @@ class Trace:
         self._sample(event, position, state)
 
     def _microbatch(self, event: MicrobatchTrained, position: int, state: RunState) -> None:
-        ts = event.ts
-        claim = self.claim_ts
-        for gid in event.group_ids:
-            claim[gid] = ts
+        self.claim_ts.update(dict.fromkeys(event.group_ids, event.ts))
         self._claimed += len(event.group_ids)
         self._sample(event, position, state)
 
@@ -150,7 +157,9 @@ class StalenessReport:
     gate_method: str = GATE_METHOD
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        # msgspec converts the dataclasses in C (tuples become lists, as in JSON):
+        # ``dataclasses.asdict`` deep-copies every leaf through Python code.
+        out: dict[str, Any] = msgspec.to_builtins(self)
         out["lag_histogram"] = {str(k): v for k, v in sorted(self.lag_histogram.items())}
         return out
 
@@ -166,24 +175,55 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         i = bisect_right(ends, position)
         if i < len(finished):
             evicted_per_step[i] += 1
-    rows, reward_vs_lag, waits, hist = [], [], [], {}
+    rows: list[StepStaleness] = []
+    reward_vs_lag: list[tuple[int, float]] = []
+    waits: list[float] = []
     all_lags: list[int] = []
     lag_tokens = tokens_total = crossed_total = 0
+    claim_ts = trace.claim_ts
+    # One pass per consumed group; every sum keeps the order (and so the exact float
+    # result) of the straightforward per-step formulas.
     for record, evicted in zip(finished, evicted_per_step):
-        members = [groups[g] for g in record.group_ids]
-        row, group_waits = _step_row(record, members, trace.claim_ts, evicted)
-        rows.append(row)
-        waits += group_waits
-        for g in members:
+        ended_ts = record.ended_ts
+        lags, tokens, step_waits, rewards = [], [], [], []
+        crossed = step_lag_tokens = 0
+        for gid in record.group_ids:
+            g = groups[gid]
             lag = g.lag or 0
-            hist[lag] = hist.get(lag, 0) + 1
-            all_lags.append(lag)
-            tokens = sum(g.lengths)
-            lag_tokens += lag * tokens
-            tokens_total += tokens
-            crossed_total += g.weight_version_end != g.weight_version_start
-            if g.rewards:
-                reward_vs_lag.append((lag, sum(g.rewards) / len(g.rewards)))
+            n_tokens = sum(g.lengths)
+            lags.append(lag)
+            tokens.append(n_tokens)
+            step_lag_tokens += lag * n_tokens
+            step_waits.append(claim_ts.get(gid, ended_ts) - (g.committed_ts or 0.0))
+            crossed += g.weight_version_end != g.weight_version_start
+            group_rewards = g.rewards
+            if group_rewards:
+                rewards += group_rewards
+                reward_vs_lag.append((lag, sum(group_rewards) / len(group_rewards)))
+        total = sum(tokens)
+        rows.append(
+            StepStaleness(
+                step=record.step,
+                trainer_version=record.trainer_version or 0,
+                ended_ts=ended_ts,
+                groups=len(lags),
+                lag_mean=sum(lags) / len(lags) if lags else 0.0,
+                lag_max=max(lags, default=0),
+                lag_token_weighted=step_lag_tokens / total if total else 0.0,
+                wait_mean_s=sum(step_waits) / len(step_waits) if step_waits else 0.0,
+                wait_max_s=max(step_waits, default=0.0),
+                evicted=evicted,
+                crossed_update=crossed,
+                reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+                lost=record.lost,
+            )
+        )
+        waits += step_waits
+        all_lags += lags
+        lag_tokens += step_lag_tokens
+        tokens_total += total
+        crossed_total += crossed
+    hist = dict(Counter(all_lags))  # lags in order of first appearance, as counted
     summary = _summary(state, trace, rows, all_lags, waits, lag_tokens, tokens_total, crossed_total)
     return StalenessReport(
         run_id=state.run_id,
@@ -195,36 +235,6 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         reward_vs_lag=reward_vs_lag,
         occupancy=_downsample(trace, max_points),
         lag_histogram=hist,
-    )
-
-
-def _step_row(
-    record: StepRecord, members: list[GroupRecord], claim_ts: dict[str, float], evicted: int
-) -> tuple[StepStaleness, list[float]]:
-    lags = [g.lag or 0 for g in members]
-    tokens = [sum(g.lengths) for g in members]
-    total = sum(tokens)
-    waits = [
-        claim_ts.get(g.group_id, record.ended_ts) - (g.committed_ts or 0.0) for g in members
-    ]
-    rewards = [r for g in members for r in g.rewards]
-    return (
-        StepStaleness(
-            step=record.step,
-            trainer_version=record.trainer_version or 0,
-            ended_ts=record.ended_ts,
-            groups=len(members),
-            lag_mean=sum(lags) / len(lags) if lags else 0.0,
-            lag_max=max(lags, default=0),
-            lag_token_weighted=sum(l * t for l, t in zip(lags, tokens)) / total if total else 0.0,
-            wait_mean_s=sum(waits) / len(waits) if waits else 0.0,
-            wait_max_s=max(waits, default=0.0),
-            evicted=evicted,
-            crossed_update=sum(g.weight_version_end != g.weight_version_start for g in members),
-            reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
-            lost=record.lost,
-        ),
-        waits,
     )
 
 
@@ -273,10 +283,9 @@ def _gate_closed_time(trace: Trace) -> tuple[float, float]:
     ts, closed = trace.ts, trace.gate_closed
     if len(ts) < 2:
         return 0.0, 0.0
-    total = 0.0
-    for i in range(len(ts) - 1):
-        if closed[i]:
-            total += max(0.0, ts[i + 1] - ts[i])
+    # sum of max(0, ts[i + 1] - ts[i]) over the samples i with the gate closed, in C
+    gaps = map(sub, islice(ts, 1, None), ts)
+    total = sum(map(max, repeat(0.0), compress(gaps, closed)), 0.0)
     return total, max(0.0, ts[-1] - ts[0])
 
 
