@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controller.clients import MicrobatchRef, TrainerClient, WeightPublisher  # noqa: E402
 from controller.config import Config, config_to_dict, load_config  # noqa: E402
 from controller.loop import Controller, LoopSettings  # noqa: E402
+from controller.run_cmd import loop_settings as run_loop_settings  # noqa: E402
 from controller.recovery import reconcile_workers  # noqa: E402
 from controller.startup import create_run  # noqa: E402
 from controller.wiring import start_workers, worker_spec  # noqa: E402
@@ -149,23 +150,8 @@ def bench_config(args: argparse.Namespace, window: int) -> Config:
 
 
 def loop_settings(cfg: Config, run_dir: Path) -> LoopSettings:
-    return LoopSettings(
-        target_version=cfg.run.steps,
-        window_versions=cfg.staleness.window_versions,
-        groups_per_step=cfg.train.groups_per_step,
-        groups_per_microbatch=min(cfg.train.groups_per_microbatch, cfg.train.groups_per_step),
-        samples_per_group=cfg.rollout.samples_per_group,
-        selection=cfg.staleness.selection,
-        capacity=cfg.buffer_capacity,
-        max_attempts=cfg.rollout.max_attempts,
-        num_prompts=cfg.task.num_prompts,
-        seed=cfg.run.seed,
-        stall_timeout_s=60.0,
-        step_retries=0,
-        checkpoint_every=cfg.checkpoint.every_steps,
-        retain_payloads=cfg.checkpoint.retain_payloads,
-        checkpoint_dir=str(run_dir / "checkpoints"),
-    )
+    # the run command's settings, but no retries and a watchdog that never fires here
+    return dataclasses.replace(run_loop_settings(cfg, run_dir), stall_timeout_s=60.0, step_retries=0)
 
 
 def task_options(args: argparse.Namespace) -> dict[str, Any]:

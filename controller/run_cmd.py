@@ -106,7 +106,8 @@ def _flatten(d: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _settings(cfg: Config, run_dir: Path) -> LoopSettings:
+def loop_settings(cfg: Config, run_dir: Path) -> LoopSettings:
+    """The loop's settings for a validated config (shared by run, tests and benches)."""
     return LoopSettings(
         target_version=cfg.run.steps,
         window_versions=cfg.staleness.window_versions,
@@ -208,7 +209,7 @@ def _train(args, cfg: Config, writer, store) -> int:
         with progress:
             progress.status("reconciling workers with the log")
             asyncio.run(reconcile_workers(
-                writer, workers, _settings(cfg, run_dir), rewind=args.rewind_to_checkpoint
+                writer, workers, loop_settings(cfg, run_dir), rewind=args.rewind_to_checkpoint
             ))
 
             def on_step(step: int, version: int, metrics: dict[str, float]) -> None:
@@ -219,7 +220,7 @@ def _train(args, cfg: Config, writer, store) -> int:
 
             progress.status("training")
             controller = Controller(
-                writer, _settings(cfg, run_dir), workers.trainer, workers.generators,
+                writer, loop_settings(cfg, run_dir), workers.trainer, workers.generators,
                 workers.publisher, workers.payloads, on_step=on_step, restarter=workers,
             )
             reason = asyncio.run(controller.run())

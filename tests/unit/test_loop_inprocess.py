@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from controller.config import Config, config_to_dict, load_config
+from controller.run_cmd import loop_settings
 from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
 from controller.log_writer import LogWriter
 from controller.policies import SELECTION_POLICIES
@@ -95,23 +96,7 @@ def make_config(*overrides: str) -> Config:
 
 
 def settings_for(cfg: Config, run_dir: Path) -> LoopSettings:
-    return LoopSettings(
-        target_version=cfg.run.steps,
-        window_versions=cfg.staleness.window_versions,
-        groups_per_step=cfg.train.groups_per_step,
-        groups_per_microbatch=cfg.train.groups_per_microbatch,
-        samples_per_group=cfg.rollout.samples_per_group,
-        selection=cfg.staleness.selection,
-        capacity=cfg.buffer_capacity,
-        max_attempts=cfg.rollout.max_attempts,
-        num_prompts=cfg.task.num_prompts,
-        seed=cfg.run.seed,
-        stall_timeout_s=cfg.controller.stall_timeout_s,
-        step_retries=cfg.controller.step_retries,
-        checkpoint_every=cfg.checkpoint.every_steps,
-        retain_payloads=cfg.checkpoint.retain_payloads,
-        checkpoint_dir=str(run_dir / "checkpoints"),
-    )
+    return loop_settings(cfg, run_dir)
 
 
 class Harness:
