@@ -78,7 +78,7 @@ from workers.trainer.api import (
     StepResult,
 )
 from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
-from workers.trainer.metrics import combine, loss_normaliser, normalise
+from workers.trainer.metrics import combine, loss_normaliser
 from workers.trainer.torch_backend import TorchTrainer, _OpenStep, _trim, digest_parameters
 
 
@@ -424,21 +424,7 @@ class MegatronTrainer(TorchTrainer):
             raise
         self._hooks.restore()
         self._drop_gradients()
-        self._version += 1
-        self._last_step = open_.step
-        self._open = None
-        self._phase = StepPhase.IDLE
-        return StepResult(
-            step=open_.step,
-            trainer_version=self._version,
-            metrics=normalise(total, cfg.aggregation),
-            grad_norm=grad_norm,
-            lr=lr,
-            num_sequences=total.num_sequences,
-            num_tokens=total.num_tokens,
-            num_microbatches=total.num_microbatches,
-            weights_digest=self.weights_digest() if self.config.digest_on_finish else None,
-        )
+        return self._close_step(open_, total, grad_norm, lr)
 
     def _clip_gradients(self) -> float:
         max_norm = self.config.max_grad_norm

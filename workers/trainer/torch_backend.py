@@ -289,6 +289,10 @@ class TorchTrainer:
             self._fail(open_, err)
             raise
         self._optimizer.zero_grad(set_to_none=True)
+        return self._close_step(open_, total, grad_norm, lr)
+
+    def _close_step(self, open_: Any, total: Any, grad_norm: float, lr: float) -> StepResult:
+        """The update is applied: advance the version, go IDLE, report the step."""
         self._version += 1
         self._last_step = open_.step
         self._open = None
@@ -296,7 +300,7 @@ class TorchTrainer:
         return StepResult(
             step=open_.step,
             trainer_version=self._version,
-            metrics=normalise(total, cfg.aggregation),
+            metrics=normalise(total, open_.loss_config.aggregation),
             grad_norm=grad_norm,
             lr=lr,
             num_sequences=total.num_sequences,
