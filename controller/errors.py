@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 
 class ControllerError(Exception):
     """Base of every error raised by the controller."""
@@ -34,3 +36,8 @@ class SnapshotDecodeError(ControllerError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(f"cannot decode state snapshot: {reason}")
+
+
+def violation(position: int, event: object, reason: str) -> "NoReturn":
+    """Raise the InvariantViolation for ``event`` at ``position`` (the reducer's one exit)."""
+    raise InvariantViolation(position, reason, getattr(event, "event_id", None))

@@ -20,26 +20,37 @@ RunStarted claims the run's first epoch; the first ControllerStarted may repeat 
 strictly newer than all earlier ones. Any other event must carry exactly the current
 epoch: an older one is a stale (fenced) writer, a newer one was never claimed.
 
+Handlers live by lifecycle: run, controller, weights and checkpoints here; groups in
+``controller.reducer_groups``; steps in ``controller.reducer_steps``.
+
 Pure: no I/O, no clock, no randomness, no logging.
 """
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Any, Callable, NoReturn, assert_never, get_args
+from typing import Any, Callable, assert_never, get_args
 
-from controller.errors import InvariantViolation
+from controller.errors import violation
+from controller.reducer_groups import (
+    _on_group_committed,
+    _on_group_evicted,
+    _on_group_failed,
+    _on_payloads_released,
+    _on_rollout_admitted,
+)
+from controller.reducer_steps import (
+    _on_microbatch_trained,
+    _on_step_aborted,
+    _on_step_begun,
+    _on_step_finished,
+)
 from controller.state import (
     CheckpointRecord,
     CheckpointRejection,
     EpochRecord,
-    GroupRecord,
     GroupStatus,
-    OpenStep,
     RewindRecord,
     RunState,
-    StepRecord,
-    StepStatus,
     WorkerLossRecord,
     initial_state,
 )
@@ -69,16 +80,8 @@ __all__ = ["HANDLERS", "apply", "apply_event", "check_preamble", "handler_for", 
 
 _Handler = Callable[[RunState, Any, int], None]
 
-_ADMITTED = GroupStatus.ADMITTED
-_COMMITTED = GroupStatus.COMMITTED
-_CLAIMED = GroupStatus.CLAIMED
-_CONSUMED = GroupStatus.CONSUMED
-_RELEASED = GroupStatus.RELEASED
 #: payloads of these groups feed no finished step that a checkpoint must cover (they
 #: may be released any time)
-_EVICTED = GroupStatus.EVICTED
-_FAILED = GroupStatus.FAILED
-_LOST = GroupStatus.LOST
 
 
 def apply(state: RunState, stored: StoredEvent) -> RunState:
@@ -110,8 +113,7 @@ def handler_for(event: AnyEvent) -> _Handler:
     assert_never(event)  # type: ignore[arg-type]
 
 
-def _violation(position: int, event: AnyEvent, reason: str) -> NoReturn:
-    raise InvariantViolation(position, reason, getattr(event, "event_id", None))
+_violation = violation
 
 
 def check_preamble(state: RunState, event: AnyEvent, position: int) -> None:
@@ -195,320 +197,6 @@ def _on_worker_lost(state: RunState, ev: WorkerLost, pos: int) -> None:
     state.workers_lost.append(
         WorkerLossRecord(worker=ev.worker, role=ev.role, reason=ev.reason, ts=ev.ts, position=pos)
     )
-
-
-# -- groups ---------------------------------------------------------------------------
-
-
-def _on_rollout_admitted(state: RunState, ev: RolloutAdmitted, pos: int) -> None:
-    gid = ev.group_id
-    groups = state.groups
-    # Hot path: a new group's first attempt passes this one test; everything else
-    # (re-admission, or a violation) goes through the checks that explain it.
-    if state.finished or gid in groups or ev.attempt != 1 or ev.n_samples < 1:
-        _check_admission(state, ev, pos)
-    groups[gid] = GroupRecord(
-        group_id=gid,
-        status=_ADMITTED,
-        attempt=ev.attempt,
-        prompt_index=ev.prompt_index,
-        prompt_ref=ev.prompt_ref,
-        n_samples=ev.n_samples,
-        sample_seed=ev.sample_seed,
-        dispatch_weight_version=ev.weight_version,
-        admitted_ts=ev.ts,
-        admitted_position=pos,
-    )
-    state.admitted[gid] = None
-
-
-def _check_admission(state: RunState, ev: RolloutAdmitted, pos: int) -> None:
-    if state.finished:
-        _violation(pos, ev, f"group {ev.group_id} admitted after RunFinished")
-    old = state.groups.get(ev.group_id)
-    if old is None:
-        if ev.attempt != 1:
-            _violation(pos, ev, f"new group {ev.group_id} must be attempt 1, got {ev.attempt}")
-    elif old.status is not GroupStatus.FAILED:
-        _violation(
-            pos, ev, f"group {ev.group_id} is {old.status.value}; only a failed group is re-admitted"
-        )
-    elif ev.attempt != old.attempt + 1:
-        _violation(
-            pos,
-            ev,
-            f"group {ev.group_id} re-admitted as attempt {ev.attempt}, expected {old.attempt + 1}",
-        )
-    if ev.n_samples < 1:
-        _violation(pos, ev, f"group {ev.group_id} admitted with n_samples {ev.n_samples}")
-
-
-def _admitted_group(
-    state: RunState, ev: GroupCommitted | GroupFailed, pos: int
-) -> GroupRecord:
-    group = state.groups.get(ev.group_id)
-    if group is None:
-        _violation(pos, ev, f"group {ev.group_id} was never admitted")
-    if group.status is not _ADMITTED:
-        _violation(pos, ev, f"group {ev.group_id} is {group.status.value}, not admitted")
-    if group.attempt != ev.attempt:
-        _violation(
-            pos,
-            ev,
-            f"group {ev.group_id} attempt {ev.attempt} does not match the admitted "
-            f"attempt {group.attempt}",
-        )
-    return group
-
-
-def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
-    # Hot path: the checks are inlined (see _admitted_group for messages).
-    gid = ev.group_id
-    group = state.groups.get(gid)
-    if group is None or group.status is not _ADMITTED or group.attempt != ev.attempt:
-        group = _admitted_group(state, ev, pos)  # raises, naming what is wrong
-    keys, rewards, lengths = ev.payload_keys, ev.rewards, ev.lengths
-    n = len(keys)
-    start, end = ev.weight_version_start, ev.weight_version_end
-    if not n or len(rewards) != n or len(lengths) != n or end < start:
-        _check_commit(ev, pos)
-    group.status = _COMMITTED
-    group.committed_ts = ev.ts
-    group.committed_position = pos
-    group.weight_version_start = start
-    group.weight_version_end = end
-    group.payload_keys = tuple(keys)
-    group.rewards = tuple(rewards)
-    group.lengths = tuple(lengths)
-    del state.admitted[gid]
-    state.buffer[gid] = None
-
-
-def _check_commit(ev: GroupCommitted, pos: int) -> None:
-    n = len(ev.payload_keys)
-    if not n or len(ev.rewards) != n or len(ev.lengths) != n:
-        _violation(
-            pos,
-            ev,
-            f"group {ev.group_id}: payload_keys/rewards/lengths must have the same non-zero "
-            f"length, got {n}/{len(ev.rewards)}/{len(ev.lengths)}",
-        )
-    if ev.weight_version_end < ev.weight_version_start:
-        _violation(
-            pos,
-            ev,
-            f"group {ev.group_id}: weight_version_end {ev.weight_version_end} < start "
-            f"{ev.weight_version_start}",
-        )
-
-
-def _on_group_failed(state: RunState, ev: GroupFailed, pos: int) -> None:
-    group = _admitted_group(state, ev, pos)
-    group.status = GroupStatus.FAILED
-    group.failed_reason = ev.reason
-    del state.admitted[ev.group_id]
-
-
-def _on_group_evicted(state: RunState, ev: GroupEvicted, pos: int) -> None:
-    group = state.groups.get(ev.group_id)
-    if group is None or group.status is not _COMMITTED:
-        status = "unknown" if group is None else group.status.value
-        _violation(
-            pos, ev, f"only a committed, unclaimed group can be evicted; {ev.group_id} is {status}"
-        )
-    group.status = GroupStatus.EVICTED
-    group.evicted_reason = ev.reason
-    group.evicted_lag = ev.lag
-    del state.buffer[ev.group_id]
-
-
-def _on_payloads_released(state: RunState, ev: PayloadsReleased, pos: int) -> None:
-    ids = ev.group_ids
-    if len(ids) > 1 and len(set(ids)) != len(ids):
-        _violation(pos, ev, "duplicate group ids in PayloadsReleased")
-    groups, steps = state.groups, state.steps
-    covered = state.covered_trainer_version()
-    for gid in ids:
-        group = groups.get(gid)
-        if group is None:
-            _violation(pos, ev, f"payloads of unknown group {gid} released")
-        if group.payload_released:
-            _violation(pos, ev, f"payloads of group {gid} were already released")
-        status = group.status
-        if status is _CONSUMED:
-            # A finished step's trainer_version is never None.
-            if steps[group.consumed_step].trainer_version <= covered:  # type: ignore[index, operator]
-                continue
-        # Identity tests: hashing an Enum member (set membership) runs Python code.
-        elif status is _EVICTED or status is _FAILED or status is _LOST:
-            continue
-        _violation(
-            pos,
-            ev,
-            f"payloads released before a checkpoint covers them: group {gid} is "
-            f"{status.value}"
-            + ("" if group.consumed_step is None else f" by step {group.consumed_step}")
-            + f", newest usable checkpoint is trainer_version {covered}",
-        )
-    for gid in ids:
-        group = groups[gid]
-        group.payload_released = True
-        if group.status is _CONSUMED:
-            group.status = _RELEASED
-    state.released_groups += len(ids)
-
-
-# -- steps ----------------------------------------------------------------------------
-
-
-def _open_step(state: RunState, ev: MicrobatchTrained | StepFinished | StepAborted, pos: int) -> OpenStep:
-    open_step = state.open_step
-    if open_step is None:
-        _violation(pos, ev, f"step {ev.step} is not open (no step is open)")
-    if open_step.step != ev.step:
-        _violation(pos, ev, f"step {ev.step} is not open (step {open_step.step} is)")
-    return open_step
-
-
-def _on_step_begun(state: RunState, ev: StepBegun, pos: int) -> None:
-    if state.open_step is not None:
-        _violation(pos, ev, f"step {ev.step} begun while step {state.open_step.step} is open")
-    if state.finished:
-        _violation(pos, ev, f"step {ev.step} begun after RunFinished")
-    if ev.step != state.next_step:
-        _violation(
-            pos, ev, f"step {ev.step} begun, expected step {state.next_step} (numbers are never reused)"
-        )
-    if ev.base_trainer_version != state.trainer_version:
-        _violation(
-            pos,
-            ev,
-            f"step {ev.step} base_trainer_version {ev.base_trainer_version} != "
-            f"trainer_version {state.trainer_version}",
-        )
-    state.open_step = OpenStep(
-        step=ev.step, base_trainer_version=ev.base_trainer_version, begun_ts=ev.ts, begun_position=pos
-    )
-    state.next_step = ev.step + 1
-
-
-def _on_microbatch_trained(state: RunState, ev: MicrobatchTrained, pos: int) -> None:
-    open_step = state.open_step
-    if open_step is None or open_step.step != ev.step:
-        open_step = _open_step(state, ev, pos)  # raises, naming what is wrong
-    microbatches = open_step.microbatches
-    if ev.index != len(microbatches):
-        _violation(pos, ev, f"microbatch index {ev.index}, expected {len(microbatches)}")
-    ids = ev.group_ids
-    if not ids or (len(ids) > 1 and len(set(ids)) != len(ids)):
-        _violation(pos, ev, "a microbatch needs at least one group and no duplicate ids")
-    if ev.num_sequences < 0 or ev.num_tokens < 0:
-        _violation(pos, ev, "negative num_sequences/num_tokens")
-    groups, buffer = state.groups, state.buffer
-    base, window = open_step.base_trainer_version, state.window_versions
-    for gid in ids:
-        if gid not in buffer:
-            _violation(pos, ev, _unclaimable(state, gid))
-        lag = base - groups[gid].weight_version_start  # type: ignore[operator]
-        if lag < 0 or lag > window:
-            _violation(
-                pos,
-                ev,
-                f"group {gid} lag {lag} at trainer_version {base} is outside the window "
-                f"[0, {window}]",
-            )
-    step = ev.step
-    for gid in ids:
-        del buffer[gid]
-        group = groups[gid]
-        group.status = _CLAIMED
-        group.claimed_step = step
-        group.lag = base - group.weight_version_start  # type: ignore[operator]
-    microbatches.append(tuple(ids))
-    open_step.num_sequences += ev.num_sequences
-    open_step.num_tokens += ev.num_tokens
-
-
-def _unclaimable(state: RunState, gid: str) -> str:
-    group = state.groups.get(gid)
-    if group is None:
-        return f"group {gid} was never admitted"
-    if group.status is _CLAIMED:
-        return f"group {gid} is already claimed by step {group.claimed_step}"
-    return f"group {gid} is {group.status.value}; only committed groups can be trained on"
-
-
-def _on_step_finished(state: RunState, ev: StepFinished, pos: int) -> None:
-    open_step = _open_step(state, ev, pos)
-    if not open_step.microbatches:
-        _violation(pos, ev, f"step {ev.step} finished without any microbatch")
-    if ev.trainer_version != open_step.base_trainer_version + 1:
-        _violation(
-            pos,
-            ev,
-            f"step {ev.step} finished at trainer_version {ev.trainer_version}, expected "
-            f"{open_step.base_trainer_version + 1} (base + 1)",
-        )
-    groups = state.groups
-    group_ids = tuple(chain.from_iterable(open_step.microbatches))
-    for gid in group_ids:
-        group = groups[gid]
-        group.status = _CONSUMED
-        group.consumed_step = ev.step
-    state.steps[ev.step] = _step_record(
-        open_step, ev, pos, group_ids, StepStatus.FINISHED, ev.trainer_version
-    )
-    state.version_steps[ev.trainer_version] = ev.step
-    state.trainer_version = ev.trainer_version
-    state.open_step = None
-
-
-def _on_step_aborted(state: RunState, ev: StepAborted, pos: int) -> None:
-    open_step = _open_step(state, ev, pos)
-    groups = state.groups
-    group_ids = tuple(chain.from_iterable(open_step.microbatches))
-    for gid in group_ids:
-        group = groups[gid]
-        group.status = _COMMITTED
-        group.claimed_step = None
-        group.lag = None
-    if group_ids:
-        # Back into the buffer in their original commit order.
-        merged = sorted([*state.buffer, *group_ids], key=lambda g: groups[g].committed_position)  # type: ignore[arg-type, return-value]
-        state.buffer = dict.fromkeys(merged)
-    record = _step_record(open_step, ev, pos, group_ids, StepStatus.ABORTED, None)
-    record.abort_reason = ev.reason
-    state.steps[ev.step] = record
-    state.open_step = None
-
-
-def _step_record(
-    open_step: OpenStep,
-    ev: StepFinished | StepAborted,
-    pos: int,
-    group_ids: tuple[str, ...],
-    status: StepStatus,
-    trainer_version: int | None,
-) -> StepRecord:
-    record = StepRecord(
-        step=open_step.step,
-        base_trainer_version=open_step.base_trainer_version,
-        trainer_version=trainer_version,
-        status=status,
-        group_ids=group_ids,
-        microbatches=open_step.microbatches,
-        num_sequences=open_step.num_sequences,
-        num_tokens=open_step.num_tokens,
-        begun_ts=open_step.begun_ts,
-        begun_position=open_step.begun_position,
-        ended_ts=ev.ts,
-        ended_position=pos,
-    )
-    if isinstance(ev, StepFinished):
-        record.metrics = ev.metrics
-        record.grad_norm = ev.grad_norm
-        record.weights_digest = ev.weights_digest
-    return record
 
 
 # -- weights and checkpoints ------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""Reducer handlers for the group lifecycle: admit, commit, fail, evict, release.
+
+Part of ``controller.reducer`` (which dispatches to these); the same rules hold:
+validate first, mutate after, violations name the position. Pure.
+"""
+
+from __future__ import annotations
+
+
+from controller.errors import violation as _violation
+from controller.state import (
+    GroupRecord,
+    GroupStatus,
+    RunState,
+)
+from events.schema import (
+    GroupCommitted,
+    GroupEvicted,
+    GroupFailed,
+    PayloadsReleased,
+    RolloutAdmitted,
+)
+
+_ADMITTED = GroupStatus.ADMITTED
+_COMMITTED = GroupStatus.COMMITTED
+_CONSUMED = GroupStatus.CONSUMED
+_RELEASED = GroupStatus.RELEASED
+_EVICTED = GroupStatus.EVICTED
+_FAILED = GroupStatus.FAILED
+_LOST = GroupStatus.LOST
+
+
+def _on_rollout_admitted(state: RunState, ev: RolloutAdmitted, pos: int) -> None:
+    gid = ev.group_id
+    groups = state.groups
+    # Hot path: a new group's first attempt passes this one test; everything else
+    # (re-admission, or a violation) goes through the checks that explain it.
+    if state.finished or gid in groups or ev.attempt != 1 or ev.n_samples < 1:
+        _check_admission(state, ev, pos)
+    groups[gid] = GroupRecord(
+        group_id=gid,
+        status=_ADMITTED,
+        attempt=ev.attempt,
+        prompt_index=ev.prompt_index,
+        prompt_ref=ev.prompt_ref,
+        n_samples=ev.n_samples,
+        sample_seed=ev.sample_seed,
+        dispatch_weight_version=ev.weight_version,
+        admitted_ts=ev.ts,
+        admitted_position=pos,
+    )
+    state.admitted[gid] = None
+
+
+def _check_admission(state: RunState, ev: RolloutAdmitted, pos: int) -> None:
+    if state.finished:
+        _violation(pos, ev, f"group {ev.group_id} admitted after RunFinished")
+    old = state.groups.get(ev.group_id)
+    if old is None:
+        if ev.attempt != 1:
+            _violation(pos, ev, f"new group {ev.group_id} must be attempt 1, got {ev.attempt}")
+    elif old.status is not GroupStatus.FAILED:
+        _violation(
+            pos, ev, f"group {ev.group_id} is {old.status.value}; only a failed group is re-admitted"
+        )
+    elif ev.attempt != old.attempt + 1:
+        _violation(
+            pos,
+            ev,
+            f"group {ev.group_id} re-admitted as attempt {ev.attempt}, expected {old.attempt + 1}",
+        )
+    if ev.n_samples < 1:
+        _violation(pos, ev, f"group {ev.group_id} admitted with n_samples {ev.n_samples}")
+
+
+def _admitted_group(
+    state: RunState, ev: GroupCommitted | GroupFailed, pos: int
+) -> GroupRecord:
+    group = state.groups.get(ev.group_id)
+    if group is None:
+        _violation(pos, ev, f"group {ev.group_id} was never admitted")
+    if group.status is not _ADMITTED:
+        _violation(pos, ev, f"group {ev.group_id} is {group.status.value}, not admitted")
+    if group.attempt != ev.attempt:
+        _violation(
+            pos,
+            ev,
+            f"group {ev.group_id} attempt {ev.attempt} does not match the admitted "
+            f"attempt {group.attempt}",
+        )
+    return group
+
+
+def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
+    # Hot path: the checks are inlined (see _admitted_group for messages).
+    gid = ev.group_id
+    group = state.groups.get(gid)
+    if group is None or group.status is not _ADMITTED or group.attempt != ev.attempt:
+        group = _admitted_group(state, ev, pos)  # raises, naming what is wrong
+    keys, rewards, lengths = ev.payload_keys, ev.rewards, ev.lengths
+    n = len(keys)
+    start, end = ev.weight_version_start, ev.weight_version_end
+    if not n or len(rewards) != n or len(lengths) != n or end < start:
+        _check_commit(ev, pos)
+    group.status = _COMMITTED
+    group.committed_ts = ev.ts
+    group.committed_position = pos
+    group.weight_version_start = start
+    group.weight_version_end = end
+    group.payload_keys = tuple(keys)
+    group.rewards = tuple(rewards)
+    group.lengths = tuple(lengths)
+    del state.admitted[gid]
+    state.buffer[gid] = None
+
+
+def _check_commit(ev: GroupCommitted, pos: int) -> None:
+    n = len(ev.payload_keys)
+    if not n or len(ev.rewards) != n or len(ev.lengths) != n:
+        _violation(
+            pos,
+            ev,
+            f"group {ev.group_id}: payload_keys/rewards/lengths must have the same non-zero "
+            f"length, got {n}/{len(ev.rewards)}/{len(ev.lengths)}",
+        )
+    if ev.weight_version_end < ev.weight_version_start:
+        _violation(
+            pos,
+            ev,
+            f"group {ev.group_id}: weight_version_end {ev.weight_version_end} < start "
+            f"{ev.weight_version_start}",
+        )
+
+
+def _on_group_failed(state: RunState, ev: GroupFailed, pos: int) -> None:
+    group = _admitted_group(state, ev, pos)
+    group.status = GroupStatus.FAILED
+    group.failed_reason = ev.reason
+    del state.admitted[ev.group_id]
+
+
+def _on_group_evicted(state: RunState, ev: GroupEvicted, pos: int) -> None:
+    group = state.groups.get(ev.group_id)
+    if group is None or group.status is not _COMMITTED:
+        status = "unknown" if group is None else group.status.value
+        _violation(
+            pos, ev, f"only a committed, unclaimed group can be evicted; {ev.group_id} is {status}"
+        )
+    group.status = GroupStatus.EVICTED
+    group.evicted_reason = ev.reason
+    group.evicted_lag = ev.lag
+    del state.buffer[ev.group_id]
+
+
+def _on_payloads_released(state: RunState, ev: PayloadsReleased, pos: int) -> None:
+    ids = ev.group_ids
+    if len(ids) > 1 and len(set(ids)) != len(ids):
+        _violation(pos, ev, "duplicate group ids in PayloadsReleased")
+    groups, steps = state.groups, state.steps
+    covered = state.covered_trainer_version()
+    for gid in ids:
+        group = groups.get(gid)
+        if group is None:
+            _violation(pos, ev, f"payloads of unknown group {gid} released")
+        if group.payload_released:
+            _violation(pos, ev, f"payloads of group {gid} were already released")
+        status = group.status
+        if status is _CONSUMED:
+            # A finished step's trainer_version is never None.
+            if steps[group.consumed_step].trainer_version <= covered:  # type: ignore[index, operator]
+                continue
+        # Identity tests: hashing an Enum member (set membership) runs Python code.
+        elif status is _EVICTED or status is _FAILED or status is _LOST:
+            continue
+        _violation(
+            pos,
+            ev,
+            f"payloads released before a checkpoint covers them: group {gid} is "
+            f"{status.value}"
+            + ("" if group.consumed_step is None else f" by step {group.consumed_step}")
+            + f", newest usable checkpoint is trainer_version {covered}",
+        )
+    for gid in ids:
+        group = groups[gid]
+        group.payload_released = True
+        if group.status is _CONSUMED:
+            group.status = _RELEASED
+    state.released_groups += len(ids)
