@@ -304,6 +304,9 @@ class Controller(WorkerLossHandling):
     async def _generate(self, gen: GeneratorClient, req: GenerationRequest) -> None:
         started = self.clock()
         try:
+            # The admission was appended in _dispatch, but this task runs a loop
+            # iteration later: a takeover in between must not reach the generator.
+            self._ensure_owner()
             try:
                 outcome = await gen.generate(req)
             except asyncio.CancelledError:
