@@ -78,7 +78,6 @@ from workers.trainer.api import (
     StepResult,
 )
 from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
-from workers.trainer.metrics import combine, loss_normaliser
 from workers.trainer.torch_backend import TorchTrainer, _OpenStep, _trim, digest_parameters
 
 
@@ -393,18 +392,8 @@ class MegatronTrainer(TorchTrainer):
     def finish_train_step(self) -> StepResult:
         """Global normalise, ONE cross-DP reduction, clip, optimizer + scheduler step."""
         open_ = self._require_open("finish_train_step")
-        cfg = open_.loss_config
         try:
-            local = open_.metrics.stats(
-                open_.num_sequences, open_.num_tokens, open_.num_microbatches, open_.num_dummy
-            )
-            total = combine(dd.all_gather_objects(local))
-            n = loss_normaliser(total, cfg.aggregation)
-            if n == 0:
-                raise ValueError(
-                    f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
-                    "rank; abort it"
-                )
+            total, n = self._global_normaliser(open_)
             self._ddp.scale_gradients(1.0 / n)
             for p, g in self._aux_grads.items():
                 p.main_grad.add_(g, alpha=1.0 / total.num_microbatches)

@@ -253,18 +253,8 @@ class TorchTrainer:
     def finish_train_step(self) -> StepResult:
         """Global normalise, one gradient reduction, clip, optimizer + scheduler step."""
         open_ = self._require_open("finish_train_step")
-        cfg = open_.loss_config
         try:
-            local = open_.metrics.stats(
-                open_.num_sequences, open_.num_tokens, open_.num_microbatches, open_.num_dummy
-            )
-            total = combine(dd.all_gather_objects(local))
-            n = loss_normaliser(total, cfg.aggregation)
-            if n == 0:
-                raise ValueError(
-                    f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
-                    "rank; abort it"
-                )
+            total, n = self._global_normaliser(open_)
             grads = []
             for p in self._params:
                 if p.grad is None:
@@ -290,6 +280,21 @@ class TorchTrainer:
             raise
         self._optimizer.zero_grad(set_to_none=True)
         return self._close_step(open_, total, grad_norm, lr)
+
+    def _global_normaliser(self, open_: Any) -> tuple[Any, int]:
+        """All ranks' counts and metric sums folded, and the loss normaliser N (> 0)."""
+        cfg = open_.loss_config
+        local = open_.metrics.stats(
+            open_.num_sequences, open_.num_tokens, open_.num_microbatches, open_.num_dummy
+        )
+        total = combine(dd.all_gather_objects(local))
+        n = loss_normaliser(total, cfg.aggregation)
+        if n == 0:
+            raise ValueError(
+                f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
+                "rank; abort it"
+            )
+        return total, n
 
     def _close_step(self, open_: Any, total: Any, grad_norm: float, lr: float) -> StepResult:
         """The update is applied: advance the version, go IDLE, report the step."""
