@@ -1,9 +1,11 @@
 """Asynchronous vs synchronous training throughput, and the controller's own cost.
 
 Runs the real ``Controller`` (admission, train and watchdog pumps, every decision in
-the log) with real in-process workers -- one ``TrainerWorker`` and ``--generators``
-``GeneratorWorker``s on their own threads (``start_workers(..., local=True)``), the
-tiny model, the in-memory data plane -- twice per round with the same seed:
+the log) with real workers -- one ``TrainerWorker`` and ``--generators``
+``GeneratorWorker``s, the tiny model -- twice per round with the same seed. With
+``--workers local`` (default) the workers run on threads of this process over the
+in-memory data plane; with ``--workers ray`` they are Ray actors in processes of their
+own and rows go through TransferQueue, as in ``rl-controller run``:
 
   (a) sync   -- ``staleness.window_versions = 0``: on-policy; generation and training
                 alternate (the baseline every async system is compared with);
@@ -21,7 +23,9 @@ Printed per mode (mean over rounds) and as a ratio:
 * groups/s -- groups consumed by finished steps / wall time of ``Controller.run``;
 * controller CPU per group -- ``time.thread_time()`` of the event-loop thread (the
   controller: pumps, policies, reducer, log appends incl. encoding and the store
-  client) over the run, / groups consumed. Worker threads are not in it;
+  client, *and* the client side of every worker call: thread-pool hand-off, or Ray's
+  submit and result), over the run, / groups consumed. Worker threads are not in it.
+  ``bench_controller.py`` separates the controller's own part from the transport;
 * trainer waits on the controller -- wall time between a trainer call returning and
   the next one being issued, minus the loop's own measure of waiting for selectable
   groups (``perf/data_wait_s``) and minus weight publishing, as a fraction of wall time.
@@ -136,9 +140,11 @@ def bench_config(args: argparse.Namespace, window: int) -> Config:
         f"run.steps={args.steps}",
         f'task.name="{TASK}"',
         "task.num_prompts=4096",
-        "dataplane.kind=memory",
+        f"dataplane.kind={'memory' if args.workers == 'local' else 'transferqueue'}",
         "dataplane.spill=false",
+        f"ray.num_cpus={args.ray_cpus}",
         f"rollout.num_generators={args.generators}",
+        f"rollout.groups_per_call={args.groups_per_call}",
         f"rollout.samples_per_group={args.samples}",
         f"train.groups_per_step={args.groups_per_step}",
         f"train.groups_per_microbatch={args.groups_per_microbatch}",
@@ -169,7 +175,7 @@ def run_once(args: argparse.Namespace, store: EventStore, run_id: str, window: i
     cfg = bench_config(args, window)
     run_dir = tmp / run_id
     spec = dataclasses.replace(worker_spec(cfg, run_id, run_dir), task_options=task_options(args))
-    workers = start_workers(cfg, spec, local=True)
+    workers = start_workers(cfg, spec, local=args.workers == "local")
     try:
         writer = create_run(
             store, run_id, config=config_to_dict(cfg), seed=cfg.run.seed, code_version="bench",
@@ -195,10 +201,11 @@ def run_once(args: argparse.Namespace, store: EventStore, run_id: str, window: i
                 append_cpu[0] += time.thread_time() - started
 
         writer.append = timed_append  # type: ignore[method-assign]
-        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        cpu0, proc0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
         asyncio.run(controller.run())
         wall = time.perf_counter() - wall0
         cpu = time.thread_time() - cpu0
+        proc_cpu = time.process_time() - proc0
     finally:
         workers.close()
     state = writer.state
@@ -217,6 +224,7 @@ def run_once(args: argparse.Namespace, store: EventStore, run_id: str, window: i
         "ctrl_wait": controller_gap / wall,
         "ctrl_cpu_ms": 1e3 * cpu / max(1, len(consumed)),
         "append_cpu_ms": 1e3 * append_cpu[0] / max(1, len(consumed)),
+        "proc_cpu_ms": 1e3 * proc_cpu / max(1, len(consumed)),
         "events_per_group": state.position / max(1, len(consumed)),
         "lag_mean": statistics.fmean(lags) if lags else 0.0,
         "lag_max": float(max(lags, default=0)),
@@ -279,6 +287,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=1, help="window_versions of the async mode")
     ap.add_argument("--generators", type=int, default=2)
     ap.add_argument("--groups-per-step", type=int, default=4)
+    ap.add_argument("--groups-per-call", type=int, default=1, help="groups one generator call carries")
     ap.add_argument("--groups-per-microbatch", type=int, default=2)
     ap.add_argument("--samples", type=int, default=8, help="completions per group")
     ap.add_argument("--max-new-tokens", type=int, default=4,
@@ -291,6 +300,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--store", choices=["memory", "redis"], default="memory",
                     help="where the log lives (redis: an embedded redis-server, appendfsync everysec)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", choices=["local", "ray"], default="local",
+                    help="local: worker threads in this process, memory data plane; ray: Ray "
+                         "actors in their own processes, TransferQueue data plane")
+    ap.add_argument("--ray-cpus", type=int, default=8, help="logical CPUs of the local Ray (ray mode)")
     return ap.parse_args()
 
 
@@ -319,7 +332,9 @@ def main() -> None:
         f"async (w={args.window})": mean_rows(results["async"]),
     }
     print()
-    print(f"{args.generators} in-process generators, {args.groups_per_step} groups/step x "
+    where = "in-process" if args.workers == "local" else "Ray-actor"
+    print(f"{args.generators} {where} generators ({args.groups_per_call} group(s)/call), "
+          f"{args.groups_per_step} groups/step x "
           f"{args.samples} samples, {args.steps} steps, {args.rounds} round(s), log in {args.store}; "
           f"simulated latency: length lognormal(median {args.median_tokens:g} tok, sigma "
           f"{args.sigma_tokens:g}) x {args.decode_us_per_token:g} us/tok + judge lognormal(median "

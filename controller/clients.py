@@ -8,6 +8,7 @@ payload keys, and hands the trainer payload keys plus advantages. Implementation
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 import msgspec
@@ -76,7 +77,17 @@ class WeightPublisher(Protocol):
 class GeneratorClient(Protocol):
     name: str
 
-    async def generate(self, request: GenerationRequest) -> GenerationOutcome: ...
+    def generate(self, requests: list[GenerationRequest]) -> Awaitable[list[GenerationOutcome]]:
+        """Issue one call generating these groups *now*; await the outcomes (in request
+        order) later. Any error fails every group of the call.
+
+        The call reaches the worker when ``generate`` returns, not when the result is
+        awaited: the loop issues it right after the admission's append, so that append
+        (which fails for a fenced controller) is the fencing check, with no event-loop
+        turn in between.
+        """
+        ...
+
     async def weight_version(self) -> int: ...
 
 

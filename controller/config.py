@@ -61,6 +61,10 @@ class RolloutSection(_Section):
     samples_per_group: int = 16
     """Completions per prompt (the GRPO group size)."""
     num_generators: int = 1
+    groups_per_call: int = 4
+    """Groups one generator call carries (each still its own RolloutAdmitted and
+    GroupCommitted, appended together): the worker transport's per-call cost and the
+    log's round trips are shared by that many groups. 1 = a call per group."""
     max_attempts: int = 3
     """Generation attempts per group before it is dropped."""
 
@@ -140,7 +144,7 @@ class Config(_Section):
 
 _POSITIVE = {
     "run.steps", "rollout.samples_per_group", "rollout.num_generators",
-    "rollout.max_attempts", "train.groups_per_step", "train.groups_per_microbatch",
+    "rollout.max_attempts", "rollout.groups_per_call", "train.groups_per_step", "train.groups_per_microbatch",
     "train.data_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
     "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",

@@ -4,8 +4,8 @@
 
       admission pump                          generators (Ray actors / in-process)
       waits on: gate (policies.admission),    +-------------------------------+
-                a free generator              | generate_group -> data plane  |
-      RolloutAdmitted --- dispatch ---------->|  returns keys, rewards,       |
+                a free generator              | generate_groups -> data plane |
+      RolloutAdmitted x n -- one call ------->|  returns keys, rewards,       |
             ^                                 |  weight versions start/end    |
             | wake                            +---------------+---------------+
             |                                                 |
@@ -22,9 +22,14 @@
       waits on: nothing; fires when no event was appended for stall_timeout_s:
       aborts the open step and stops with what was waiting on what.
 
+      (n <= rollout.groups_per_call admissions share one append and one call)
+
       a worker dies (WorkerLostError from a call)
       trainer:   StepAborted + WorkerLost -> restart -> recovery.bring_trainer_to_log
       generator: GroupFailed + WorkerLost -> restart -> publish current weights to it
+
+The admission side (pump, generator calls, commits) is in ``controller.admission``;
+what happens when a worker dies is in ``controller.worker_loss``.
 
 Every decision is appended to the log *before* the side effect it announces (intent)
 or *after* the side effect returned (fact) -- see DESIGN.md, write-ahead protocol. The
@@ -49,8 +54,6 @@ import structlog
 
 from controller import policies
 from controller.clients import (
-    GenerationOutcome,
-    GenerationRequest,
     GeneratorClient,
     MicrobatchRef,
     PayloadStore,
@@ -58,6 +61,7 @@ from controller.clients import (
     WeightPublisher,
 )
 from controller import recovery
+from controller.admission import AdmissionSide
 from controller.crashpoints import crash_point
 from controller.log_writer import LogWriter
 from controller.recovery import WorkerLostError, WorkerRestarter
@@ -99,8 +103,10 @@ class LoopSettings:
     checkpoint_every: int
     retain_payloads: str
     checkpoint_dir: str
-    #: concurrent groups per generator
+    #: concurrent calls per generator
     generator_slots: int = 1
+    #: groups one generator call carries
+    groups_per_call: int = 1
 
 
 @dataclass
@@ -116,12 +122,7 @@ class _Timers:
     zero_variance: int = 0
 
 
-def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:
-    """Deterministic per-group sampling seed (no global RNG anywhere)."""
-    return (run_seed * 1_000_003 + prompt_index * 7_919 + attempt * 104_729) % (2**31 - 1)
-
-
-class Controller(WorkerLossHandling):
+class Controller(AdmissionSide, WorkerLossHandling):
     def __init__(
         self,
         writer: LogWriter,
@@ -239,127 +240,6 @@ class Controller(WorkerLossHandling):
             _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
             for task in pending:
                 task.cancel()
-
-    # -- admission ----------------------------------------------------------------
-
-    def _free_generator(self) -> GeneratorClient | None:
-        for gen in self.generators:
-            if gen.name in self._restarting:
-                continue
-            if self._busy[gen.name] < self.s.generator_slots:
-                return gen
-        return None
-
-    async def _admission_pump(self) -> None:
-        while True:
-            gate = policies.admission(
-                self.state,
-                dispatch_version=self.state.weight_version,
-                window=self.s.window_versions,
-                groups_per_step=self.s.groups_per_step,
-                capacity=self.s.capacity,
-            )
-            self._gate_reason = gate.reason
-            gen = self._free_generator() if gate.allowed else None
-            if gen is None or self.state.trainer_version >= self.s.target_version:
-                await self._wait_wake()
-                continue
-            self._dispatch(gen, self._next_admission())
-
-    def _next_admission(self) -> ev.RolloutAdmitted:
-        if self._retry_queue:
-            prev = self.state.groups[self._retry_queue.pop(0)]
-            group_id, index, attempt = prev.group_id, prev.prompt_index, prev.attempt + 1
-        else:
-            index = len(self.state.groups)
-            group_id, attempt = f"g{index:06d}", 1
-        prompt_index = index % self.s.num_prompts
-        return self.w.make(
-            ev.RolloutAdmitted,
-            event_id=ev.group_event_id(group_id, "admitted", attempt),
-            group_id=group_id,
-            attempt=attempt,
-            prompt_index=prompt_index,
-            prompt_ref=f"prompt:{prompt_index}",
-            weight_version=self.state.weight_version,
-            n_samples=self.s.samples_per_group,
-            sample_seed=sample_seed(self.s.seed, index, attempt),
-        )
-
-    def _dispatch(self, gen: GeneratorClient, admitted: ev.RolloutAdmitted) -> None:
-        self._append(admitted)  # intent before the side effect
-        crash_point("after_rollout_admitted", admitted.group_id)
-        request = GenerationRequest(
-            group_id=admitted.group_id,
-            attempt=admitted.attempt,
-            prompt_index=admitted.prompt_index,
-            n_samples=admitted.n_samples,
-            seed=admitted.sample_seed,
-        )
-        self._busy[gen.name] += 1
-        task = asyncio.create_task(self._generate(gen, request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _generate(self, gen: GeneratorClient, req: GenerationRequest) -> None:
-        started = self.clock()
-        try:
-            # The admission was appended in _dispatch, but this task runs a loop
-            # iteration later: a takeover in between must not reach the generator.
-            self._ensure_owner()
-            try:
-                outcome = await gen.generate(req)
-            except asyncio.CancelledError:
-                raise
-            except WorkerLostError as err:
-                self._busy[gen.name] -= 1
-                self._on_generation_failed(req, f"{gen.name}: {err}")
-                await self._replace_generator(gen, err)
-                return
-            except Exception as err:  # a worker failure is data, not a crash
-                self._busy[gen.name] -= 1
-                self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
-                return
-            self._busy[gen.name] -= 1
-            self.t.generator_busy += self.clock() - started
-            self._commit(req, outcome)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # fenced, store gone, or the restart failed: stop the run
-            self._stop_with(err)
-
-    def _commit(self, req: GenerationRequest, out: GenerationOutcome) -> None:
-        crash_point("before_group_committed", req.group_id)
-        self._append(
-            self.w.make(
-                ev.GroupCommitted,
-                event_id=ev.group_event_id(req.group_id, "committed", req.attempt),
-                group_id=req.group_id,
-                attempt=req.attempt,
-                weight_version_start=out.weight_version_start,
-                weight_version_end=out.weight_version_end,
-                payload_keys=list(out.payload_keys),
-                rewards=list(out.rewards),
-                lengths=list(out.lengths),
-            )
-        )
-        crash_point("after_group_committed", req.group_id)
-
-    def _on_generation_failed(self, req: GenerationRequest, reason: str) -> None:
-        log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt, reason=reason)
-        self._append(
-            self.w.make(
-                ev.GroupFailed,
-                event_id=ev.group_event_id(req.group_id, "failed", req.attempt),
-                group_id=req.group_id,
-                attempt=req.attempt,
-                reason=reason[:500],
-            )
-        )
-        crash_point("after_group_failed", req.group_id)
-        self.t.failed += 1
-        if req.attempt < self.s.max_attempts:
-            self._retry_queue.append(req.group_id)
 
     # -- training -----------------------------------------------------------------
 

@@ -58,16 +58,45 @@ def _live_unclaimed_in_admission_order(state: RunState) -> list[GroupRecord]:
 def admission(
     state: RunState, *, dispatch_version: int, window: int, groups_per_step: int, capacity: int
 ) -> Admission:
+    return _gate(
+        live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
+        window=window, groups_per_step=groups_per_step, capacity=capacity,
+    )
+
+
+def admission_room(
+    state: RunState, *, limit: int, dispatch_version: int, window: int, groups_per_step: int,
+    capacity: int,
+) -> int:
+    """How many groups (up to ``limit``) may be admitted now, one after the other.
+
+    An admission only adds a live group, so this is exactly how many times
+    :func:`admission` would say yes if each admitted group were folded in before the
+    next question -- a batch of admissions is the same decision as that many singles.
+    """
     live = live_groups(state)
+    room = 0
+    while room < limit and _gate(
+        live + room, state.trainer_version, dispatch_version=dispatch_version, window=window,
+        groups_per_step=groups_per_step, capacity=capacity,
+    ).allowed:
+        room += 1
+    return room
+
+
+def _gate(
+    live: int, trainer_version: int, *, dispatch_version: int, window: int,
+    groups_per_step: int, capacity: int,
+) -> Admission:
     if live >= capacity:
         return Admission(False, f"buffer full ({live}/{capacity} live groups)")
     steps_ahead = live // groups_per_step
-    lag_bound = state.trainer_version + steps_ahead - dispatch_version
+    lag_bound = trainer_version + steps_ahead - dispatch_version
     if lag_bound > window:
         return Admission(
             False,
             f"window closed (a group dispatched at v{dispatch_version} could be trained "
-            f"at v{state.trainer_version + steps_ahead}, lag {lag_bound} > {window})",
+            f"at v{trainer_version + steps_ahead}, lag {lag_bound} > {window})",
         )
     return Admission(True)
 

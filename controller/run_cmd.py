@@ -114,6 +114,7 @@ def loop_settings(cfg: Config, run_dir: Path) -> LoopSettings:
         groups_per_step=cfg.train.groups_per_step,
         groups_per_microbatch=min(cfg.train.groups_per_microbatch, cfg.train.groups_per_step),
         samples_per_group=cfg.rollout.samples_per_group,
+        groups_per_call=cfg.rollout.groups_per_call,
         selection=cfg.staleness.selection,
         capacity=cfg.buffer_capacity,
         max_attempts=cfg.rollout.max_attempts,

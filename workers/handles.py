@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable
 from typing import Any
 
 from controller.clients import (
@@ -40,13 +41,19 @@ class LocalHandle:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._lost: str | None = None
 
-    async def call(self, method: str, *args: Any) -> Any:
+    def submit(self, method: str, *args: Any) -> asyncio.Future:
+        """Issue the call now (a worker thread picks it up); await the result later."""
+        loop = asyncio.get_running_loop()
         if self._lost is not None:
             err = WorkerLostError(self.name, self.role, self._lost)
             err.handle = self  # which incarnation died (a restart swaps the handle)
-            raise err
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(getattr(self.obj, method), *args))
+            failed = loop.create_future()
+            failed.set_exception(err)
+            return failed
+        return loop.run_in_executor(self._pool, functools.partial(getattr(self.obj, method), *args))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await self.submit(method, *args)
 
     def kill(self, reason: str = "killed") -> None:
         """Make the worker unreachable, as a dead process would be (tests, chaos)."""
@@ -64,15 +71,33 @@ class RayHandle:
         self.name = name
         self.role = role
 
+    def submit(self, method: str, *args: Any) -> asyncio.Future:
+        """Issue the call now (the task is submitted to the actor); await the result later."""
+        try:
+            ref = getattr(self.actor, method).remote(*args)
+        except Exception as err:  # submitting to a dead actor may raise right here
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(self._translate(err))
+            return failed
+        return asyncio.ensure_future(self._result(ref))
+
     async def call(self, method: str, *args: Any) -> Any:
+        return await self.submit(method, *args)
+
+    async def _result(self, ref: Any) -> Any:
+        try:
+            return await ref
+        except Exception as err:
+            raise self._translate(err) from err
+
+    def _translate(self, err: Exception) -> Exception:
         from ray.exceptions import RayActorError
 
-        try:
-            return await getattr(self.actor, method).remote(*args)
-        except RayActorError as err:  # ActorDiedError, ActorUnavailableError, ...
-            lost = WorkerLostError(self.name, self.role, f"{type(err).__name__}: {err}"[:300])
-            lost.handle = self  # which incarnation died (a restart swaps the handle)
-            raise lost from err
+        if not isinstance(err, RayActorError):  # ActorDiedError, ActorUnavailableError, ...
+            return err
+        lost = WorkerLostError(self.name, self.role, f"{type(err).__name__}: {err}"[:300])
+        lost.handle = self  # which incarnation died (a restart swaps the handle)
+        return lost
 
     def ref(self, method: str, *args: Any) -> Any:
         return getattr(self.actor, method).remote(*args)
@@ -124,8 +149,9 @@ class GeneratorClientImpl:
         self.name = name
         self.handle = handle
 
-    async def generate(self, request: GenerationRequest) -> GenerationOutcome:
-        return await self.handle.call("generate", request)
+    def generate(self, requests: list[GenerationRequest]) -> Awaitable[list[GenerationOutcome]]:
+        """Issue the call now; the outcomes are awaited later (see ``GeneratorClient``)."""
+        return self.handle.submit("generate_groups", requests)
 
     async def weight_version(self) -> int:
         return await self.handle.call("weight_version")

@@ -185,6 +185,10 @@ class GeneratorWorker:
             weight_version_end=result.weight_version_end,
         )
 
+    def generate_groups(self, reqs: list[GenerationRequest]) -> list[GenerationOutcome]:
+        """One call, several groups (``rollout.groups_per_call``), generated in order."""
+        return [self.generate(req) for req in reqs]
+
     def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
         return self.generator.update_weights(version, state_dict)
 

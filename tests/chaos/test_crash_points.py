@@ -54,6 +54,18 @@ FIRST_RUN = {
     ),
 }
 
+#: generator calls carrying 3 groups: admissions and commits are one append per call,
+#: a crash point fires for each of its groups (g000001 is the middle of the first call).
+BATCHED = ["--set", "rollout.groups_per_call=3"]
+FIRST_RUN.update({
+    "batched_after_rollout_admitted": ("after_rollout_admitted:g000001", BATCHED),
+    "batched_before_group_committed": ("before_group_committed:g000001", BATCHED),
+    "batched_after_group_committed": ("after_group_committed:g000001", BATCHED),
+    "batched_generator_lost": (
+        "after_rollout_admitted:g000004@generator-0,after_group_failed:g000004", BATCHED
+    ),
+})
+
 #: (first crash, crash of the first resume): recovery's own boundaries.
 DURING_RECOVERY = {
     "after_controller_started": ("after_step_finished:2", "after_controller_started"),

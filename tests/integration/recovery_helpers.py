@@ -53,13 +53,20 @@ class CountingHandle(LocalHandle):
         self.calls = calls
         self.hooks = hooks if hooks is not None else {}
 
-    async def call(self, method: str, *args: Any) -> Any:
+    def submit(self, method: str, *args: Any) -> asyncio.Future:
+        # every call goes through submit (``call`` awaits it): record it when issued
         self.calls.record(self.name, method)
-        result = await super().call(method, *args)
+        issued = super().submit(method, *args)
         hook = self.hooks.pop(method, None)
-        if hook is not None:
+        if hook is None:
+            return issued
+
+        async def then_hook() -> Any:  # the hook runs as the result comes back
+            result = await issued
             hook()
-        return result
+            return result
+
+        return asyncio.ensure_future(then_hook())
 
 
 class CountingPayloads(PayloadStoreImpl):

@@ -57,7 +57,10 @@ def test_zombie_controller_makes_no_side_effect(redis_url: str, tmp_path, moment
                 claim()
     else:
         # The hook runs when the call returns to A: the claim lands mid-flight.
-        run_a.hooks["trainer" if moment == "train_microbatch" else "generator-0"][moment] = claim
+        who, method = (
+            ("trainer", moment) if moment == "train_microbatch" else ("generator-0", "generate_groups")
+        )
+        run_a.hooks[who][method] = claim
     controller_a = controller_for(run_a, writer_a, on_step=on_step)
     with pytest.raises(FencedError):
         asyncio.run(controller_a.run())

@@ -35,6 +35,7 @@ def test_file_then_overrides(tmp_path):
         ),
         (["train.loss.aggregation=tokens"], "train.loss.aggregation"),
         (["run.steps=0"], "run.steps must be > 0"),
+        (["rollout.groups_per_call=0"], "rollout.groups_per_call must be > 0"),
         (["staleness.window_versions=-1"], "staleness.window_versions must be >= 0"),
         (["staleness.buffer_groups=3"], "staleness.buffer_groups = 3 is too small"),
         (["sampling.top_p=1.5"], "sampling.top_p"),

@@ -58,6 +58,16 @@ class BlockingGenerator(GeneratorWorker):
         return super().generate(req)
 
 
+class CallSizeGenerator(FailingGenerator):
+    """Records how many groups each call carried (and may fail chosen groups)."""
+
+    sizes: list[int]
+
+    def generate_groups(self, reqs):
+        self.sizes.append(len(reqs))
+        return super().generate_groups(reqs)
+
+
 class FlakyTrainer(TrainerWorker):
     """Raises inside ``train_microbatch`` of the chosen steps (every step if None),
     after ``fail_after`` microbatches of that step succeeded."""
@@ -86,7 +96,7 @@ def make_config(*overrides: str) -> Config:
     return load_config(None, [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.context_len=16",
         "sampling.max_new_tokens=4", "task.num_prompts=64",
-        "rollout.samples_per_group=4", "rollout.num_generators=2",
+        "rollout.samples_per_group=4", "rollout.num_generators=2", "rollout.groups_per_call=1",
         "train.groups_per_step=2", "train.groups_per_microbatch=1",
         "dataplane.kind=memory", "dataplane.spill=false",
         "checkpoint.every_steps=1000", "checkpoint.retain_payloads=all",
@@ -233,6 +243,44 @@ def test_failed_generation_is_readmitted_as_attempt_two(tmp_path):
     assert [e.attempt for e in committed] == [2]
     group = h.writer.state.groups["g000001"]
     assert group.attempt == 2 and group.status is GroupStatus.CONSUMED
+    assert h.writer.state.trainer_version == 2
+
+
+def test_one_generator_call_carries_groups_per_call_groups(tmp_path):
+    cfg = make_config(
+        "run.steps=3", "rollout.groups_per_call=3", "train.groups_per_step=4",
+        "train.groups_per_microbatch=2", "rollout.num_generators=1",
+    )
+    sizes: list[int] = []
+    h = Harness(cfg, tmp_path, generator=CallSizeGenerator, sizes=sizes)
+    assert h.run() == "completed"
+    h.check_log()
+    assert h.writer.state.trainer_version == 3
+    # every group still has its own admission and commit, in dispatch order
+    admitted = [e.group_id for e in h.events(ev.RolloutAdmitted)]
+    committed = [e.group_id for e in h.events(ev.GroupCommitted)]
+    assert len(set(admitted)) == len(admitted) and sorted(committed) == sorted(admitted)
+    assert sum(sizes) == len(admitted)
+    assert max(sizes) == 3 and len(sizes) < len(admitted), sizes
+    assert all(g.lag is not None and 0 <= g.lag <= 1 for g in h.consumed())
+
+
+def test_a_failed_call_fails_every_group_it_carried(tmp_path):
+    cfg = make_config(
+        "run.steps=2", "rollout.groups_per_call=2", "rollout.num_generators=1",
+        "rollout.max_attempts=2",
+    )
+    sizes: list[int] = []
+    h = Harness(cfg, tmp_path, generator=CallSizeGenerator, sizes=sizes,
+                fail_on=frozenset({("g000001", 1)}))
+    h.run()
+    h.check_log()
+    assert sizes[0] == 2  # g000000 and g000001 in one call
+    failed = sorted((e.group_id, e.attempt) for e in h.events(ev.GroupFailed))
+    assert failed == [("g000000", 1), ("g000001", 1)]
+    for gid in ("g000000", "g000001"):
+        group = h.writer.state.groups[gid]
+        assert group.attempt == 2 and group.status is GroupStatus.CONSUMED
     assert h.writer.state.trainer_version == 2
 
 

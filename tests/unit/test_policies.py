@@ -56,6 +56,34 @@ def test_admission(name, build, dispatch, window, allowed, reason_part):
     assert reason_part in got.reason
 
 
+_ROOM_LOGS = {
+    "empty": lambda b: b,
+    "two buffered": lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2"),
+    "after a step": lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2")
+    .begin_step().microbatch(["g1", "g2"]).finish_step().publish(1).admit("g3"),
+    "full": lambda b: b.admit("g1").admit("g2").admit("g3").admit("g4"),
+}
+
+
+@pytest.mark.parametrize("log", sorted(_ROOM_LOGS))
+@pytest.mark.parametrize("window", [0, 1, 2])
+@pytest.mark.parametrize("limit", [1, 3, 8])
+def test_admission_room_equals_that_many_single_admissions(log, window, limit):
+    """A batch of admissions (one generator call) decides exactly what singles would."""
+    builder = _ROOM_LOGS[log](LogBuilder(window=window, groups_per_step=2).start())
+    gate = dict(window=window, groups_per_step=2, capacity=2 * (window + 1))
+    state = builder.fold()
+    dispatch = state.weight_version
+    room = policies.admission_room(state, limit=limit, dispatch_version=dispatch, **gate)
+    singles = 0
+    while singles < limit and policies.admission(
+        builder.fold(), dispatch_version=dispatch, **gate
+    ).allowed:
+        builder.admit(f"new{singles}")  # fold it in, then ask again
+        singles += 1
+    assert room == singles
+
+
 def test_capacity_check_names_the_requirement():
     policies.check_capacity(capacity=8, groups_per_step=4, window=1)
     with pytest.raises(ValueError, match=r"groups_per_step \* \(window \+ 1\) = 8"):
