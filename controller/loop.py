@@ -29,7 +29,8 @@
       generator: GroupFailed + WorkerLost -> restart -> publish current weights to it
 
 The admission side (pump, generator calls, commits) is in ``controller.admission``;
-what happens when a worker dies is in ``controller.worker_loss``.
+step metrics, publishing and checkpoints in ``controller.step_close``; what happens
+when a worker dies in ``controller.worker_loss``.
 
 Every decision is appended to the log *before* the side effect it announces (intent)
 or *after* the side effect returned (fact) -- see DESIGN.md, write-ahead protocol. The
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import structlog
@@ -60,13 +61,12 @@ from controller.clients import (
     TrainerClient,
     WeightPublisher,
 )
-from controller import recovery
 from controller.admission import AdmissionSide
+from controller.step_close import StepClosing, Timers
 from controller.crashpoints import crash_point
 from controller.log_writer import LogWriter
 from controller.recovery import WorkerLostError, WorkerRestarter
 from controller.state import GroupStatus
-from controller.step_metrics import consumed_group_stats
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from events.errors import FencedError
@@ -109,20 +109,7 @@ class LoopSettings:
     groups_per_call: int = 1
 
 
-@dataclass
-class _Timers:
-    started: float = field(default_factory=time.monotonic)
-    last_progress: float = field(default_factory=time.monotonic)
-    trainer_busy: float = 0.0
-    data_wait: float = 0.0
-    generator_busy: float = 0.0
-    step_started: float = field(default_factory=time.monotonic)
-    evicted: int = 0
-    failed: int = 0
-    zero_variance: int = 0
-
-
-class Controller(AdmissionSide, WorkerLossHandling):
+class Controller(AdmissionSide, StepClosing, WorkerLossHandling):
     def __init__(
         self,
         writer: LogWriter,
@@ -150,7 +137,7 @@ class Controller(AdmissionSide, WorkerLossHandling):
         self._fatal: asyncio.Future | None = None
         #: the one trainer replacement in progress (both pumps may see the death)
         self._trainer_recovery: asyncio.Task | None = None
-        self.t = _Timers()
+        self.t = Timers()
         self._wake = asyncio.Event()
         self._busy: dict[str, int] = {g.name: 0 for g in generators}
         self._tasks: set[asyncio.Task] = set()
@@ -390,66 +377,12 @@ class Controller(AdmissionSide, WorkerLossHandling):
         if result.trainer_version % self.s.checkpoint_every == 0:
             await self.checkpoint_and_release(result.trainer_version)
 
-    def _step_metrics(self, group_ids: list[str]) -> dict[str, float]:
-        now = self.clock()
-        wall = max(now - self.t.step_started, 1e-9)
-        total = max(now - self.t.started, 1e-9)
-        m = consumed_group_stats(self.state, group_ids)
-        m.update({
-            "groups/evicted": float(self.t.evicted),
-            "groups/failed": float(self.t.failed),
-            "groups/zero_variance": float(self.t.zero_variance),
-            "perf/trainer_idle_frac": max(0.0, 1.0 - self.t.trainer_busy / wall),
-            "perf/generator_idle_frac": max(
-                0.0, 1.0 - self.t.generator_busy / (wall * max(1, len(self.generators)))
-            ),
-            "perf/data_wait_s": self.t.data_wait,
-            "perf/step_s": wall,
-            # this step's groups are claimed, not yet consumed: count them in
-            "perf/groups_per_s": (self._consumed_groups + len(group_ids)) / total,
-            "buffer/groups": float(len(self.state.buffer)),
-            "buffer/in_flight": float(len(self.state.admitted)),
-        })
-        self.t = _Timers(started=self.t.started, last_progress=self.t.last_progress)
-        return m
-
     async def _timed_trainer(self, call):
         started = self.clock()
         try:
             return await call
         finally:
             self.t.trainer_busy += self.clock() - started
-
-    async def _publish(self, version: int) -> None:
-        self._ensure_owner()
-        await recovery.publish_current(self.w, self.publisher)
-        self._progressed()
-
-    async def checkpoint_and_release(self, version: int) -> None:
-        crash_point("before_checkpoint_saved", version)
-        self._ensure_owner()
-        # The epoch in the name: a version may be checkpointed again after a crash
-        # between the save and its CheckpointSaved, or after a RunRewound.
-        ck = await self.trainer.save_checkpoint(
-            f"{self.s.checkpoint_dir}/v{version:06d}-e{self.w.epoch}"
-        )
-        self._append(
-            self.w.make(
-                ev.CheckpointSaved,
-                event_id=f"checkpoint:{version}:saved:e{self.w.epoch}",
-                trainer_version=ck.trainer_version,
-                uri=ck.uri,
-                sha256=ck.sha256,
-            )
-        )
-        crash_point("after_checkpoint_saved", version)
-        if self.s.retain_payloads == "until_checkpoint":
-            await self.release_covered(version)
-
-    async def release_covered(self, version: int) -> None:
-        self._ensure_owner()
-        await recovery.release_covered(self.w, self.payloads, version)
-        self._progressed()
 
     async def _abort_open_step(self, reason: str) -> None:
         # The fact first: if this controller is fenced the append raises and the
