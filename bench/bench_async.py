@@ -201,11 +201,10 @@ def run_once(args: argparse.Namespace, store: EventStore, run_id: str, window: i
                 append_cpu[0] += time.thread_time() - started
 
         writer.append = timed_append  # type: ignore[method-assign]
-        cpu0, proc0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
         asyncio.run(controller.run())
         wall = time.perf_counter() - wall0
         cpu = time.thread_time() - cpu0
-        proc_cpu = time.process_time() - proc0
     finally:
         workers.close()
     state = writer.state
@@ -224,7 +223,6 @@ def run_once(args: argparse.Namespace, store: EventStore, run_id: str, window: i
         "ctrl_wait": controller_gap / wall,
         "ctrl_cpu_ms": 1e3 * cpu / max(1, len(consumed)),
         "append_cpu_ms": 1e3 * append_cpu[0] / max(1, len(consumed)),
-        "proc_cpu_ms": 1e3 * proc_cpu / max(1, len(consumed)),
         "events_per_group": state.position / max(1, len(consumed)),
         "lag_mean": statistics.fmean(lags) if lags else 0.0,
         "lag_max": float(max(lags, default=0)),

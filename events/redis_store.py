@@ -162,7 +162,8 @@ class _PinnedConnection:
 
     def execute_command(self, *args: Any) -> Any:
         with self._lock:
-            for attempt in range(self._retries + 1):
+            attempt = 0
+            while True:
                 try:
                     if self._conn is None:
                         self._conn = self._connect()
@@ -172,8 +173,8 @@ class _PinnedConnection:
                     self._drop()
                     if attempt == self._retries:
                         raise
-                    time.sleep(0.05 * (attempt + 1))
-            raise AssertionError("unreachable")
+                    attempt += 1
+                    time.sleep(0.05 * attempt)
 
     def _connect(self) -> Any:
         try:

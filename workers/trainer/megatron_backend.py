@@ -66,19 +66,23 @@ from torch import nn
 
 from workers.backends import BackendUnavailableError, check_megatron
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, grpo_loss, token_logprobs, valid_counts
+from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs
 from workers.trainer import checkpoint as ckpt
 from workers.trainer import distributed as dd
 from workers.trainer import megatron_shims as shims
 from workers.trainer.api import (
     CheckpointInfo,
-    MicrobatchResult,
     NonFiniteGradientError,
     StepPhase,
     StepResult,
 )
 from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
-from workers.trainer.torch_backend import TorchTrainer, _OpenStep, _trim, digest_parameters
+from workers.trainer.torch_backend import (
+    TorchTrainer,
+    _OpenStep,
+    digest_parameters,
+    model_logits,
+)
 
 
 @dataclass(frozen=True)
@@ -339,47 +343,17 @@ class MegatronTrainer(TorchTrainer):
         self._hooks.restore()
         super()._fail(open_, err)
 
-    def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult:
-        """Forward + backward under ``no_sync`` with normaliser 1; None = zero-weight dummy."""
-        open_ = self._require_open("train_microbatch")
-        index = open_.num_microbatches + open_.num_dummy
-        if batch is None:
-            open_.num_dummy += 1
-            return MicrobatchResult(index=index, num_sequences=0, num_tokens=0, dummy=True)
-        try:
-            n_seq, n_tok = valid_counts(batch.loss_mask)
-            mb = _trim(batch, self.device)
-            cfg = open_.loss_config
-            aux: list[torch.Tensor] = []
-            with self._ddp.no_sync(), _capture_aux_losses(aux):
-                logits = self._ddp(mb.input_ids)
-                if not isinstance(logits, torch.Tensor):
-                    logits = logits.logits
-                lp = token_logprobs(logits, mb.input_ids, cfg.temperature)
-                ref = mb.reference_logprobs
-                if ref is None and cfg.kl_coef > 0 and self._reference is not None:
-                    with torch.no_grad():
-                        ref = token_logprobs(
-                            self._logits(self._reference, mb.input_ids), mb.input_ids,
-                            cfg.temperature,
-                        )
-                out = grpo_loss(lp, mb, cfg, reference_logprobs=ref)
-                if aux:
-                    self._accumulate_aux(torch.stack([a.sum() for a in aux]).sum())
-                out.loss_sum.backward()
-            open_.metrics.add(out.metrics)
-        except BaseException as err:
-            self._fail(open_, err)
-            raise
-        open_.num_microbatches += 1
-        open_.num_sequences += n_seq
-        open_.num_tokens += n_tok
-        return MicrobatchResult(index=index, num_sequences=n_seq, num_tokens=n_tok)
-
-    @staticmethod
-    def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids)
-        return out if isinstance(out, torch.Tensor) else out.logits
+    def _forward_backward(self, mb: TrainBatch, cfg: LossConfig) -> dict[str, Metric]:
+        """Forward + backward under ``no_sync`` (one reduction at finish), with MoE
+        auxiliary losses captured and their gradients kept apart (see ``finish_train_step``)."""
+        aux: list[torch.Tensor] = []
+        with self._ddp.no_sync(), _capture_aux_losses(aux):
+            lp = token_logprobs(model_logits(self._ddp, mb.input_ids), mb.input_ids, cfg.temperature)
+            out = grpo_loss(lp, mb, cfg, reference_logprobs=self._reference_logprobs(mb, cfg))
+            if aux:
+                self._accumulate_aux(torch.stack([a.sum() for a in aux]).sum())
+            out.loss_sum.backward()
+        return out.metrics
 
     def _accumulate_aux(self, aux_total: torch.Tensor) -> None:
         grads = torch.autograd.grad(aux_total, self._params, retain_graph=True, allow_unused=True)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, grpo_loss, token_logprobs, valid_counts
+from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs, valid_counts
 from workers.trainer import checkpoint as ckpt
 from workers.trainer import distributed as dd
 from workers.trainer.api import (
@@ -230,18 +230,8 @@ class TorchTrainer:
             return MicrobatchResult(index=index, num_sequences=0, num_tokens=0, dummy=True)
         try:
             n_seq, n_tok = valid_counts(batch.loss_mask)
-            mb = _trim(batch, self.device)
-            cfg = open_.loss_config
-            logits = model_logits(self._model, mb.input_ids)
-            lp = token_logprobs(logits, mb.input_ids, cfg.temperature)
-            ref = mb.reference_logprobs
-            if ref is None and cfg.kl_coef > 0 and self._reference is not None:
-                with torch.no_grad():
-                    ref_logits = model_logits(self._reference, mb.input_ids)
-                    ref = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
-            out = grpo_loss(lp, mb, cfg, reference_logprobs=ref)
-            out.loss_sum.backward()
-            open_.metrics.add(out.metrics)
+            metrics = self._forward_backward(_trim(batch, self.device), open_.loss_config)
+            open_.metrics.add(metrics)
         except BaseException as err:
             self._fail(open_, err)
             raise
@@ -249,6 +239,22 @@ class TorchTrainer:
         open_.num_sequences += n_seq
         open_.num_tokens += n_tok
         return MicrobatchResult(index=index, num_sequences=n_seq, num_tokens=n_tok)
+
+    def _forward_backward(self, mb: TrainBatch, cfg: LossConfig) -> dict[str, Metric]:
+        """The microbatch's loss, back-propagated into the parameters; returns its metrics."""
+        lp = token_logprobs(model_logits(self._model, mb.input_ids), mb.input_ids, cfg.temperature)
+        out = grpo_loss(lp, mb, cfg, reference_logprobs=self._reference_logprobs(mb, cfg))
+        out.loss_sum.backward()
+        return out.metrics
+
+    def _reference_logprobs(self, mb: TrainBatch, cfg: LossConfig) -> torch.Tensor | None:
+        """The batch's reference logprobs, or the frozen reference model's when KL needs them."""
+        ref = mb.reference_logprobs
+        if ref is None and cfg.kl_coef > 0 and self._reference is not None:
+            with torch.no_grad():
+                ref_logits = model_logits(self._reference, mb.input_ids)
+                ref = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
+        return ref
 
     def finish_train_step(self) -> StepResult:
         """Global normalise, one gradient reduction, clip, optimizer + scheduler step."""
