@@ -40,6 +40,55 @@ ADAMW = TrainerConfig(
     keep_reference=True,
 )
 
+# -- how close "equal" is ------------------------------------------------------------
+#
+# Split-vs-one-shot (and DP2-vs-DP1) differ only in the order of floating-point sums,
+# so the weights differ by rounding. What that rounding becomes depends on the
+# optimizer and the dtype:
+#
+# * float64, any optimizer: the gradients differ by ~1e-16 relative. Adam divides by
+#   sqrt(v) + eps with eps = 1e-8, magnifying a gradient error d by at most 1/eps, so
+#   a weight moves by at most lr * d / eps ~ 1e-3 * 1e-18 / 1e-8 per step: <= 1e-12
+#   holds with orders of magnitude to spare on any CPU. This is the exactness check.
+# * float32 SGD: the update lr * g is linear in the gradient, so the weights differ by
+#   lr * (gradient rounding) plus the rounding of the weights themselves: a few float32
+#   ulps of the largest weight (LayerNorm gains, ~1).
+# * float32 AdamW: a gradient coordinate near zero (~1e-8, like eps) is magnified by up
+#   to 1/eps, so float32 rounding of a near-cancelling sum (d ~ 1e-11, which summation
+#   order on a given CPU decides) moves that weight by lr * d / eps ~ 1e-3 * lr per
+#   step: 1.6e-6 was seen on an AVX-512 EPYC at lr 1e-3, and no tolerance below lr per
+#   step is guaranteed by arithmetic. ``adamw_f32_tolerance`` allows 1% of lr per step
+#   (six times the worst seen) -- still 50x less than one step moves the weights, so a
+#   trainer that skips, repeats or mis-orders a step fails it.
+
+#: float64 twins of the two configs: the exactness checks run on these
+SGD64 = replace(SGD, dtype="float64")
+ADAMW64 = replace(ADAMW, dtype="float64")
+#: max weight difference for float64 runs (any optimizer)
+EXACT_F64 = 1e-12
+#: max weight difference for float32 SGD runs: 4 float32 ulps at 1.0 (2**-21)
+SGD_F32 = 4 * 2.0**-23
+
+
+def adamw_f32_tolerance(config: TrainerConfig, steps: int) -> float:
+    """Max weight difference for float32 AdamW runs after ``steps`` steps (see above)."""
+    assert config.optimizer.kind == "adamw" and config.dtype != "float64"
+    return 1e-2 * config.optimizer.lr * steps
+
+
+def metric_tolerance(config: TrainerConfig) -> tuple[float, float]:
+    """(rel, abs) for grad norms and metrics: sums of many terms, rounding only."""
+    return (1e-9, 1e-12) if config.dtype == "float64" else (1e-5, 1e-6)
+
+
+def weight_tolerance(config: TrainerConfig, steps: int) -> float:
+    """The tolerance that fits ``config``'s optimizer and dtype (see above)."""
+    if config.dtype == "float64":
+        return EXACT_F64
+    if config.optimizer.kind == "sgd":
+        return SGD_F32
+    return adamw_f32_tolerance(config, steps)
+
 TOKEN = LossConfig(aggregation=Aggregation.TOKEN, is_truncation_cap=1.5)
 SEQUENCE = LossConfig(aggregation=Aggregation.SEQUENCE, kl_coef=0.05, temperature=0.8)
 
@@ -103,12 +152,35 @@ DP_SCENARIOS: dict[str, list[list[int]]] = {
 }
 
 
+#: the classic data-parallel bug, run deliberately: each rank divides the summed
+#: gradient by its own count instead of the global one. The DP2 test asserts that this
+#: scenario misses the truth by far more than the tolerance (it must be able to fail).
+WRONG_NORMALISER = "wrong_normaliser"
+DP_NEGATIVE: dict[str, list[list[int]]] = {WRONG_NORMALISER: [[3, 2, 1], [2]]}
+
+#: configs the DP workers run, by name
+DP_CONFIGS = {"sgd64": SGD64, "adamw64": ADAMW64, "sgd32": SGD, "adamw32": ADAMW}
+
+
+def _use_rank_local_normaliser(trainer: TorchTrainer) -> None:
+    right = trainer._global_normaliser
+
+    def wrong(open_):
+        total, _ = right(open_)
+        token = open_.loss_config.aggregation is Aggregation.TOKEN
+        return total, max(1, open_.num_tokens if token else open_.num_sequences)
+
+    trainer._global_normaliser = wrong  # type: ignore[method-assign]
+
+
 def run_dp_scenario(
     name: str, config: TrainerConfig, loss: LossConfig, batches: list[TrainBatch]
 ) -> tuple[dict[str, torch.Tensor], list, str]:
     rank, world = dd.rank_and_world()
-    sizes = DP_SCENARIOS[name]
+    sizes = {**DP_SCENARIOS, **DP_NEGATIVE}[name]
     trainer = TorchTrainer(FACTORY, config)
+    if name == WRONG_NORMALISER:
+        _use_rank_local_normaliser(trainer)
     results = []
     for step, batch in enumerate(batches):
         shards = split(batch, [sum(s) for s in sizes])
@@ -132,12 +204,15 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         batches = [make_batch(100 + s) for s in range(2)]
         out = {}
-        for cfg_name, config in (("sgd", SGD), ("adamw", ADAMW)):
+        for cfg_name, config in DP_CONFIGS.items():
             for loss_name, loss in (("token", TOKEN), ("sequence", SEQUENCE)):
                 for scenario in DP_SCENARIOS:
                     out[(cfg_name, loss_name, scenario)] = run_dp_scenario(
                         scenario, config, loss, batches
                     )
+                out[(cfg_name, loss_name, WRONG_NORMALISER)] = run_dp_scenario(
+                    WRONG_NORMALISER, config, loss, batches
+                )
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(out, f)
     finally:

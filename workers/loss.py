@@ -166,9 +166,10 @@ def token_logprobs(
     """[B, T] log p(input_ids[t] | input_ids[<t]) at ``temperature``; position 0 is 0.
 
     Follows the ``workers.batch`` alignment: logits at t - 1 predict token t. Computed in
-    fp32 whatever the model's dtype.
+    at least fp32 whatever the model's dtype (bf16/fp16 are upcast, fp64 is kept).
     """
-    scaled = logits[:, :-1].float()
+    scaled = logits[:, :-1]
+    scaled = scaled.to(torch.promote_types(scaled.dtype, torch.float32))
     if temperature != 1.0:
         scaled = scaled / temperature
     target = input_ids[:, 1:].unsqueeze(-1)

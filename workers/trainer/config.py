@@ -17,6 +17,8 @@ from torch import nn
 from workers.models.tiny import TinyCausalLM, TinyConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from workers.models.factory import ModelConfig
 
 #: builds the policy; called once per rank under the trainer's seed
@@ -92,6 +94,17 @@ class TrainerConfig:
     digest_on_finish: bool = True
     #: flat gradient all-reduce bucket size
     reduce_bucket_mb: int = 256
+    #: cast the model's parameters (so gradients and optimizer state) to this dtype;
+    #: None keeps the factory's. float64 is for exactness checks: split-vs-one-shot
+    #: differences are then rounding at ~1e-16, which Adam's g / (|g| + eps) cannot
+    #: magnify past 1e-12 (in float32 it can, by up to lr per step: see the tests)
+    dtype: Literal["float32", "float64"] | None = None
+
+    @property
+    def torch_dtype(self) -> "torch.dtype | None":
+        import torch
+
+        return None if self.dtype is None else getattr(torch, self.dtype)
 
 
 class LrSchedule:

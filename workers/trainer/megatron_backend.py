@@ -257,7 +257,7 @@ class MegatronTrainer(TorchTrainer):
             use_dist_opt = self.device.type == "cuda"
         check_megatron(installed=True, cuda=self.device.type == "cuda", require_gpu=use_dist_opt)
         torch.manual_seed(cfg.seed)
-        module = model_factory().to(self.device)
+        module = model_factory().to(device=self.device, dtype=cfg.torch_dtype)
         module.eval()  # dropout off: determinism
         dd.broadcast_module_(module)
         self._model = module
@@ -265,12 +265,14 @@ class MegatronTrainer(TorchTrainer):
         self._reference_digest: str | None = None
         if cfg.keep_reference:
             # a second instance, not deepcopy: mcore modules hold process groups
-            reference = model_factory().to(self.device).eval()
+            reference = model_factory().to(device=self.device, dtype=cfg.torch_dtype).eval()
             reference.load_state_dict(module.state_dict())
             self._reference = reference.requires_grad_(False)
             self._reference_digest = digest_parameters(self._reference)
+        # "in fp32" means upcast: float64 parameters keep float64 gradient buffers
+        wide = all(p.dtype == torch.float64 for p in module.parameters())
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=opts.grad_reduce_in_fp32,
+            grad_reduce_in_fp32=opts.grad_reduce_in_fp32 and not wide,
             overlap_grad_reduce=opts.overlap_grad_reduce,
             use_distributed_optimizer=use_dist_opt,
             bucket_size=opts.bucket_size,
@@ -360,7 +362,7 @@ class MegatronTrainer(TorchTrainer):
         for p, g in zip(self._params, grads):
             if g is not None:
                 acc = self._aux_grads.get(p)
-                g = g.detach().to(torch.float32)
+                g = g.detach().to(p.main_grad.dtype)
                 self._aux_grads[p] = g if acc is None else acc + g
 
     def finish_train_step(self) -> StepResult:

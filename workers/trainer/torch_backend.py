@@ -115,7 +115,7 @@ class TorchTrainer:
         self.rank, self.world_size = dd.rank_and_world()
         self.device = self._resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        model = model_factory().to(self.device)
+        model = model_factory().to(device=self.device, dtype=cfg.torch_dtype)
         model.eval()  # dropout off: determinism (see module docstring)
         dd.broadcast_module_(model)
         self._model = model
