@@ -51,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.clients import MicrobatchRef, TrainerClient, WeightPublisher  # noqa: E402
+from workers.api import MicrobatchRef, TrainerClient, WeightPublisher  # noqa: E402
 from controller.config import Config, config_to_dict, load_config  # noqa: E402
 from controller.loop import Controller, LoopSettings  # noqa: E402
 from controller.run_cmd import loop_settings as run_loop_settings  # noqa: E402

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.clients import (  # noqa: E402
+from workers.api import (  # noqa: E402
     GenerationOutcome,
     GenerationRequest,
     MicrobatchOutcome,

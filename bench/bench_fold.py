@@ -6,7 +6,7 @@ evictions, aborts and restarts) as the JSON bytes a store returns, then times, s
 by side in one run (best of ``--repeat``):
 
   (a) raw decode   -- ``msgspec.json.decode`` of every entry into the typed event union
-  (b) decode+fold  -- ``controller.fold.fold_raw`` (the codec's decode + the reducer)
+  (b) decode+fold  -- ``controller.core.fold.fold_raw`` (the codec's decode + the reducer)
   (c) reduce only  -- the reducer over already-decoded events (for attribution)
 
 and prints events/s and the ratio (b)/(a). Targets: (b) >= 300k events/s and >= 0.3x (a).
@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec  # noqa: E402
 
-from controller.fold import fold_raw  # noqa: E402
-from controller.reducer import apply_event  # noqa: E402
-from controller.state import initial_state  # noqa: E402
+from controller.core.fold import fold_raw  # noqa: E402
+from controller.core.reducer import apply_event  # noqa: E402
+from controller.core.state import initial_state  # noqa: E402
 from events.schema import AnyEvent  # noqa: E402
 from tests.unit.log_builder import random_run  # noqa: E402
 

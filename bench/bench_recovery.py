@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.fold import fold  # noqa: E402
+from controller.core.fold import fold  # noqa: E402
 from controller.startup import resume_run  # noqa: E402
-from controller.state import encode_state  # noqa: E402
+from controller.core.state import encode_state  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.unit.log_builder import random_run  # noqa: E402

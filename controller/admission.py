@@ -16,10 +16,10 @@ from collections.abc import Awaitable
 
 import structlog
 
-from controller import policies
-from controller.clients import GenerationOutcome, GenerationRequest, GeneratorClient
+from controller.core import policies
+from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient
 from controller.crashpoints import crash_point
-from controller.recovery import WorkerLostError
+from workers.api import WorkerLostError
 from events import schema as ev
 
 log = structlog.get_logger("rl_controller.loop")

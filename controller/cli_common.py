@@ -81,7 +81,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def run_command(func, args: argparse.Namespace) -> int:
     """Call a command; user errors become one line on stderr and a non-zero exit."""
     from controller.config import ConfigError
-    from controller.errors import InvariantViolation
+    from controller.core.errors import InvariantViolation
     from events.errors import EventDecodeError
 
     try:

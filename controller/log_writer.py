@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
-from controller.reducer import apply
-from controller.state import RunState, encode_state
+from controller.core.reducer import apply
+from controller.core.state import RunState, encode_state
 from events.errors import FencedError, StoreUnavailableError
 from events.schema import Event, StoredEvent
 from events.store import EventStore

@@ -53,8 +53,8 @@ from typing import Callable
 
 import structlog
 
-from controller import policies
-from controller.clients import (
+from controller.core import policies
+from workers.api import (
     GeneratorClient,
     MicrobatchRef,
     PayloadStore,
@@ -65,8 +65,8 @@ from controller.admission import AdmissionSide
 from controller.step_close import StepClosing, Timers
 from controller.crashpoints import crash_point
 from controller.log_writer import LogWriter
-from controller.recovery import WorkerLostError, WorkerRestarter
-from controller.state import GroupStatus
+from workers.api import WorkerLostError, WorkerRestarter
+from controller.core.state import GroupStatus
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from events.errors import FencedError

@@ -26,16 +26,21 @@ when it dies during a run (``WorkerLost``):
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import structlog
 
-from controller import policies
-from controller.clients import MicrobatchRef, PayloadStore, TrainerClient, WeightPublisher
+from controller.core import policies
+
 from controller.crashpoints import crash_point
 from controller.log_writer import LogWriter
-from controller.state import CheckpointRecord, GroupStatus, RunState, StepRecord
+from controller.core.state import CheckpointRecord, GroupStatus, RunState, StepRecord
 from events import schema as ev
+from workers.api import (
+    MicrobatchRef,
+    PayloadStore,
+    TrainerClient,
+    WeightPublisher,
+    WorkerLostError,
+)
 
 log = structlog.get_logger("rl_controller.recovery")
 
@@ -55,25 +60,6 @@ class DigestMismatchError(RecoveryError):
 
 class PayloadsLostError(RecoveryError):
     """Payload rows that re-training needs are gone from the data plane and the spill."""
-
-
-class WorkerLostError(RuntimeError):
-    """A worker process died (or its actor is gone) during a call; raised by the handles."""
-
-    def __init__(self, worker: str, role: str, reason: str) -> None:
-        self.worker = worker
-        self.role = role
-        self.reason = reason
-        #: the handle whose call failed (set by the handles; a restart swaps handles)
-        self.handle: object | None = None
-        super().__init__(f"{role} {worker} lost: {reason}")
-
-
-class WorkerRestarter(Protocol):
-    """Replaces a dead worker by a fresh one behind the same client object."""
-
-    async def restart_trainer(self) -> None: ...
-    async def restart_generator(self, name: str) -> None: ...
 
 
 # -- re-training -------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import structlog
 
-from controller import policies
+from controller.core import policies
 from controller.cli_common import CliError, add_store_args, open_store
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted

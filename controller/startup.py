@@ -17,9 +17,9 @@ import socket
 from typing import Any
 
 from controller.crashpoints import crash_point
-from controller.fold import fold_raw, fold_raw_from_snapshot
+from controller.core.fold import fold_raw, fold_raw_from_snapshot
 from controller.log_writer import LogWriter
-from controller.state import RunState, initial_state
+from controller.core.state import RunState, initial_state
 from events import schema as ev
 from events.errors import RunNotFoundError
 from events.store import EventStore

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from controller import recovery
 from controller.crashpoints import crash_point
-from controller.step_metrics import consumed_group_stats
+from controller.core.step_metrics import consumed_group_stats
 from events import schema as ev
 
 

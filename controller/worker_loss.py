@@ -15,9 +15,9 @@ import asyncio
 import structlog
 
 from controller import recovery
-from controller.clients import GeneratorClient
+from workers.api import GeneratorClient
 from controller.crashpoints import crash_point
-from controller.recovery import WorkerLostError
+from workers.api import WorkerLostError
 from events import schema as ev
 
 log = structlog.get_logger("rl_controller.loop")

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from controller.state import RunState, StepStatus
+from controller.core.state import RunState, StepStatus
 from replay.reader import FoldResult, LogProblem
 
 INVARIANTS = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.state import RunState
+from controller.core.state import RunState
 
 
 def state_at(state: RunState, at_ts: float, *, log_end: int | None = None) -> dict[str, Any]:

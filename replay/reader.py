@@ -1,7 +1,7 @@
 """Reading a run's log robustly and fast: raw pages, folded with the reducer.
 
 Every read-only tool (``replay``, ``staleness``, ``audit``) folds the log the way
-``controller.fold.fold_raw`` does -- decode each entry with the event codec, apply it
+``controller.core.fold.fold_raw`` does -- decode each entry with the event codec, apply it
 with the reducer -- but never lets a bad entry escape as a traceback: the first
 malformed entry (``EventDecodeError``) or broken rule (``InvariantViolation``) stops
 the fold and comes back as a :class:`LogProblem` naming its position, together with
@@ -33,9 +33,9 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from controller.errors import InvariantViolation, SnapshotDecodeError
-from controller.fold import Observer, apply_raw
-from controller.state import RunState, decode_state, initial_state
+from controller.core.errors import InvariantViolation, SnapshotDecodeError
+from controller.core.fold import Observer, apply_raw
+from controller.core.state import RunState, decode_state, initial_state
 from events.codec import decode
 from events.errors import EventDecodeError
 from events.schema import AnyEvent, StepAborted, StepFinished

@@ -27,7 +27,7 @@ from typing import Callable
 
 from controller.config import config_from_dict
 from controller.recovery import missing_payloads, retrain_step, steps_after
-from controller.state import CheckpointRecord, RunState
+from controller.core.state import CheckpointRecord, RunState
 
 
 class RetrainError(RuntimeError):

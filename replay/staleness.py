@@ -13,7 +13,7 @@ live groups over time.
 
 Time the admission gate was closed -- method: after every event that changes the number
 of live groups (admitted, committed or claimed but not consumed) or the trainer/weight
-versions, the gate of ``controller.policies.admission`` is evaluated on those numbers
+versions, the gate of ``controller.core.policies.admission`` is evaluated on those numbers
 (closed when live >= capacity, or when a group dispatched at the published weight
 version could be trained beyond the window: trainer_version + live // groups_per_step -
 weight_version > window); a closed gate counts until the next such event. Capacity is
@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from controller.state import RunState, StepStatus
+from controller.core.state import RunState, StepStatus
 from events.schema import (
     GroupCommitted,
     GroupEvicted,

@@ -6,7 +6,7 @@ The recorded stream of group events (admitted, committed, failed) is replayed in
 order into a fresh state; the trainer follows the recorded schedule of steps
 (StepBegun, MicrobatchTrained, StepFinished/StepAborted), but which groups each
 microbatch takes, and which groups are evicted, is decided again by
-``controller.policies`` with the what-if settings, exactly as ``controller.loop`` does:
+``controller.core.policies`` with the what-if settings, exactly as ``controller.loop`` does:
 
 * a step's first microbatch is selected right before its StepBegun; each later one
   at the earliest point after the previous microbatch where the policy can fill it
@@ -43,8 +43,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, get_args
 
-from controller import policies
-from controller.state import GroupRecord, GroupStatus, RunState, StepStatus
+from controller.core import policies
+from controller.core.state import GroupRecord, GroupStatus, RunState, StepStatus
 from events.schema import (
     AnyEvent,
     GroupCommitted,

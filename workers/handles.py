@@ -5,7 +5,7 @@ publishing goes trainer -> generators: with Ray the trainer's exported weights a
 one object in the object store and every generator gets it by reference (one put,
 many gets); in-process they are handed over directly.
 
-A worker that dies mid-call surfaces as :class:`controller.recovery.WorkerLostError`
+A worker that dies mid-call surfaces as :class:`workers.api.WorkerLostError`
 (Ray's actor-died errors are translated here), so the controller can record
 ``WorkerLost``, have the worker replaced behind the same client object (the clients
 hold a handle that ``controller.wiring`` swaps) and reconcile the new one.
@@ -19,15 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable
 from typing import Any
 
-from controller.clients import (
+from workers.api import (
     CheckpointOutcome,
     GenerationOutcome,
     GenerationRequest,
     MicrobatchOutcome,
     MicrobatchRef,
     StepOutcome,
+    WorkerLostError,
 )
-from controller.recovery import WorkerLostError
 from workers.dataplane import DataPlane
 
 
@@ -112,7 +112,7 @@ Handle = LocalHandle | RayHandle
 
 
 class TrainerClientImpl:
-    """``controller.clients.TrainerClient`` over a ``TrainerWorker`` handle."""
+    """``workers.api.TrainerClient`` over a ``TrainerWorker`` handle."""
 
     def __init__(self, handle: Handle) -> None:
         self.handle = handle
@@ -143,7 +143,7 @@ class TrainerClientImpl:
 
 
 class GeneratorClientImpl:
-    """``controller.clients.GeneratorClient`` over a ``GeneratorWorker`` handle."""
+    """``workers.api.GeneratorClient`` over a ``GeneratorWorker`` handle."""
 
     def __init__(self, name: str, handle: Handle) -> None:
         self.name = name
@@ -158,7 +158,7 @@ class GeneratorClientImpl:
 
 
 class Publisher:
-    """``controller.clients.WeightPublisher``: trainer weights -> every generator."""
+    """``workers.api.WeightPublisher``: trainer weights -> every generator."""
 
     def __init__(self, trainer: TrainerClientImpl, generators: list[GeneratorClientImpl]) -> None:
         self.trainer = trainer  # the client, not its handle: a restart swaps the handle
@@ -179,7 +179,7 @@ class Publisher:
 
 
 class PayloadStoreImpl:
-    """``controller.clients.PayloadStore`` over the controller's data plane client."""
+    """``workers.api.PayloadStore`` over the controller's data plane client."""
 
     def __init__(self, dataplane: DataPlane, partition: str) -> None:
         self.dataplane = dataplane

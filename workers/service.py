@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from controller.clients import (
+from workers.api import (
     CheckpointOutcome,
     GenerationOutcome,
     GenerationRequest,

@@ -167,7 +167,7 @@ class Chaos:
             store.close()
 
     def check(self, run_id: str, steps: int, *, replay: bool = True) -> dict[str, Any]:
-        from controller.state import GroupStatus
+        from controller.core.state import GroupStatus
 
         rc, out = self.cli("audit", "--run", run_id, "--json")
         assert rc == 0, f"audit failed:\n{out[-3000:]}"

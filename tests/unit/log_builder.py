@@ -112,7 +112,7 @@ class LogBuilder:
 
     def fold(self) -> Any:
         """Fold the log so far with the real reducer (returns a ``RunState``)."""
-        from controller.fold import fold
+        from controller.core.fold import fold
 
         return fold(self.events)
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.errors import InvariantViolation, SnapshotDecodeError
-from controller.fold import (
+from controller.core.errors import InvariantViolation, SnapshotDecodeError
+from controller.core.fold import (
     decode_entries,
     fold,
     fold_from_snapshot,
@@ -17,7 +17,7 @@ from controller.fold import (
     fold_raw_from_snapshot,
     fold_until,
 )
-from controller.state import STATE_FORMAT_VERSION, RunState, decode_state, encode_state
+from controller.core.state import STATE_FORMAT_VERSION, RunState, decode_state, encode_state
 from events.errors import EventDecodeError
 from tests.unit.log_builder import LogBuilder, random_run
 

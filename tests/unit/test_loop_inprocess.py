@@ -20,10 +20,10 @@ from controller.config import Config, config_to_dict, load_config
 from controller.run_cmd import loop_settings
 from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
 from controller.log_writer import LogWriter
-from controller.policies import SELECTION_POLICIES
+from controller.core.policies import SELECTION_POLICIES
 from controller.recovery import reconcile_workers
 from controller.startup import create_run
-from controller.state import GroupStatus
+from controller.core.state import GroupStatus
 from controller.wiring import Workers, start_workers, worker_spec
 from events import schema as ev
 from events.store import MemoryEventStore

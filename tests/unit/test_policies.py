@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller import policies
+from controller.core import policies
 from tests.unit.log_builder import LogBuilder
 
 

@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import pytest
 
-from controller.errors import InvariantViolation
-from controller.fold import fold
-from controller.reducer import apply
-from controller.state import GroupStatus, StepStatus, initial_state
+from controller.core.errors import InvariantViolation
+from controller.core.fold import fold
+from controller.core.reducer import apply
+from controller.core.state import GroupStatus, StepStatus, initial_state
 from tests.unit.log_builder import LogBuilder
 
 Build = Callable[[LogBuilder], LogBuilder]

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from controller.errors import InvariantViolation
-from controller.reducer import apply
-from controller.state import GroupStatus, RunState, initial_state
+from controller.core.errors import InvariantViolation
+from controller.core.reducer import apply
+from controller.core.state import GroupStatus, RunState, initial_state
 from events.schema import (
     GroupCommitted,
     MicrobatchTrained,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.state import StepStatus
+from controller.core.state import StepStatus
 from replay import staleness
 from replay.plots import plot_data, write_plot
 from replay.reader import fold_log

@@ -1,6 +1,6 @@
 """What-if: re-running the policies over a recorded log.
 
-The recorded logs come from a simulation that drives ``controller.policies`` the way
+The recorded logs come from a simulation that drives ``controller.core.policies`` the way
 ``controller.loop`` does (admission gate, evict-then-select per microbatch, selection
 re-checked after every event, aborts), so "what-if with the recorded settings gives the
 recorded batches" is tested against the loop's own decision procedure.
@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from controller import policies
-from controller.fold import fold
-from controller.reducer import apply
-from controller.state import initial_state
+from controller.core import policies
+from controller.core.fold import fold
+from controller.core.reducer import apply
+from controller.core.state import initial_state
 from replay import whatif
 from tests.unit.log_builder import LogBuilder
 

@@ -1,14 +1,14 @@
 """Reducer handlers for the group lifecycle: admit, commit, fail, evict, release.
 
-Part of ``controller.reducer`` (which dispatches to these); the same rules hold:
+Part of ``controller.core.reducer`` (which dispatches to these); the same rules hold:
 validate first, mutate after, violations name the position. Pure.
 """
 
 from __future__ import annotations
 
 
-from controller.errors import violation as _violation
-from controller.state import (
+from controller.core.errors import violation as _violation
+from controller.core.state import (
     GroupRecord,
     GroupStatus,
     RunState,

@@ -1,4 +1,4 @@
-"""The controller's state: a pure fold of the event log (see ``controller.reducer``).
+"""The controller's state: a pure fold of the event log (see ``controller.core.reducer``).
 
 Everything here is plain data (mutable msgspec Structs) plus small read-only helpers
 that the controller loop, the policies and replay/audit read. The reducer is the only
@@ -15,7 +15,7 @@ from typing import Any, Final, Iterator
 
 import msgspec
 
-from controller.errors import SnapshotDecodeError
+from controller.core.errors import SnapshotDecodeError
 
 #: Bumped whenever the shape of ``RunState`` changes; an older snapshot is refused
 #: (the caller folds the log from the start instead -- snapshots are only a cache).
@@ -193,7 +193,7 @@ class RewindRecord(msgspec.Struct, kw_only=True, gc=False):
 
 
 class RunState(msgspec.Struct, kw_only=True):
-    """The folded state of one run. Written only by ``controller.reducer``."""
+    """The folded state of one run. Written only by ``controller.core.reducer``."""
 
     state_format: int = STATE_FORMAT_VERSION
     #: True once RunStarted has been applied

@@ -1,6 +1,6 @@
 """Reducer handlers for the step lifecycle: begin, microbatch (claim), finish, abort.
 
-Part of ``controller.reducer`` (which dispatches to these); the same rules hold:
+Part of ``controller.core.reducer`` (which dispatches to these); the same rules hold:
 validate first, mutate after, violations name the position. Pure.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from itertools import chain
 
-from controller.errors import violation as _violation
-from controller.state import (
+from controller.core.errors import violation as _violation
+from controller.core.state import (
     GroupStatus,
     OpenStep,
     RunState,

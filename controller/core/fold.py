@@ -1,6 +1,6 @@
 """Folding a log into a ``RunState``: from the start, from a snapshot, or from raw entries.
 
-``fold`` advances the state it is given **in place** (see ``controller.reducer``); pass
+``fold`` advances the state it is given **in place** (see ``controller.core.reducer``); pass
 ``state.copy()`` to keep the original. The raw-entry helpers are the hot path of
 recovery and replay over 1M-event logs: they decode with the event codec and call the
 reducer directly, without building a ``StoredEvent`` per entry.
@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import msgspec
 
-from controller.reducer import HANDLERS, apply_event, check_preamble, handler_for
-from controller.state import RunState, decode_state, initial_state
+from controller.core.reducer import HANDLERS, apply_event, check_preamble, handler_for
+from controller.core.state import RunState, decode_state, initial_state
 from events.codec import decode
 from events.schema import CURRENT_SCHEMA_VERSION, AnyEvent, StoredEvent
 

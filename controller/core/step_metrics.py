@@ -8,7 +8,7 @@ merged in by the loop.
 
 from __future__ import annotations
 
-from controller.state import RunState
+from controller.core.state import RunState
 
 
 def consumed_group_stats(state: RunState, group_ids: list[str]) -> dict[str, float]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from controller.state import GroupRecord, GroupStatus, RunState
+from controller.core.state import GroupRecord, GroupStatus, RunState
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
 SELECTION_POLICIES: tuple[SelectionPolicy, ...] = ("in_order", "oldest_first", "ready_first")

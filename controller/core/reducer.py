@@ -21,7 +21,7 @@ strictly newer than all earlier ones. Any other event must carry exactly the cur
 epoch: an older one is a stale (fenced) writer, a newer one was never claimed.
 
 Handlers live by lifecycle: run, controller, weights and checkpoints here; groups in
-``controller.reducer_groups``; steps in ``controller.reducer_steps``.
+``controller.core.reducer_groups``; steps in ``controller.core.reducer_steps``.
 
 Pure: no I/O, no clock, no randomness, no logging.
 """
@@ -30,21 +30,21 @@ from __future__ import annotations
 
 from typing import Any, Callable, assert_never, get_args
 
-from controller.errors import violation
-from controller.reducer_groups import (
+from controller.core.errors import violation
+from controller.core.reducer_groups import (
     _on_group_committed,
     _on_group_evicted,
     _on_group_failed,
     _on_payloads_released,
     _on_rollout_admitted,
 )
-from controller.reducer_steps import (
+from controller.core.reducer_steps import (
     _on_microbatch_trained,
     _on_step_aborted,
     _on_step_begun,
     _on_step_finished,
 )
-from controller.state import (
+from controller.core.state import (
     CheckpointRecord,
     CheckpointRejection,
     EpochRecord,
@@ -293,7 +293,7 @@ def _on_run_rewound(state: RunState, ev: RunRewound, pos: int) -> None:
 #: Exact event type -> handler: the reducer's ``match`` over the event union, as one dict
 #: lookup per event instead of a chain of up to 17 isinstance tests. ``apply_event`` is
 #: ``check_preamble`` (when the one combined test fails) + ``HANDLERS[type(event)]`` +
-#: ``state.position = position``; ``controller.fold`` inlines exactly that in its loop.
+#: ``state.position = position``; ``controller.core.fold`` inlines exactly that in its loop.
 HANDLERS: dict[type, _Handler] = {
     RunStarted: _on_run_started,
     ControllerStarted: _on_controller_started,

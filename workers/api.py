@@ -1,9 +1,12 @@
-"""What the controller loop needs from its workers, as protocols.
+"""The contract between the controller and its workers: messages, errors, protocols.
 
-The loop never sees a tensor: it hands generators a prompt reference and gets back
-payload keys, and hands the trainer payload keys plus advantages. Implementations
-(in-process for tests and single-process runs, Ray actors for real runs) live in
-``workers.clients``; the wiring in ``controller.run`` picks one.
+The controller never sees a tensor: it hands generators a prompt reference and gets
+back payload keys, and hands the trainer payload keys plus advantages. This module is
+the whole vocabulary the two sides share; it lives with the workers so that the
+dependency runs one way (``controller`` imports ``workers.api``; ``workers`` imports
+nothing from ``controller``). Implementations -- in-process for tests and
+single-process runs, Ray actors for real runs -- are in ``workers.handles``; the
+controller's ``wiring`` picks one.
 """
 
 from __future__ import annotations
@@ -12,6 +15,18 @@ from collections.abc import Awaitable
 from typing import Protocol
 
 import msgspec
+
+
+class WorkerLostError(RuntimeError):
+    """A worker process died (or its actor is gone) during a call; raised by the handles."""
+
+    def __init__(self, worker: str, role: str, reason: str) -> None:
+        self.worker = worker
+        self.role = role
+        self.reason = reason
+        #: the handle whose call failed (set by the handles; a restart swaps handles)
+        self.handle: object | None = None
+        super().__init__(f"{role} {worker} lost: {reason}")
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,14 +78,24 @@ class TrainerClient(Protocol):
     async def abort_train_step(self) -> None: ...
     async def version_and_digest(self) -> tuple[int, str]: ...
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome: ...
-    async def load_checkpoint(self, directory: str) -> tuple[int, str]: ...
+    async def load_checkpoint(
+        self, directory: str, expected_sha256: str | None = None
+    ) -> tuple[int, str]:
+        """Load a checkpoint; with ``expected_sha256`` (the log's manifest hash) refuse
+        any other one. Returns (trainer_version, weights digest)."""
+        ...
+
+    async def reset(self) -> None:
+        """Back to the initial weights (seeded init, version 0), as if just started."""
+        ...
 
 
 class WeightPublisher(Protocol):
     """Moves the trainer's current weights to every generator (one put, many gets)."""
 
-    async def publish(self, version: int) -> list[str]:
-        """Returns the names of the generators that acknowledged ``version``."""
+    async def publish(self, version: int, only: list[str] | None = None) -> list[str]:
+        """Send ``version`` to every generator (or those named in ``only``); returns
+        the names of the generators that acknowledged it."""
         ...
 
 
@@ -89,6 +114,13 @@ class GeneratorClient(Protocol):
         ...
 
     async def weight_version(self) -> int: ...
+
+
+class WorkerRestarter(Protocol):
+    """Replaces a dead worker by a fresh one behind the same client object."""
+
+    async def restart_trainer(self) -> None: ...
+    async def restart_generator(self, name: str) -> None: ...
 
 
 class PayloadStore(Protocol):
