@@ -49,12 +49,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.api import MicrobatchRef, TrainerClient, WeightPublisher  # noqa: E402
 from controller.config import Config, config_to_dict, load_config  # noqa: E402
-from controller.loop import Controller, LoopSettings  # noqa: E402
-from controller.run_cmd import loop_settings as run_loop_settings  # noqa: E402
+from controller.loop import Controller  # noqa: E402
+from controller.run_cmd import checkpoint_dir  # noqa: E402
 from controller.recovery import reconcile_workers  # noqa: E402
 from controller.startup import create_run  # noqa: E402
 from controller.wiring import start_workers, worker_spec  # noqa: E402
@@ -155,9 +157,11 @@ def bench_config(args: argparse.Namespace, window: int) -> Config:
     ])
 
 
-def loop_settings(cfg: Config, run_dir: Path) -> LoopSettings:
-    # the run command's settings, but no retries and a watchdog that never fires here
-    return dataclasses.replace(run_loop_settings(cfg, run_dir), stall_timeout_s=60.0, step_retries=0)
+def loop_config(cfg: Config) -> Config:
+    # the run's config, but no retries and a watchdog that never fires here
+    return msgspec.structs.replace(cfg, controller=msgspec.structs.replace(
+        cfg.controller, stall_timeout_s=60.0, step_retries=0
+    ))
 
 
 def task_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,14 +186,16 @@ def run_once(args: argparse.Namespace, store: EventStore, run_id: str, window: i
             window_versions=window, groups_per_step=cfg.train.groups_per_step,
             samples_per_group=cfg.rollout.samples_per_group,
         )
-        settings = loop_settings(cfg, run_dir)
-        asyncio.run(reconcile_workers(writer, workers, settings))
+        asyncio.run(reconcile_workers(
+            writer, workers, cfg.checkpoint, checkpoint_dir=checkpoint_dir(run_dir)
+        ))
         trainer, publisher = TimedTrainer(workers.trainer), TimedPublisher(workers.publisher)
         controller = Controller(
-            writer, settings, trainer, workers.generators, publisher, workers.payloads
+            writer, loop_config(cfg), trainer, workers.generators, publisher, workers.payloads,
+            checkpoint_dir=checkpoint_dir(run_dir),
         )
         # The loop's own clock of waiting for selectable groups (``perf/data_wait_s``).
-        trainer.probe = lambda: (controller.t, controller.t.data_wait)
+        trainer.probe = lambda: (controller.timers, controller.timers.data_wait)
         append_cpu = [0.0]
         plain_append = writer.append
 

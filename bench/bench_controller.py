@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,7 +47,7 @@ from workers.api import (  # noqa: E402
 )
 from controller.config import Config, RolloutSection, config_to_dict, load_config  # noqa: E402
 from controller.loop import Controller  # noqa: E402
-from controller.run_cmd import loop_settings  # noqa: E402
+from controller.run_cmd import checkpoint_dir  # noqa: E402
 from controller.startup import create_run  # noqa: E402
 from events.store import EventStore, MemoryEventStore  # noqa: E402
 
@@ -166,12 +167,14 @@ def run_once(args: argparse.Namespace, inner: EventStore, run_id: str, tmp: Path
         window_versions=cfg.staleness.window_versions, groups_per_step=cfg.train.groups_per_step,
         samples_per_group=cfg.rollout.samples_per_group,
     )
-    settings = dataclasses.replace(loop_settings(cfg, tmp / run_id), stall_timeout_s=60.0)
+    cfg = msgspec.structs.replace(
+        cfg, controller=msgspec.structs.replace(cfg.controller, stall_timeout_s=60.0)
+    )
     weights = _Weights()
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     controller = Controller(
-        writer, settings, InstantTrainer(), [InstantGenerator(n, weights) for n in names],
-        InstantPublisher(weights, names), NoPayloads(),
+        writer, cfg, InstantTrainer(), [InstantGenerator(n, weights) for n in names],
+        InstantPublisher(weights, names), NoPayloads(), checkpoint_dir=checkpoint_dir(tmp / run_id),
     )
     store.round_trips = 0
     cpu0, wall0 = time.thread_time(), time.perf_counter()

@@ -1,4 +1,4 @@
-"""The admission side of the controller loop (a part of ``Controller``).
+"""The admission side of the controller loop: admit, dispatch, commit.
 
 The admission pump asks the gate (``policies.admission_room``) how many groups may be
 dispatched, appends their ``RolloutAdmitted`` in one batch (intent before the side
@@ -14,15 +14,36 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+import msgspec
 import structlog
 
 from controller.core import policies
-from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient
+from controller.core.policies import StalenessSection
+from controller.core.state import GroupStatus
 from controller.crashpoints import crash_point
-from workers.api import WorkerLostError
+from controller.journal import Journal
+from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
+from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient, WorkerLostError
 
 log = structlog.get_logger("rl_controller.loop")
+
+#: concurrent calls per generator
+GENERATOR_SLOTS = 1
+
+
+class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[rollout]``: how groups are generated."""
+
+    samples_per_group: int = 16
+    """Completions per prompt (the GRPO group size)."""
+    num_generators: int = 1
+    groups_per_call: int = 4
+    """Groups one generator call carries (each still its own RolloutAdmitted and
+    GroupCommitted, appended together): the worker transport's per-call cost and the
+    log's round trips are shared by that many groups. 1 = a call per group."""
+    max_attempts: int = 3
+    """Generation attempts per group before it is dropped."""
 
 
 def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:
@@ -31,68 +52,116 @@ def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:
 
 
 class AdmissionSide:
-    """Mixed into ``controller.loop.Controller``; uses its writer, settings and pumps."""
+    """The admission pump and the generator calls it issues."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        *,
+        generators: list[GeneratorClient],
+        loss: WorkerLossHandling,
+        rollout: RolloutSection,
+        staleness: StalenessSection,
+        groups_per_step: int,
+        target_version: int,
+        num_prompts: int,
+        seed: int,
+    ) -> None:
+        self.journal = journal
+        self.generators = generators
+        self.loss = loss
+        self.rollout = rollout
+        self.staleness = staleness
+        self.groups_per_step = groups_per_step
+        self.target_version = target_version
+        self.num_prompts = num_prompts
+        self.seed = seed
+        #: calls in flight per generator
+        self.busy: dict[str, int] = {g.name: 0 for g in generators}
+        #: why the gate is closed ("" when open), for the stall watchdog
+        self.gate_reason = ""
+        self.tasks: set[asyncio.Task] = set()
+        self._retry_queue: list[str] = []
+        self._fatal: asyncio.Future | None = None
+
+    def start(self) -> asyncio.Future:
+        """Before the pump runs: queue the failed groups' retries; returns the future a
+        generation task fails with when the run must stop."""
+        state = self.journal.state
+        self._retry_queue = [
+            g.group_id for g in state.groups.values()
+            if g.status is GroupStatus.FAILED and g.attempt < self.rollout.max_attempts
+        ]
+        self._fatal = asyncio.get_running_loop().create_future()
+        return self._fatal
+
+    def _stop_with(self, err: BaseException) -> None:
+        """A generation task hit a fatal error: stop the run with it."""
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(err)
 
     def _free_generator(self) -> GeneratorClient | None:
         for gen in self.generators:
-            if gen.name in self._restarting:
+            if gen.name in self.loss.restarting:
                 continue
-            if self._busy[gen.name] < self.s.generator_slots:
+            if self.busy[gen.name] < GENERATOR_SLOTS:
                 return gen
         return None
 
     def _admission_room(self) -> int:
         """Groups the gate admits now (up to one call's worth); records why it is shut."""
-        if self.state.trainer_version >= self.s.target_version:
+        state = self.journal.state
+        if state.trainer_version >= self.target_version:
             return 0
         gate = dict(
-            dispatch_version=self.state.weight_version,
-            window=self.s.window_versions,
-            groups_per_step=self.s.groups_per_step,
-            capacity=self.s.capacity,
+            dispatch_version=state.weight_version,
+            window=self.staleness.window_versions,
+            groups_per_step=self.groups_per_step,
+            capacity=self.staleness.capacity(self.groups_per_step),
         )
-        room = policies.admission_room(self.state, limit=self.s.groups_per_call, **gate)
-        self._gate_reason = "" if room else policies.admission(self.state, **gate).reason
+        room = policies.admission_room(state, limit=self.rollout.groups_per_call, **gate)
+        self.gate_reason = "" if room else policies.admission(state, **gate).reason
         return room
 
-    async def _admission_pump(self) -> None:
+    async def pump(self) -> None:
         while True:
             room = self._admission_room()
             gen = self._free_generator() if room else None
             if gen is None:
-                await self._wait_wake()
+                await self.journal.wait_wake()
                 continue
             # Up to groups_per_call groups for one call, admitted in one append: the
             # same decision as that many single admissions (policies.admission_room).
             batch = self._next_admissions(room)
-            self._append(*batch)  # intent before the side effect
+            self.journal.append(*batch)  # intent before the side effect
             for admitted in batch:
                 crash_point("after_rollout_admitted", admitted.group_id)
             self._dispatch(gen, batch)
 
     def _next_admissions(self, n: int) -> list[ev.RolloutAdmitted]:
         """The next ``n`` admissions: failed groups' retries first, then new groups."""
+        state = self.journal.state
         out: list[ev.RolloutAdmitted] = []
         new = 0
         for _ in range(n):
             if self._retry_queue:
-                prev = self.state.groups[self._retry_queue.pop(0)]
+                prev = state.groups[self._retry_queue.pop(0)]
                 group_id, index, attempt = prev.group_id, prev.prompt_index, prev.attempt + 1
             else:
-                index = len(self.state.groups) + new  # new groups: numbered in order
+                index = len(state.groups) + new  # new groups: numbered in order
                 new += 1
                 group_id, attempt = f"g{index:06d}", 1
-            prompt_index = index % self.s.num_prompts
-            out.append(self.w.make(
+            prompt_index = index % self.num_prompts
+            out.append(self.journal.make(
                 ev.RolloutAdmitted,
                 event_id=ev.group_event_id(group_id, "admitted", attempt),
                 group_id=group_id,
                 attempt=attempt,
                 prompt_index=prompt_index,
                 prompt_ref=f"prompt:{prompt_index}",
-                weight_version=self.state.weight_version,
-                n_samples=self.s.samples_per_group,
-                sample_seed=sample_seed(self.s.seed, index, attempt),
+                weight_version=state.weight_version,
+                n_samples=self.rollout.samples_per_group,
+                sample_seed=sample_seed(self.seed, index, attempt),
             ))
         return out
 
@@ -107,13 +176,13 @@ class AdmissionSide:
             )
             for admitted in batch
         ]
-        self._busy[gen.name] += 1
+        self.busy[gen.name] += 1
         # Issued here, right after the appends that fencing would have refused: no
         # event-loop turn in between, so no separate epoch check (a store round trip).
         pending = gen.generate(requests)
         task = asyncio.create_task(self._generate(gen, requests, pending))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         if isinstance(pending, asyncio.Future):  # a task cancelled before it awaited it
             task.add_done_callback(lambda t: pending.cancel() if t.cancelled() else None)
 
@@ -123,7 +192,7 @@ class AdmissionSide:
         reqs: list[GenerationRequest],
         pending: Awaitable[list[GenerationOutcome]],
     ) -> None:
-        started = self.clock()
+        started = self.journal.clock()
         try:
             try:
                 outcomes = list(await pending)
@@ -132,18 +201,18 @@ class AdmissionSide:
             except asyncio.CancelledError:
                 raise
             except WorkerLostError as err:
-                self._busy[gen.name] -= 1
+                self.busy[gen.name] -= 1
                 for req in reqs:
                     self._on_generation_failed(req, f"{gen.name}: {err}")
-                await self._replace_generator(gen, err)
+                await self.loss.replace_generator(gen, err)
                 return
             except Exception as err:  # a worker failure is data, not a crash
-                self._busy[gen.name] -= 1
+                self.busy[gen.name] -= 1
                 for req in reqs:
                     self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
                 return
-            self._busy[gen.name] -= 1
-            self.t.generator_busy += self.clock() - started
+            self.busy[gen.name] -= 1
+            self.journal.timers.generator_busy += self.journal.clock() - started
             self._commit(reqs, outcomes)
         except asyncio.CancelledError:
             raise
@@ -154,8 +223,8 @@ class AdmissionSide:
         """One call's groups, committed in one append (the facts after the side effect)."""
         for req in reqs:
             crash_point("before_group_committed", req.group_id)
-        self._append(*(
-            self.w.make(
+        self.journal.append(*(
+            self.journal.make(
                 ev.GroupCommitted,
                 event_id=ev.group_event_id(req.group_id, "committed", req.attempt),
                 group_id=req.group_id,
@@ -173,8 +242,8 @@ class AdmissionSide:
 
     def _on_generation_failed(self, req: GenerationRequest, reason: str) -> None:
         log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt, reason=reason)
-        self._append(
-            self.w.make(
+        self.journal.append(
+            self.journal.make(
                 ev.GroupFailed,
                 event_id=ev.group_event_id(req.group_id, "failed", req.attempt),
                 group_id=req.group_id,
@@ -183,6 +252,18 @@ class AdmissionSide:
             )
         )
         crash_point("after_group_failed", req.group_id)
-        self.t.failed += 1
-        if req.attempt < self.s.max_attempts:
+        self.journal.timers.failed += 1
+        if req.attempt < self.rollout.max_attempts:
             self._retry_queue.append(req.group_id)
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Let in-flight generations commit (their groups stay buffered for a resume)."""
+        if self.tasks:
+            _, pending = await asyncio.wait(self.tasks, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+
+    def cancel_all(self) -> None:
+        """Fenced: nothing these generations return may be logged or acted on."""
+        for task in list(self.tasks):
+            task.cancel()

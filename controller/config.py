@@ -15,6 +15,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from controller.admission import RolloutSection
+from controller.core.policies import StalenessSection
+from controller.loop import ControllerSection
+from controller.step_close import CheckpointSection
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key."""
@@ -57,26 +62,6 @@ class SamplingSection(_Section):
     max_new_tokens: int = 6
 
 
-class RolloutSection(_Section):
-    samples_per_group: int = 16
-    """Completions per prompt (the GRPO group size)."""
-    num_generators: int = 1
-    groups_per_call: int = 4
-    """Groups one generator call carries (each still its own RolloutAdmitted and
-    GroupCommitted, appended together): the worker transport's per-call cost and the
-    log's round trips are shared by that many groups. 1 = a call per group."""
-    max_attempts: int = 3
-    """Generation attempts per group before it is dropped."""
-
-
-class StalenessSection(_Section):
-    window_versions: int = 1
-    """Dispatch may lead the trainer by at most this many versions; 0 = on-policy."""
-    selection: Literal["in_order", "oldest_first", "ready_first"] = "in_order"
-    buffer_groups: int = 0
-    """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
-
-
 class LossSection(_Section):
     aggregation: Literal["token", "sequence"] = "token"
     clip_low: float = 0.2
@@ -98,22 +83,10 @@ class TrainSection(_Section):
     loss: LossSection = msgspec.field(default_factory=LossSection)
 
 
-class CheckpointSection(_Section):
-    every_steps: int = 10
-    retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
-
-
 class DataPlaneSection(_Section):
     kind: Literal["transferqueue", "memory"] = "transferqueue"
     spill: bool = True
     """Write payloads through to safetensors files so they survive a full restart."""
-
-
-class ControllerSection(_Section):
-    stall_timeout_s: float = 120.0
-    step_retries: int = 2
-    """Aborted-step retries in a row before the run stops."""
-    snapshot_every_events: int = 5000
 
 
 class RayConfig(_Section):
@@ -138,8 +111,7 @@ class Config(_Section):
 
     @property
     def buffer_capacity(self) -> int:
-        explicit = self.staleness.buffer_groups
-        return explicit or self.train.groups_per_step * (self.staleness.window_versions + 1)
+        return self.staleness.capacity(self.train.groups_per_step)
 
 
 _POSITIVE = {

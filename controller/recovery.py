@@ -26,6 +26,8 @@ when it dies during a run (``WorkerLost``):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import structlog
 
 from controller.core import policies
@@ -41,6 +43,9 @@ from workers.api import (
     WeightPublisher,
     WorkerLostError,
 )
+
+if TYPE_CHECKING:
+    from controller.step_close import CheckpointSection
 
 log = structlog.get_logger("rl_controller.recovery")
 
@@ -71,12 +76,8 @@ def expected_digest(state: RunState, version: int) -> str | None:
 
 
 def microbatch_ref(state: RunState, group_ids) -> MicrobatchRef:
-    keys: list[str] = []
-    advantages: list[float] = []
-    for gid in group_ids:
-        group = state.groups[gid]
-        keys.extend(group.payload_keys)
-        advantages.extend(policies.group_advantages(list(group.rewards))[0])
+    """A recorded microbatch, rebuilt exactly as the loop built it."""
+    keys, advantages, _ = policies.microbatch_advantages(state, group_ids)
     return MicrobatchRef(payload_keys=keys, advantages=advantages)
 
 
@@ -354,7 +355,14 @@ def reload_spill(dataplane: object, run_id: str) -> int:
     return 0 if reload is None else reload(run_id)
 
 
-async def reconcile_workers(writer: LogWriter, workers, settings, *, rewind: bool = False) -> None:
+async def reconcile_workers(
+    writer: LogWriter,
+    workers,
+    checkpoint: CheckpointSection,
+    *,
+    checkpoint_dir: str,
+    rewind: bool = False,
+) -> None:
     """Steps 1-4 of the module docstring, in order."""
     reloaded = reload_spill(workers.dataplane, writer.run_id)
     crash_point("after_spill_reloaded", writer.epoch)
@@ -366,9 +374,9 @@ async def reconcile_workers(writer: LogWriter, workers, settings, *, rewind: boo
              evicted_lost=len(evicted))
     await bring_trainer_to_log(
         writer, workers.trainer, workers.payloads,
-        rewind=rewind, checkpoint_dir=settings.checkpoint_dir,
+        rewind=rewind, checkpoint_dir=checkpoint_dir,
     )
-    if settings.retain_payloads == "until_checkpoint":
+    if checkpoint.retain_payloads == "until_checkpoint":
         await release_covered(writer, workers.payloads, writer.state.covered_trainer_version())
     await publish_current(writer, workers.publisher)
 

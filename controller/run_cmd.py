@@ -25,7 +25,7 @@ import structlog
 from controller.core import policies
 from controller.cli_common import CliError, add_store_args, open_store
 from controller.config import Config, config_from_dict, config_to_dict, load_config
-from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
+from controller.loop import Controller, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import RecoveryError, reconcile_workers
 from controller.startup import RunExistsError, create_run, resume_run
@@ -106,26 +106,9 @@ def _flatten(d: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def loop_settings(cfg: Config, run_dir: Path) -> LoopSettings:
-    """The loop's settings for a validated config (shared by run, tests and benches)."""
-    return LoopSettings(
-        target_version=cfg.run.steps,
-        window_versions=cfg.staleness.window_versions,
-        groups_per_step=cfg.train.groups_per_step,
-        groups_per_microbatch=min(cfg.train.groups_per_microbatch, cfg.train.groups_per_step),
-        samples_per_group=cfg.rollout.samples_per_group,
-        groups_per_call=cfg.rollout.groups_per_call,
-        selection=cfg.staleness.selection,
-        capacity=cfg.buffer_capacity,
-        max_attempts=cfg.rollout.max_attempts,
-        num_prompts=cfg.task.num_prompts,
-        seed=cfg.run.seed,
-        stall_timeout_s=cfg.controller.stall_timeout_s,
-        step_retries=cfg.controller.step_retries,
-        checkpoint_every=cfg.checkpoint.every_steps,
-        retain_payloads=cfg.checkpoint.retain_payloads,
-        checkpoint_dir=str(run_dir / "checkpoints"),
-    )
+def checkpoint_dir(run_dir: Path) -> str:
+    """Where a run's checkpoints go (under its run directory)."""
+    return str(run_dir / "checkpoints")
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
@@ -210,7 +193,8 @@ def _train(args, cfg: Config, writer, store) -> int:
         with progress:
             progress.status("reconciling workers with the log")
             asyncio.run(reconcile_workers(
-                writer, workers, loop_settings(cfg, run_dir), rewind=args.rewind_to_checkpoint
+                writer, workers, cfg.checkpoint, checkpoint_dir=checkpoint_dir(run_dir),
+                rewind=args.rewind_to_checkpoint,
             ))
 
             def on_step(step: int, version: int, metrics: dict[str, float]) -> None:
@@ -221,8 +205,9 @@ def _train(args, cfg: Config, writer, store) -> int:
 
             progress.status("training")
             controller = Controller(
-                writer, loop_settings(cfg, run_dir), workers.trainer, workers.generators,
-                workers.publisher, workers.payloads, on_step=on_step, restarter=workers,
+                writer, cfg, workers.trainer, workers.generators, workers.publisher,
+                workers.payloads, checkpoint_dir=checkpoint_dir(run_dir), on_step=on_step,
+                restarter=workers,
             )
             reason = asyncio.run(controller.run())
             writer.append(writer.make(ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}", reason=reason))

@@ -1,4 +1,4 @@
-"""What the controller loop does as a step closes (a part of ``Controller``).
+"""What the controller loop does as a step closes.
 
 The step's metrics (written into ``StepFinished``), publishing the new weights to the
 generators, and every ``checkpoint.every_steps`` a checkpoint plus the release of the
@@ -8,84 +8,129 @@ immediately precedes it); each fact is appended after it.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import msgspec
 
 from controller import recovery
-from controller.crashpoints import crash_point
 from controller.core.step_metrics import consumed_group_stats
+from controller.crashpoints import crash_point
+from controller.journal import Journal
 from events import schema as ev
+from workers.api import PayloadStore, StepOutcome, TrainerClient, WeightPublisher
+
+#: called after every StepFinished with (step, trainer_version, metrics)
+OnStep = Callable[[int, int, dict[str, float]], None]
 
 
-@dataclass
-class Timers:
-    """The loop's clocks and counters; all but ``started`` and ``last_progress`` start
-    again at every StepFinished."""
+class CheckpointSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[checkpoint]``: how often the trainer is checkpointed, and what that frees."""
 
-    started: float = field(default_factory=time.monotonic)
-    last_progress: float = field(default_factory=time.monotonic)
-    trainer_busy: float = 0.0
-    data_wait: float = 0.0
-    generator_busy: float = 0.0
-    step_started: float = field(default_factory=time.monotonic)
-    evicted: int = 0
-    failed: int = 0
-    zero_variance: int = 0
+    every_steps: int = 10
+    retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
+    """``until_checkpoint``: delete a step's payload rows once a checkpoint covers it."""
 
 
 class StepClosing:
-    """Mixed into ``controller.loop.Controller``; uses its writer, workers and timers."""
+    """Metrics, StepFinished, publishing, checkpoints and payload release."""
 
-    def _step_metrics(self, group_ids: list[str]) -> dict[str, float]:
-        now = self.clock()
-        wall = max(now - self.t.step_started, 1e-9)
-        total = max(now - self.t.started, 1e-9)
-        m = consumed_group_stats(self.state, group_ids)
+    def __init__(
+        self,
+        journal: Journal,
+        *,
+        trainer: TrainerClient,
+        publisher: WeightPublisher,
+        payloads: PayloadStore,
+        checkpoint: CheckpointSection,
+        checkpoint_dir: str,
+        num_generators: int,
+        on_step: OnStep | None = None,
+    ) -> None:
+        self.journal = journal
+        self.trainer = trainer
+        self.publisher = publisher
+        self.payloads = payloads
+        self.checkpoint = checkpoint
+        self.checkpoint_dir = checkpoint_dir
+        self.num_generators = num_generators
+        self.on_step = on_step
+        #: groups consumed by steps finished in this controller's lifetime
+        self.consumed_groups = 0
+
+    async def close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
+        """The trainer finished ``step``: record it, publish, checkpoint every N."""
+        j = self.journal
+        metrics = {**result.metrics, **self.step_metrics(group_ids)}
+        crash_point("before_step_finished", step)
+        j.append(
+            j.make(
+                ev.StepFinished,
+                event_id=ev.step_event_id(step, "finished"),
+                step=step,
+                trainer_version=result.trainer_version,
+                metrics=metrics,
+                grad_norm=result.grad_norm,
+                weights_digest=result.weights_digest,
+            )
+        )
+        crash_point("after_step_finished", step)
+        self.consumed_groups += len(group_ids)
+        if self.on_step is not None:
+            self.on_step(step, result.trainer_version, metrics)
+        await self.publish(result.trainer_version)
+        if result.trainer_version % self.checkpoint.every_steps == 0:
+            await self.checkpoint_and_release(result.trainer_version)
+
+    def step_metrics(self, group_ids: list[str]) -> dict[str, float]:
+        j = self.journal
+        now = j.clock()
+        t = j.next_step_timers()
+        wall = max(now - t.step_started, 1e-9)
+        total = max(now - t.started, 1e-9)
+        m = consumed_group_stats(j.state, group_ids)
         m.update({
-            "groups/evicted": float(self.t.evicted),
-            "groups/failed": float(self.t.failed),
-            "groups/zero_variance": float(self.t.zero_variance),
-            "perf/trainer_idle_frac": max(0.0, 1.0 - self.t.trainer_busy / wall),
+            "groups/evicted": float(t.evicted),
+            "groups/failed": float(t.failed),
+            "groups/zero_variance": float(t.zero_variance),
+            "perf/trainer_idle_frac": max(0.0, 1.0 - t.trainer_busy / wall),
             "perf/generator_idle_frac": max(
-                0.0, 1.0 - self.t.generator_busy / (wall * max(1, len(self.generators)))
+                0.0, 1.0 - t.generator_busy / (wall * max(1, self.num_generators))
             ),
-            "perf/data_wait_s": self.t.data_wait,
+            "perf/data_wait_s": t.data_wait,
             "perf/step_s": wall,
             # this step's groups are claimed, not yet consumed: count them in
-            "perf/groups_per_s": (self._consumed_groups + len(group_ids)) / total,
-            "buffer/groups": float(len(self.state.buffer)),
-            "buffer/in_flight": float(len(self.state.admitted)),
+            "perf/groups_per_s": (self.consumed_groups + len(group_ids)) / total,
+            "buffer/groups": float(len(j.state.buffer)),
+            "buffer/in_flight": float(len(j.state.admitted)),
         })
-        self.t = Timers(started=self.t.started, last_progress=self.t.last_progress)
         return m
 
-    async def _publish(self, version: int) -> None:
-        self._ensure_owner()
-        await recovery.publish_current(self.w, self.publisher)
-        self._progressed()
+    async def publish(self, version: int) -> None:
+        self.journal.ensure_owner()
+        await recovery.publish_current(self.journal.writer, self.publisher)
+        self.journal.progressed()
 
     async def checkpoint_and_release(self, version: int) -> None:
+        j = self.journal
         crash_point("before_checkpoint_saved", version)
-        self._ensure_owner()
+        j.ensure_owner()
         # The epoch in the name: a version may be checkpointed again after a crash
         # between the save and its CheckpointSaved, or after a RunRewound.
-        ck = await self.trainer.save_checkpoint(
-            f"{self.s.checkpoint_dir}/v{version:06d}-e{self.w.epoch}"
-        )
-        self._append(
-            self.w.make(
+        ck = await self.trainer.save_checkpoint(f"{self.checkpoint_dir}/v{version:06d}-e{j.epoch}")
+        j.append(
+            j.make(
                 ev.CheckpointSaved,
-                event_id=f"checkpoint:{version}:saved:e{self.w.epoch}",
+                event_id=f"checkpoint:{version}:saved:e{j.epoch}",
                 trainer_version=ck.trainer_version,
                 uri=ck.uri,
                 sha256=ck.sha256,
             )
         )
         crash_point("after_checkpoint_saved", version)
-        if self.s.retain_payloads == "until_checkpoint":
+        if self.checkpoint.retain_payloads == "until_checkpoint":
             await self.release_covered(version)
 
     async def release_covered(self, version: int) -> None:
-        self._ensure_owner()
-        await recovery.release_covered(self.w, self.payloads, version)
-        self._progressed()
+        self.journal.ensure_owner()
+        await recovery.release_covered(self.journal.writer, self.payloads, version)
+        self.journal.progressed()

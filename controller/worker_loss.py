@@ -1,4 +1,4 @@
-"""What the controller does when a worker dies mid-run (a part of ``Controller``).
+"""What the controller does when a worker dies mid-run.
 
 A call that reports ``WorkerLostError`` is turned into facts and a replacement:
 ``WorkerLost`` (and ``StepAborted`` for the open step when it was the trainer), a
@@ -15,60 +15,90 @@ import asyncio
 import structlog
 
 from controller import recovery
-from workers.api import GeneratorClient
 from controller.crashpoints import crash_point
-from workers.api import WorkerLostError
+from controller.journal import Journal
 from events import schema as ev
+from workers.api import (
+    GeneratorClient,
+    PayloadStore,
+    TrainerClient,
+    WeightPublisher,
+    WorkerLostError,
+    WorkerRestarter,
+)
 
 log = structlog.get_logger("rl_controller.loop")
 
 
 class WorkerLossHandling:
-    """Mixed into ``controller.loop.Controller``; uses its writer, workers and pumps."""
+    """Records a dead worker, restarts it and brings it back to the log."""
 
-    def _generator(self, name: str) -> GeneratorClient:
+    def __init__(
+        self,
+        journal: Journal,
+        *,
+        trainer: TrainerClient,
+        generators: list[GeneratorClient],
+        publisher: WeightPublisher,
+        payloads: PayloadStore,
+        restarter: WorkerRestarter | None,
+    ) -> None:
+        self.journal = journal
+        self.trainer = trainer
+        self.generators = generators
+        self.publisher = publisher
+        self.payloads = payloads
+        self.restarter = restarter
+        #: generators being replaced (admission skips them)
+        self.restarting: set[str] = set()
+        #: the one trainer replacement in progress (both pumps may see the death)
+        self._trainer_recovery: asyncio.Task | None = None
+
+    def generator(self, name: str) -> GeneratorClient:
         return next(g for g in self.generators if g.name == name)
 
-    async def _replace_generator(
+    async def replace_generator(
         self, gen: GeneratorClient, err: WorkerLostError, *, publish_all: bool = False
     ) -> None:
         """Record the loss, restart the generator, give it the current weights."""
-        if gen.name in self._restarting:
+        if gen.name in self.restarting:
             return  # another of its calls saw the same death first
         if self.restarter is None:
             raise err
-        self._restarting.add(gen.name)
+        j = self.journal
+        self.restarting.add(gen.name)
         try:
-            self._append(self._worker_lost(err))
+            j.append(self._worker_lost(err))
             crash_point("after_worker_lost", gen.name)
             await self.restarter.restart_generator(gen.name)
             while True:
-                await self._trainer_ready()
-                self._ensure_owner()
+                await self.trainer_ready()
+                j.ensure_owner()
                 try:
                     await recovery.publish_current(
-                        self.w, self.publisher, only=None if publish_all else [gen.name]
+                        j.writer, self.publisher, only=None if publish_all else [gen.name]
                     )
-                    self._progressed()
+                    j.progressed()
                     break
                 except WorkerLostError as lost:
                     if lost.role != "trainer":
                         raise
-                    await self._trainer_lost(lost)  # weights come from the trainer
+                    await self.trainer_lost(lost)  # weights come from the trainer
         finally:
-            self._restarting.discard(gen.name)
-        self._wake.set()
+            self.restarting.discard(gen.name)
+        j.wake()
 
     def _worker_lost(self, err: WorkerLostError) -> ev.WorkerLost:
-        return self.w.make(
+        w = self.journal.writer
+        return w.make(
             ev.WorkerLost,
-            event_id=f"worker:{err.worker}:lost:e{self.w.epoch}:p{self.w.position}",
+            event_id=f"worker:{err.worker}:lost:e{w.epoch}:p{w.position}",
             worker=err.worker,
             role=err.role,
             reason=err.reason[:500],
         )
 
-    def _trainer_lost(self, err: WorkerLostError) -> asyncio.Task:
+    def trainer_lost(self, err: WorkerLostError) -> asyncio.Task:
         """The one replacement of the dead trainer (whoever noticed first starts it)."""
         task = self._trainer_recovery
         if task is None or (task.done() and not self._failed_handle_is_current(err)):
@@ -80,7 +110,8 @@ class WorkerLossHandling:
         # A death reported by a call on an already replaced handle is old news.
         return getattr(self.trainer, "handle", None) is getattr(err, "handle", None)
 
-    async def _trainer_ready(self) -> None:
+    async def trainer_ready(self) -> None:
+        """Wait for a trainer replacement in progress (returns at once when none is)."""
         if self._trainer_recovery is not None and not self._trainer_recovery.done():
             await self._trainer_recovery
 
@@ -88,23 +119,23 @@ class WorkerLossHandling:
         """The trainer died: record it, restart it, rebuild its weights from the log."""
         if self.restarter is None:
             raise err
+        j = self.journal
         events: list[ev.Event] = []
-        if self.state.open_step is not None:
-            step = self.state.open_step.step
-            events.append(self.w.make(
+        if j.state.open_step is not None:
+            step = j.state.open_step.step
+            events.append(j.make(
                 ev.StepAborted, event_id=ev.step_event_id(step, "aborted"), step=step,
                 reason=f"worker lost: {err}"[:500],
             ))
-        self._append(*events, self._worker_lost(err))
+        j.append(*events, self._worker_lost(err))
         if events:
             crash_point("after_step_aborted", events[0].step)
         crash_point("after_worker_lost", err.worker)
         log.warning("worker_lost", worker=err.worker, role=err.role, reason=err.reason)
         await self.restarter.restart_trainer()
-        self._ensure_owner()
-        await recovery.bring_trainer_to_log(self.w, self.trainer, self.payloads)
-        self._progressed()
-        if self.state.weight_version < self.state.trainer_version:
-            await recovery.publish_current(self.w, self.publisher)
-            self._progressed()
-
+        j.ensure_owner()
+        await recovery.bring_trainer_to_log(j.writer, self.trainer, self.payloads)
+        j.progressed()
+        if j.state.weight_version < j.state.trainer_version:
+            await recovery.publish_current(j.writer, self.publisher)
+            j.progressed()

@@ -22,13 +22,30 @@ Three decisions, each re-runnable over a recorded log (``replay`` what-if):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from controller.core.state import GroupRecord, GroupStatus, RunState
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
 SELECTION_POLICIES: tuple[SelectionPolicy, ...] = ("in_order", "oldest_first", "ready_first")
+
+
+class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[staleness]``: the settings of these policies."""
+
+    window_versions: int = 1
+    """Dispatch may lead the trainer by at most this many versions; 0 = on-policy."""
+    selection: SelectionPolicy = "in_order"
+    buffer_groups: int = 0
+    """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
+
+    def capacity(self, groups_per_step: int) -> int:
+        """The buffer capacity the admission gate enforces."""
+        return self.buffer_groups or groups_per_step * (self.window_versions + 1)
 
 
 @dataclass(frozen=True)
@@ -125,20 +142,28 @@ def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tupl
     return out
 
 
-def select(state: RunState, policy: SelectionPolicy, limit: int) -> list[str]:
-    """Up to ``limit`` buffered group ids, in the order they should be trained."""
+def select(
+    state: RunState, policy: SelectionPolicy, limit: int, exclude: Collection[str] = ()
+) -> list[str]:
+    """Up to ``limit`` buffered group ids, in the order they should be trained.
+
+    ``exclude``: groups about to be evicted, treated as already gone from the buffer.
+    """
     if limit <= 0:
         return []
+    buffer: Iterable[str] = state.buffer
+    if exclude:
+        buffer = [g for g in state.buffer if g not in exclude]
     if policy == "ready_first":
-        return list(_take(state.buffer, limit))
+        return list(_take(buffer, limit))
     if policy == "oldest_first":
         ready = sorted(
-            state.buffer,
+            buffer,
             key=lambda gid: (state.groups[gid].weight_version_start, state.groups[gid].committed_position),
         )
         return ready[:limit]
     if policy == "in_order":
-        return _in_order(state, limit)
+        return _in_order(state, limit, exclude)
     raise ValueError(f"unknown selection policy {policy!r}; choose one of {SELECTION_POLICIES}")
 
 
@@ -149,10 +174,12 @@ def _take(ids, limit: int):
         yield gid
 
 
-def _in_order(state: RunState, limit: int) -> list[str]:
+def _in_order(state: RunState, limit: int, exclude: Collection[str] = ()) -> list[str]:
     # Walk live groups by admission order; stop at the first one not yet committed.
     out: list[str] = []
     for group in _live_unclaimed_in_admission_order(state):
+        if exclude and group.group_id in exclude:
+            continue
         if group.status is not GroupStatus.COMMITTED:
             break
         out.append(group.group_id)
@@ -161,7 +188,68 @@ def _in_order(state: RunState, limit: int) -> list[str]:
     return out
 
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> tuple[list[float], bool]:
+def claimed_count(state: RunState) -> int:
+    """Groups the open step has claimed so far (0 when no step is open)."""
+    step = state.open_step
+    return 0 if step is None else sum(len(mb) for mb in step.microbatches)
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """The train side's next move for the open (or next) step: evict, select, claim."""
+
+    #: groups the microbatch needs (0: the step is full)
+    want: int
+    #: (group_id, lag) of buffered groups to evict first, in buffer order
+    evict: tuple[tuple[str, int], ...]
+    #: the microbatch to claim, once it is full; fewer than ``want``: wait for commits
+    group_ids: tuple[str, ...]
+
+    @property
+    def ready(self) -> bool:
+        return len(self.group_ids) == self.want
+
+
+def plan_microbatch(
+    state: RunState,
+    *,
+    window: int,
+    selection: SelectionPolicy,
+    groups_per_step: int,
+    groups_per_microbatch: int,
+) -> MicrobatchPlan:
+    """Evict what is too stale at the current trainer_version, then select the next
+    microbatch from what is left. The one decision both the controller loop and the
+    replay what-if make; the caller turns it into events (GroupEvicted, then
+    MicrobatchTrained after the trainer ran it)."""
+    want = min(groups_per_microbatch, groups_per_step - claimed_count(state))
+    evict = tuple(to_evict(state, trainer_version=state.trainer_version, window=window))
+    gone = {gid for gid, _ in evict}
+    ids = select(state, selection, want, exclude=gone)
+    return MicrobatchPlan(want=max(want, 0), evict=evict, group_ids=tuple(ids))
+
+
+def microbatch_advantages(
+    state: RunState, group_ids: Iterable[str]
+) -> tuple[list[str], list[float], int]:
+    """(payload keys, one advantage per key, zero-variance groups) of a microbatch.
+
+    The one place advantages are built: the loop trains on them and recovery's exact
+    re-training recomputes them from the recorded rewards, so both must agree bit for bit.
+    """
+    keys: list[str] = []
+    advantages: list[float] = []
+    zero_variance = 0
+    for gid in group_ids:
+        group = state.groups[gid]
+        adv, zero_var = group_advantages(group.rewards)
+        zero_variance += zero_var
+        keys.extend(group.payload_keys)
+        advantages.extend(adv)
+    return keys, advantages, zero_variance
+
+
+def group_advantages(rewards: Collection[float], eps: float = 1e-6) -> tuple[list[float], bool]:
     """GRPO advantages: rewards normalised within the group.
 
     Returns (advantages, zero_variance). A group whose samples all scored the same

@@ -17,7 +17,7 @@ from typing import Any
 from controller.config import Config, load_config
 from controller.loop import Controller
 from controller.recovery import reconcile_workers
-from controller.run_cmd import loop_settings
+from controller.run_cmd import checkpoint_dir
 from controller.wiring import Workers, _assemble, worker_spec
 from workers.dataplane import make_dataplane
 from workers.handles import LocalHandle, PayloadStoreImpl
@@ -114,9 +114,11 @@ def start_local(cfg: Config, run_id: str, run_dir: Path) -> LocalRun:
 
 def controller_for(run: LocalRun, writer, **kw: Any) -> Controller:
     w = run.workers
-    return Controller(writer, loop_settings(run.cfg, run.run_dir), w.trainer, w.generators,
-                      w.publisher, w.payloads, restarter=w, **kw)
+    return Controller(writer, run.cfg, w.trainer, w.generators, w.publisher, w.payloads,
+                      checkpoint_dir=checkpoint_dir(run.run_dir), restarter=w, **kw)
 
 
 def reconcile(run: LocalRun, writer, **kw: Any) -> None:
-    asyncio.run(reconcile_workers(writer, run.workers, loop_settings(run.cfg, run.run_dir), **kw))
+    asyncio.run(reconcile_workers(
+        writer, run.workers, run.cfg.checkpoint, checkpoint_dir=checkpoint_dir(run.run_dir), **kw
+    ))

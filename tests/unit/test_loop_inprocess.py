@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from controller.config import Config, config_to_dict, load_config
-from controller.run_cmd import loop_settings
-from controller.loop import Controller, LoopSettings, StallError, StepRetriesExhausted
+from controller.run_cmd import checkpoint_dir
+from controller.loop import Controller, StallError, StepRetriesExhausted
 from controller.log_writer import LogWriter
 from controller.core.policies import SELECTION_POLICIES
 from controller.recovery import reconcile_workers
@@ -105,10 +105,6 @@ def make_config(*overrides: str) -> Config:
     ])
 
 
-def settings_for(cfg: Config, run_dir: Path) -> LoopSettings:
-    return loop_settings(cfg, run_dir)
-
-
 class Harness:
     """One run: store, writer, workers (with fakes swapped in) and the controller."""
 
@@ -137,7 +133,7 @@ class Harness:
             groups_per_step=cfg.train.groups_per_step,
             samples_per_group=cfg.rollout.samples_per_group,
         )
-        self.settings = settings_for(cfg, tmp_path)
+        self.checkpoint_dir = checkpoint_dir(tmp_path)
 
     @staticmethod
     def _fake(worker: Any, attrs: dict[str, Any]) -> Any:
@@ -147,10 +143,13 @@ class Harness:
 
     def run(self) -> str:
         try:
-            asyncio.run(reconcile_workers(self.writer, self.workers, self.settings))
+            asyncio.run(reconcile_workers(
+                self.writer, self.workers, self.cfg.checkpoint, checkpoint_dir=self.checkpoint_dir
+            ))
             w = self.workers
             controller = Controller(
-                self.writer, self.settings, w.trainer, w.generators, w.publisher, w.payloads
+                self.writer, self.cfg, w.trainer, w.generators, w.publisher, w.payloads,
+                checkpoint_dir=self.checkpoint_dir,
             )
             return asyncio.run(controller.run())
         finally:

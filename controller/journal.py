@@ -1,0 +1,102 @@
+"""The controller loop's one way to the log: append facts, wake the pumps, check ownership.
+
+Every collaborator of ``controller.loop.Controller`` (admission, training, step
+closing, worker-loss handling) is given the same ``Journal``. It is the only state they
+share: the log writer (whose ``state`` is the fold of what the log acknowledged), the
+wake-up event the pumps wait on, and the step's clocks and counters (``Timers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from controller.core.state import RunState
+from controller.log_writer import LogWriter
+from events import schema as ev
+from events.errors import FencedError
+
+E = TypeVar("E", bound=ev.Event)
+
+
+@dataclass
+class Timers:
+    """The loop's clocks and counters; all but ``started`` and ``last_progress`` start
+    again at every StepFinished."""
+
+    started: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    trainer_busy: float = 0.0
+    data_wait: float = 0.0
+    generator_busy: float = 0.0
+    step_started: float = field(default_factory=time.monotonic)
+    evicted: int = 0
+    failed: int = 0
+    zero_variance: int = 0
+
+
+class Journal:
+    """The log writer, the pumps' wake-up and the step's timers, behind one object."""
+
+    def __init__(self, writer: LogWriter, clock: Callable[[], float] = time.monotonic) -> None:
+        self.writer = writer
+        self.clock = clock
+        #: replaced (not reset) at every StepFinished: a reader holding the old object
+        #: keeps the finished step's figures
+        self.timers = Timers()
+        self._wake = asyncio.Event()
+
+    @property
+    def state(self) -> RunState:
+        return self.writer.state
+
+    @property
+    def epoch(self) -> int:
+        return self.writer.epoch
+
+    @property
+    def fenced(self) -> FencedError | None:
+        return self.writer.fenced
+
+    def make(self, cls: type[E], **fields: Any) -> E:
+        return self.writer.make(cls, **fields)
+
+    def append(self, *events: ev.Event) -> None:
+        self.writer.append(*events)
+        self.progressed()
+
+    def progressed(self) -> None:
+        """Something was appended (here or by a ``recovery`` helper): wake the pumps."""
+        self.timers.last_progress = self.clock()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def ensure_owner(self) -> None:
+        """Raise FencedError if a newer controller claimed the run (before a side effect)."""
+        w = self.writer
+        if w.fenced is not None:
+            raise w.fenced
+        current = w.store.current_epoch(w.run_id)
+        if current != w.epoch:
+            w.fenced = FencedError(w.run_id, w.epoch, current)
+            raise w.fenced
+
+    async def wait_wake(self, timeout_s: float = 0.5) -> None:
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+        # that races with the event being set, and a pump would then never stop.
+        self._wake.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+
+    def next_step_timers(self) -> Timers:
+        """Start the next step's timers; returns the finished step's."""
+        done = self.timers
+        self.timers = Timers(started=done.started, last_progress=done.last_progress)
+        return done
