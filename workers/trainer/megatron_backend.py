@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.backends import BackendUnavailableError, check_megatron
+from workers.availability import BackendUnavailableError, check_megatron
 from workers.batch import TrainBatch
 from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs
 from workers.trainer import checkpoint as ckpt

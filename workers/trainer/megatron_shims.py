@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from workers.backends import BackendUnavailableError, MEGATRON_INSTALL_HINT
+from workers.availability import BackendUnavailableError, MEGATRON_INSTALL_HINT
 
 
 def require_megatron() -> None:
