@@ -6,7 +6,7 @@ by +1 at StepFinished; a group is consumed by at most one finished step; a claim
 group was committed and not evicted; lag at consumption within the window; no events
 from a stale epoch; payloads released only under a checkpoint) and the codec raises
 ``EventDecodeError`` at the first malformed entry. Both come back as a problem naming
-the position (see ``replay.reader``). On top of that, :func:`cross_check` re-derives the
+the position (see ``replay.reader``). On top of that, :func:`first_cross_check_problem` re-derives the
 history rules from the final state, independently of the reducer's bookkeeping, so a
 reducer bug cannot hide a broken log.
 

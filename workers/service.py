@@ -91,9 +91,10 @@ class TrainerWorker:
 
     def reset(self) -> None:
         """Back to the initial weights (seeded init, version 0), as if just started."""
-        close = getattr(self.trainer, "close", None)
-        if close is not None:
-            close()
+        # A data-parallel TrainerGroup owns rank actors: stop them before building anew.
+        shutdown = getattr(self.trainer, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
         self.trainer = self._build()
 
     def begin_train_step(self, step: int) -> None:

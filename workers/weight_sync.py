@@ -1,9 +1,9 @@
 """Versioned weight sync: trainer -> generators.
 
 The trainer publishes ``(version, state_dict)``; every generator loads it and
-acknowledges with a :class:`WeightsAck`. On one machine the weights go through Ray's
-object store once (:func:`publish_weights`: one ``ray.put``, the ObjectRef handed to
-each generator actor, which Ray resolves in the actor).
+acknowledges with a :class:`WeightsAck`. With Ray the weights go through the object
+store once (``workers.handles.Publisher``: the trainer actor's exported weights stay
+one object, whose ref every generator actor gets and Ray resolves in the actor).
 
 :class:`VersionedWeights` is the generator's side (plain, no Ray):
 
@@ -19,9 +19,8 @@ each generator actor, which Ray resolves in the actor).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -126,17 +125,3 @@ class VersionedWeights:
 def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached CPU copy of ``model``'s weights, ready to publish."""
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def publish_weights(
-    version: int, state_dict: StateDict, generators: Sequence[Any], timeout_s: float | None = None
-) -> list[WeightsAck]:
-    """Send weights to generator actors through Ray's object store; wait for all acks.
-
-    One ``ray.put``; each actor's ``update_weights(version, ref)`` receives the
-    resolved state dict. Raises the first generator error (e.g. StaleWeightsError).
-    """
-    import ray
-
-    ref = ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
-    return ray.get([g.update_weights.remote(version, ref) for g in generators], timeout=timeout_s)

@@ -80,10 +80,6 @@ __all__ = ["HANDLERS", "apply", "apply_event", "check_preamble", "handler_for", 
 
 _Handler = Callable[[RunState, Any, int], None]
 
-#: payloads of these groups feed no finished step that a checkpoint must cover (they
-#: may be released any time)
-
-
 def apply(state: RunState, stored: StoredEvent) -> RunState:
     """Apply one stored event to ``state`` (in place) and return it."""
     return apply_event(state, stored.event, stored.position)

@@ -63,3 +63,40 @@ def test_two_rank_actors_match_in_process_oneshot(ray_cluster, tmp_path):
         assert info.trainer_version == 1
     finally:
         group.shutdown()
+
+
+def _live(actors) -> int:
+    """How many of these actors still answer a call."""
+    alive = 0
+    for actor in actors:
+        try:
+            ray.get(actor.address.remote(), timeout=60)
+            alive += 1
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+    return alive
+
+
+def test_trainer_worker_reset_stops_its_rank_actors(ray_cluster, tmp_path):
+    """``TrainerWorker.reset`` (recovery's way back to the initial weights) builds a new
+    data-parallel group; the old group's rank actors must be stopped, not leaked."""
+    from controller.config import load_config
+    from controller.wiring import worker_spec
+    from workers.dataplane import make_dataplane
+    from workers.service import TrainerWorker
+
+    cfg = load_config(None, [
+        "dataplane.kind=memory", "dataplane.spill=false", "train.data_parallel=2",
+        "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
+    ])
+    spec = worker_spec(cfg, "reset-test", tmp_path)
+    worker = TrainerWorker(spec, make_dataplane(spec.dataplane))
+    try:
+        old = list(worker.trainer._ranks)
+        assert _live(old) == 2
+        worker.reset()
+        new = list(worker.trainer._ranks)
+        assert _live(old + new) == 2, "the old group's rank actors are still alive"
+        assert _live(new) == 2
+    finally:
+        worker.trainer.shutdown()

@@ -1,9 +1,13 @@
-"""Versioned weight sync: ordering, mid-group updates, and Ray object-store publish."""
+"""Versioned weight sync: ordering, mid-group updates, and publishing through Ray's
+object store to generator actors."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from workers.generator import Generator
 from workers.models.factory import ModelConfig, build_model
 from workers.models.sampling import SamplingConfig
 from workers.tasks import Example, make_task
+from workers.service import GeneratorWorker
 from workers.weight_sync import StaleWeightsError, VersionedWeights, cpu_state_dict
 
 CFG = ModelConfig(context_len=64, d_model=32, n_heads=2, init_seed=0)
@@ -93,44 +98,80 @@ def test_concurrent_update_during_generation_makes_versions_differ():
     assert (results[0].weight_version_start, results[0].weight_version_end) == (0, 1)
 
 
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if started:  # the actors below are defined in this module: let Ray's workers import it
+        path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     if started:
         ray.shutdown()
 
 
+class SlowGeneratorWorker(GeneratorWorker):
+    """The production generator worker, ~20 ms per token step (a 60-token group takes
+    about a second), so that a weight update can arrive while a group is generating."""
+
+    def __init__(self, spec, name: str) -> None:
+        super().__init__(spec, name)
+        self.generator.on_step = lambda step: time.sleep(0.02)
+
+
 @pytest.mark.integration
-def test_publish_through_object_store_and_mid_group_update_on_actors(ray_local):
-    from workers.generator.actor import spawn_generator
-    from workers.weight_sync import publish_weights
+def test_publish_through_object_store_and_mid_group_update_on_actors(ray_local, tmp_path):
+    """The run's own path: ``Publisher`` hands the trainer actor's exported weights (one
+    object in the store) to every generator actor; versions never go back; an update
+    lands mid-group and is recorded."""
+    from controller.config import load_config
+    from controller.wiring import worker_spec
+    from workers.api import GenerationRequest
+    from workers.handles import GeneratorClientImpl, Publisher, RayHandle, TrainerClientImpl
+    from workers.service import TrainerWorker
 
-    plane = DataPlaneConfig(kind="memory")
+    cfg = load_config(None, [
+        "dataplane.kind=memory", "dataplane.spill=false", "model.d_model=32",
+        "model.n_heads=2", "model.context_len=64", "sampling.max_new_tokens=60",
+    ])
+    spec = worker_spec(cfg, "run", tmp_path)
+    remote = ray_local.remote
+    trainer = TrainerClientImpl(RayHandle(
+        remote(TrainerWorker).options(num_cpus=0.5).remote(spec), name="trainer", role="trainer"
+    ))
     gens = [
-        spawn_generator(
-            CFG, "reverse", plane, "run", f"gen-{i}", num_cpus=0.5,
-            on_step=lambda step: time.sleep(0.02),  # ~1 s per 60-token group
-        )
-        for i in range(2)
+        GeneratorClientImpl(name, RayHandle(
+            remote(SlowGeneratorWorker).options(num_cpus=0.5, max_concurrency=2).remote(spec, name),
+            name=name, role="generator",
+        ))
+        for name in ("gen-0", "gen-1")
     ]
-    assert ray_local.get([g.weight_version.remote() for g in gens]) == [0, 0]
-    acks = publish_weights(1, _weights(1), gens, timeout_s=60)
-    assert [(a.generator, a.version) for a in acks] == [("gen-0", 1), ("gen-1", 1)]
-    with pytest.raises(StaleWeightsError):
-        try:
-            publish_weights(0, _weights(0), gens[:1], timeout_s=60)
-        except ray_local.exceptions.RayTaskError as err:
-            raise err.cause from None
+    publisher = Publisher(trainer, gens)
 
-    # a long group on gen-0; version 2 is published while it runs
-    sampling = SamplingConfig(max_new_tokens=60)
-    pending = gens[0].generate_group.remote("g", Example("abc>", "cba"), 64, sampling, 0)
-    time.sleep(0.4)
-    publish_weights(2, _weights(2), gens, timeout_s=60)
-    result = ray_local.get(pending, timeout=120)
+    async def scenario():
+        assert [await g.weight_version() for g in gens] == [0, 0]
+        assert await publisher.publish(1) == ["gen-0", "gen-1"]
+        assert [await g.weight_version() for g in gens] == [1, 1]
+        with pytest.raises(StaleWeightsError):
+            try:
+                await publisher.publish(0, ["gen-0"])
+            except ray_local.exceptions.RayTaskError as err:
+                raise err.cause from None
+        # a long group on gen-0; version 2 is published while it runs
+        request = GenerationRequest(group_id="g", attempt=1, prompt_index=0, n_samples=64, seed=0)
+        pending = gens[0].generate([request])
+        await asyncio.sleep(0.4)
+        await publisher.publish(2)
+        return (await pending)[0]
+
+    try:
+        result = asyncio.run(scenario())
+    finally:
+        for client in (trainer, *gens):
+            client.handle.close()
     assert result.weight_version_start == 1
     assert result.weight_version_end == 2, "the update must land mid-group and be recorded"

@@ -1,4 +1,5 @@
-"""Rollout generators: the plain ``Generator`` and its Ray actor shell."""
+"""Rollout generators: the plain torch ``Generator`` (``workers.service.GeneratorWorker``
+puts it behind the controller's protocol, in-process or as a Ray actor)."""
 
 from workers.generator.generator import Generator, GroupResult, make_row, row_key
 
