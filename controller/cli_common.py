@@ -12,7 +12,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Any, Iterator, NoReturn
 
 from events.errors import EventStoreError, RunNotFoundError
 from events.store import EventStore
@@ -96,3 +96,17 @@ def run_command(func, args: argparse.Namespace) -> int:
         fail(str(err), 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+
+
+def subcommand(subparsers: Any, name: str, help_text: str, examples: str) -> argparse.ArgumentParser:
+    """A subcommand with the store arguments and an examples epilog."""
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+        epilog="examples:\n" + examples, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_store_args(parser)
+    return parser
+
+
+def add_run_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="RUN_ID", help="run id (see 'rl-controller runs')")

@@ -9,23 +9,19 @@ named by position), 2 a usage or store error (one line on stderr), 130 interrupt
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import sys
 from typing import Any
 
-from controller.cli_common import CliError, add_store_args, open_store, require_run
+from controller.cli_common import CliError, add_run_arg, open_store, require_run, subcommand
 from replay import render
-
-_FORMATTER = argparse.RawDescriptionHelpFormatter
-
+from replay.tail_cmd import register_tail
 
 def register(subparsers: Any) -> None:
     """Add the read-only subcommands to the ``rl-controller`` parser."""
     _register_runs(subparsers)
-    _register_tail(subparsers)
+    register_tail(subparsers)
     add_replay_arguments(
-        _sub(subparsers, "replay", "the folded state at any point of a run",
+        subcommand(subparsers, "replay", "the folded state at any point of a run",
              "  rl-controller replay --run r1 --at 1200\n"
              "  rl-controller replay --run r1 --step 7 --json\n"
              "  rl-controller replay --run r1 --retrain --verify        # rebuild the weights\n"
@@ -35,24 +31,11 @@ def register(subparsers: Any) -> None:
     _register_audit(subparsers)
 
 
-def _sub(subparsers: Any, name: str, help_text: str, examples: str) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
-        epilog="examples:\n" + examples, formatter_class=_FORMATTER,
-    )
-    add_store_args(parser)
-    return parser
-
-
-def _add_run(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="RUN_ID", help="run id (see 'rl-controller runs')")
-
-
 # -- runs --------------------------------------------------------------------------------
 
 
 def _register_runs(subparsers: Any) -> None:
-    p = _sub(subparsers, "runs", "list the runs in the store",
+    p = subcommand(subparsers, "runs", "list the runs in the store",
              "  rl-controller runs\n  rl-controller runs --redis-url redis://host:6379/0 --json")
     p.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     p.set_defaults(func=cmd_runs)
@@ -98,133 +81,12 @@ def _run_row(store: Any, info: Any) -> dict[str, Any]:
     }
 
 
-# -- tail --------------------------------------------------------------------------------
-
-
-def _register_tail(subparsers: Any) -> None:
-    p = _sub(subparsers, "tail", "print a run's events, one per line",
-             "  rl-controller tail --run r1 --from 1000\n"
-             "  rl-controller tail --run r1 --follow --json   # Ctrl-C to stop")
-    _add_run(p)
-    p.add_argument("--from", dest="start", type=int, default=1, metavar="POS",
-                   help="first position to print (default: 1)")
-    p.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.set_defaults(func=cmd_tail)
-
-
-def cmd_tail(args: argparse.Namespace) -> int:
-    if args.start < 1:
-        raise CliError(f"--from must be >= 1, got {args.start}")
-    with open_store(args) as store:
-        require_run(store, args.run)
-        printer = _TailPrinter(args.json)
-        try:
-            last = printer.print_existing(store, args.run, args.start)
-            if args.follow:
-                _run_until_interrupted(printer.follow(store, args.run, last))
-        except KeyboardInterrupt:
-            return 130
-        except BrokenPipeError:
-            sys.stderr.close()  # the reader went away (e.g. | head): not an error
-            return 0
-    return 1 if printer.malformed else 0
-
-
-def _run_until_interrupted(coro: Any) -> None:
-    """Run ``coro`` until it ends or Ctrl-C, which raises KeyboardInterrupt here, cleanly.
-
-    Not ``asyncio.run``: Ctrl-C must neither leave a traceback from inside a task nor
-    wait on a blocking stream read that does not end promptly when cancelled.
-    """
-    import logging
-    import signal
-
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    task = loop.create_task(coro)
-
-    async def until_stopped() -> None:
-        waiter = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-
-    previous = signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(stop.set))
-    try:
-        loop.run_until_complete(until_stopped())
-        if task.done():
-            task.result()  # the follow's own error, if any
-            return
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            loop.run_until_complete(asyncio.wait([task], timeout=1.0))
-        if task.done():
-            with contextlib.suppress(BaseException):
-                task.result()
-        else:
-            # We are exiting: do not let asyncio complain about the read we abandon.
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        raise KeyboardInterrupt
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-class _TailPrinter:
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        self.malformed = 0
-
-    def emit(self, position: int, event: Any) -> None:
-        if self.as_json:
-            render.write_json(render.event_json(position, event))
-        else:
-            sys.stdout.write(render.event_line(position, event) + "\n")
-
-    def bad(self, position: int, reason: str) -> None:
-        self.malformed += 1
-        sys.stdout.flush()
-        print(f"rl-controller: malformed entry at position {position}: {reason}", file=sys.stderr)
-
-    def print_existing(self, store: Any, run_id: str, start: int) -> int:
-        from events.codec import decode
-        from events.errors import EventDecodeError
-        from replay.reader import iter_pages
-
-        last = start - 1
-        for page in iter_pages(store, run_id, start):
-            for position, data in page:
-                try:
-                    self.emit(position, decode(data, position))
-                except EventDecodeError as err:
-                    self.bad(position, err.reason)
-                last = position
-            sys.stdout.flush()
-        return last
-
-    async def follow(self, store: Any, run_id: str, last: int) -> None:
-        from events.errors import EventDecodeError
-
-        while True:
-            try:
-                async for stored in store.follow(run_id, last):
-                    self.emit(stored.position, stored.event)
-                    sys.stdout.flush()
-                    last = stored.position
-                return
-            except EventDecodeError as err:
-                # Report it and go on after it (follow decodes a batch at a time).
-                position = err.position if err.position is not None else last + 1
-                last = self.print_existing(store, run_id, last + 1) if position > last + 1 else last
-                self.bad(position, err.reason)
-                last = max(last, position)
-
-
 # -- replay ------------------------------------------------------------------------------
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of ``replay``; extend the command by adding more to ``parser``."""
-    _add_run(parser)
+    add_run_arg(parser)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--at", type=int, metavar="POSITION",
                        help="the state right after the event at POSITION (default: the end)")
@@ -333,11 +195,11 @@ def _cmd_retrain(args: argparse.Namespace, state: Any) -> int:
 
 
 def _register_staleness(subparsers: Any) -> None:
-    p = _sub(subparsers, "staleness", "lag analysis, plots and policy what-if",
+    p = subcommand(subparsers, "staleness", "lag analysis, plots and policy what-if",
              "  rl-controller staleness --run r1\n"
              "  rl-controller staleness --run r1 --json --plot staleness.png\n"
              "  rl-controller staleness --run r1 --what-if window=0 --what-if policy=oldest_first")
-    _add_run(p)
+    add_run_arg(p)
     p.add_argument("--json", action="store_true", help="JSON instead of tables")
     p.add_argument("--plot", metavar="FILE.png", help="write lag/occupancy/reward plots")
     p.add_argument("--what-if", action="append", default=[], metavar="KEY=VALUE",
@@ -392,10 +254,10 @@ def cmd_staleness(args: argparse.Namespace) -> int:
 
 
 def _register_audit(subparsers: Any) -> None:
-    p = _sub(subparsers, "audit", "trainer_version history and invariant check",
+    p = subcommand(subparsers, "audit", "trainer_version history and invariant check",
              "  rl-controller audit --run r1            # exit 1 names the first bad position\n"
              "  rl-controller audit --run r1 --csv history.csv")
-    _add_run(p)
+    add_run_arg(p)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="the whole report as JSON")
     out.add_argument("--csv", metavar="FILE", help="write one row per trainer_version to FILE")

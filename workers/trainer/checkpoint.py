@@ -25,10 +25,14 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from workers.trainer import distributed as dd
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -137,3 +141,69 @@ def verify(directory: Path) -> tuple[dict[str, Any], str]:
 def read_torch(directory: Path, name: str) -> Any:
     # Verified against the manifest first; weights_only keeps loading free of code execution.
     return torch.load(directory / name, map_location="cpu", weights_only=True)
+
+
+def save_collective(
+    final: Path,
+    *,
+    rank: int,
+    rank_files: dict[str, Any],
+    rank0_files: Callable[[], dict[str, Any]],
+    meta: Callable[[], dict[str, Any]],
+) -> tuple[str, dict[str, str]]:
+    """Write a checkpoint from every data-parallel rank (a collective); returns rank 0's
+    (manifest sha256, files).
+
+    Every rank writes its ``rank_files`` (its RNG state) into the staging directory;
+    rank 0 also writes ``rank0_files()`` and, after a barrier, finalizes with ``meta()``.
+    If rank 0 fails, every rank raises :class:`CheckpointError`, not only rank 0.
+    """
+    if final.exists():
+        raise CheckpointError(f"checkpoint directory {final} already exists")
+    outcome: tuple[str, Any] = ("ok", None)
+    if rank == 0:
+        prepare_staging(final)
+    dd.barrier()
+    staging = staging_dir(final)
+    for name, obj in rank_files.items():
+        write_torch(staging, name, obj)
+    if rank == 0:
+        for name, obj in rank0_files().items():
+            write_torch(staging, name, obj)
+    dd.barrier()
+    if rank == 0:
+        try:
+            outcome = ("ok", finalize(staging, final, meta()))
+        except Exception as err:  # every rank must learn of it, not only rank 0
+            outcome = ("error", f"{type(err).__name__}: {err}")
+    status, payload = dd.all_gather_objects(outcome)[0]
+    if status == "error":
+        raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {payload}")
+    return payload
+
+
+@dataclass
+class TrainerFiles:
+    """A verified checkpoint's contents, as one rank of a torch trainer loads them."""
+
+    manifest: dict[str, Any]
+    sha256: str
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    #: this rank's RNG states; None when the checkpoint was written at another world size
+    rng: Any | None
+
+
+def read_trainer_files(final: Path, rank: int) -> TrainerFiles:
+    """Verify every file's hash (:func:`verify`), then read what ``rank`` restores."""
+    manifest, sha = verify(final)
+    rng_name = f"rng_rank{rank}.pt"
+    return TrainerFiles(
+        manifest=manifest,
+        sha256=sha,
+        model=read_torch(final, "model.pt"),
+        optimizer=read_torch(final, "optimizer.pt"),
+        scheduler=read_torch(final, "scheduler.pt"),
+        rng=read_torch(final, rng_name) if rng_name in manifest["files"] else None,
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
@@ -124,3 +124,27 @@ class LrSchedule:
         frac = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         shape = 1.0 - frac if self.kind == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
         return self.min_ratio + (1.0 - self.min_ratio) * shape
+
+
+class ManualLr:
+    """LambdaLR's arithmetic for optimizers that are not ``torch.optim.Optimizer``."""
+
+    def __init__(self, optimizer: Any, base_lr: float, schedule: LrSchedule) -> None:
+        self.optimizer, self.base_lr, self.schedule = optimizer, base_lr, schedule
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base_lr * self.schedule(self.last_epoch)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self._apply()

@@ -76,7 +76,8 @@ from workers.trainer.api import (
     StepPhase,
     StepResult,
 )
-from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
+from workers.trainer.config import LrSchedule, ManualLr, ModelFactory, TrainerConfig
+from workers.trainer.megatron_model import McoreGPTFactory, McoreGPTLM
 from workers.trainer.torch_backend import (
     TorchTrainer,
     _OpenStep,
@@ -97,58 +98,6 @@ class MegatronOptions:
     grad_reduce_in_fp32: bool = True
     #: elements per bucket with overlap on; None = mcore's default
     bucket_size: int | None = None
-
-
-@dataclass(frozen=True)
-class McoreGPTFactory:
-    """Picklable factory for mcore's ``GPTModel`` (local layer spec, tied embeddings)."""
-
-    vocab_size: int
-    context_len: int = 64
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-
-    def __call__(self) -> nn.Module:
-        return McoreGPTLM(self)
-
-
-class McoreGPTLM(nn.Module):
-    """``GPTModel`` behind the workers' model interface: ``model(input_ids) -> logits``."""
-
-    def __init__(self, cfg: McoreGPTFactory) -> None:
-        super().__init__()
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        self.context_len = cfg.context_len
-        self.config = TransformerConfig(
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            use_cpu_initialization=not torch.cuda.is_available(),
-            params_dtype=torch.float32,
-        )
-        self.gpt = GPTModel(
-            self.config,
-            get_gpt_layer_local_spec(),
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.context_len,
-            position_embedding_type="learned_absolute",
-            share_embeddings_and_output_weights=True,
-        )
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        b, t = input_ids.shape
-        if t > self.context_len:
-            raise ValueError(f"sequence of {t} tokens exceeds context_len {self.context_len}")
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        # mcore masks where True; passing it avoids its CUDA-only default causal mask
-        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).triu(1)
-        return self.gpt(input_ids, positions, attention_mask=causal[None, None])
 
 
 def _ddp_transformer_config(module: nn.Module) -> Any:
@@ -204,30 +153,6 @@ class _SavedHooks:
         if self._saved is not None:
             self.config.grad_sync_func, self.config.no_sync_func = self._saved
             self._saved = None
-
-
-class _ManualLr:
-    """LambdaLR's arithmetic for optimizers that are not ``torch.optim.Optimizer``."""
-
-    def __init__(self, optimizer: Any, base_lr: float, schedule: LrSchedule) -> None:
-        self.optimizer, self.base_lr, self.schedule = optimizer, base_lr, schedule
-        self.last_epoch = 0
-        self._apply()
-
-    def _apply(self) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = self.base_lr * self.schedule(self.last_epoch)
-
-    def step(self) -> None:
-        self.last_epoch += 1
-        self._apply()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"last_epoch": self.last_epoch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_epoch = int(state["last_epoch"])
-        self._apply()
 
 
 class MegatronTrainer(TorchTrainer):
@@ -289,7 +214,7 @@ class MegatronTrainer(TorchTrainer):
         self._mcore_optimizer = use_dist_opt
         if use_dist_opt:
             self._optimizer = self._make_megatron_optimizer()
-            self._scheduler = _ManualLr(
+            self._scheduler = ManualLr(
                 self._optimizer, cfg.optimizer.lr, LrSchedule(cfg.scheduler)
             )
         else:

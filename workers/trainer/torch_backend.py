@@ -32,7 +32,6 @@ mode), a seeded init broadcast from rank 0, rank-ordered metric folding; with a 
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -57,36 +56,9 @@ from workers.trainer.api import (
 )
 from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
 from workers.trainer.metrics import MetricAccumulator, combine, loss_normaliser, normalise
+from workers.trainer.tensors import _trim, digest_parameters, model_logits
 
-def model_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of any causal LM whose output is a tensor or has ``.logits``."""
-    out = model(input_ids)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def digest_parameters(module: nn.Module) -> str:
-    """sha256 over parameters in sorted-name order, including name, dtype and shape."""
-    h = hashlib.sha256()
-    for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-        t = p.detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _trim(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    """Drop all-padding trailing columns (right padding) and move to ``device``."""
-    cols = batch.attention_mask.any(dim=0).nonzero()
-    t = int(cols.max()) + 1 if len(cols) else 1
-    ref = batch.reference_logprobs
-    return TrainBatch(
-        input_ids=batch.input_ids[:, :t].to(device),
-        attention_mask=batch.attention_mask[:, :t].to(device),
-        loss_mask=batch.loss_mask[:, :t].to(device),
-        generator_logprobs=batch.generator_logprobs[:, :t].to(device),
-        advantages=batch.advantages.to(device),
-        reference_logprobs=None if ref is None else ref[:, :t].to(device),
-    )
+__all__ = ["TorchTrainer", "digest_parameters", "model_logits"]
 
 
 @dataclass
@@ -368,43 +340,31 @@ class TorchTrainer:
         """Durably write model/optimizer/scheduler/RNG/version (collective over ranks)."""
         self._require_idle("save_checkpoint")
         final = Path(directory)
-        if final.exists():
-            raise ckpt.CheckpointError(f"checkpoint directory {final} already exists")
-        outcome: tuple[str, Any] = ("ok", None)
-        if self.rank == 0:
-            ckpt.prepare_staging(final)
-        dd.barrier()
-        staging = ckpt.staging_dir(final)
-        ckpt.write_torch(staging, f"rng_rank{self.rank}.pt", self._rng_state())
-        if self.rank == 0:
-            ckpt.write_torch(staging, "model.pt", self._model.state_dict())
-            ckpt.write_torch(staging, "optimizer.pt", self._optimizer.state_dict())
-            ckpt.write_torch(staging, "scheduler.pt", self._scheduler.state_dict())
-        dd.barrier()
-        if self.rank == 0:
-            meta = {
+        sha, files = ckpt.save_collective(
+            final,
+            rank=self.rank,
+            rank_files={f"rng_rank{self.rank}.pt": self._rng_state()},
+            rank0_files=lambda: {
+                "model.pt": self._model.state_dict(),
+                "optimizer.pt": self._optimizer.state_dict(),
+                "scheduler.pt": self._scheduler.state_dict(),
+            },
+            meta=lambda: {
                 "trainer_version": self._version,
                 "step": self._last_step,
                 "world_size": self.world_size,
                 "weights_digest": self.weights_digest(),
                 "reference_digest": self._reference_digest,
-            }
-            try:
-                outcome = ("ok", ckpt.finalize(staging, final, meta))
-            except Exception as err:  # every rank must learn of it, not only rank 0
-                outcome = ("error", f"{type(err).__name__}: {err}")
-        status, payload = dd.all_gather_objects(outcome)[0]
-        if status == "error":
-            raise ckpt.CheckpointError(f"saving checkpoint {final} failed on rank 0: {payload}")
-        sha, files = payload
+            },
+        )
         return CheckpointInfo(str(final), self._version, self._last_step, sha, files)
 
     def load_checkpoint(self, directory: str | Path) -> CheckpointInfo:
         """Verify every file's sha256, then restore everything ``save_checkpoint`` wrote."""
         self._require_idle("load_checkpoint")
         final = Path(directory)
-        manifest, sha = ckpt.verify(final)
-        meta = manifest["meta"]
+        got = ckpt.read_trainer_files(final, self.rank)
+        meta = got.manifest["meta"]
         if self._reference_digest is not None and meta.get("reference_digest") not in (
             None,
             self._reference_digest,
@@ -412,16 +372,11 @@ class TorchTrainer:
             raise ckpt.CheckpointError(
                 f"checkpoint {final} was trained against a different reference model"
             )
-        model_state = ckpt.read_torch(final, "model.pt")
-        optim_state = ckpt.read_torch(final, "optimizer.pt")
-        sched_state = ckpt.read_torch(final, "scheduler.pt")
-        rng_name = f"rng_rank{self.rank}.pt"
-        rng = ckpt.read_torch(final, rng_name) if rng_name in manifest["files"] else None
-        self._model.load_state_dict(model_state)
-        self._optimizer.load_state_dict(optim_state)
-        self._scheduler.load_state_dict(sched_state)
-        if rng is not None:
-            self._set_rng_state(rng)
+        self._model.load_state_dict(got.model)
+        self._optimizer.load_state_dict(got.optimizer)
+        self._scheduler.load_state_dict(got.scheduler)
+        if got.rng is not None:
+            self._set_rng_state(got.rng)
         else:  # a different world size: reseed deterministically
             torch.manual_seed(self.config.seed + 1 + self.rank + 7919 * meta["trainer_version"])
         self._version = int(meta["trainer_version"])
@@ -430,4 +385,4 @@ class TorchTrainer:
             raise ckpt.CheckpointCorruptError(
                 f"checkpoint {final}: weights digest after loading differs from the manifest"
             )
-        return CheckpointInfo(str(final), self._version, self._last_step, sha, manifest["files"])
+        return CheckpointInfo(str(final), self._version, self._last_step, got.sha256, got.manifest["files"])
