@@ -19,6 +19,7 @@ from controller.admission import RolloutSection
 from controller.core.policies import StalenessSection
 from controller.loop import ControllerSection
 from controller.step_close import CheckpointSection
+from workers.backends import TrainerBackend
 
 
 class ConfigError(ValueError):
@@ -72,7 +73,7 @@ class LossSection(_Section):
 
 
 class TrainSection(_Section):
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: TrainerBackend = "torch"
     groups_per_step: int = 16
     groups_per_microbatch: int = 8
     lr: float = 3e-3

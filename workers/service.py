@@ -28,6 +28,7 @@ from workers.api import (
     MicrobatchRef,
     StepOutcome,
 )
+from workers.backends import TrainerBackend, make_trainer
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
 from workers.generator.generator import Generator
@@ -59,7 +60,7 @@ class WorkerSpec:
     data_parallel: int = 1
     torch_threads: int = 1
     #: "torch" or "megatron" (megatron-core DDP; data parallel 1 in ``run`` so far)
-    trainer_backend: str = "torch"
+    trainer_backend: TrainerBackend = "torch"
 
 
 class TrainerWorker:
@@ -80,8 +81,6 @@ class TrainerWorker:
                     "train.data_parallel = 1 under 'rl-controller run' (its data-parallel "
                     "parity is tested directly, see docs/backends.md)"
                 )
-            from workers.backends import make_trainer
-
             return make_trainer(self.spec.trainer_backend, factory, self.spec.trainer)
         if self.spec.data_parallel == 1:
             return TorchTrainer(factory, self.spec.trainer)
