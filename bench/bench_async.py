@@ -107,6 +107,9 @@ class TimedTrainer:
     async def load_checkpoint(self, directory: str, *expected: Any):
         return await self.inner.load_checkpoint(directory, *expected)
 
+    async def reset(self) -> None:
+        return await self.inner.reset()
+
     def busy_s(self) -> float:
         return sum(c[1] - c[0] for c in self.calls)
 

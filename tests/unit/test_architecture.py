@@ -142,3 +142,38 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycles_in_workers_or_controller():
     for package in ("workers", "controller", "replay"):
         assert _cycles(_module_graph(package)) == [], package
+
+
+def _methods(cls: type) -> dict[str, list[str]]:
+    import inspect
+
+    return {
+        name: list(inspect.signature(member).parameters)
+        for name, member in vars(cls).items()
+        if not name.startswith("_") and callable(member)
+    }
+
+
+def test_worker_clients_implement_their_protocols_exactly():
+    """Each controller<->worker protocol and its implementation have the same methods
+    with the same parameters (protocols are structural: drift would go unnoticed). The
+    restarter is a role of ``Workers``, which has more to do."""
+    from controller.wiring import Workers
+    from workers import api
+    from workers.handles import GeneratorClientImpl, PayloadStoreImpl, Publisher, TrainerClientImpl
+
+    pairs = [
+        (api.TrainerClient, TrainerClientImpl, True),
+        (api.GeneratorClient, GeneratorClientImpl, True),
+        (api.WeightPublisher, Publisher, True),
+        (api.PayloadStore, PayloadStoreImpl, True),
+        (api.WorkerRestarter, Workers, False),
+    ]
+    for protocol, impl, exact in pairs:
+        have = _methods(impl)
+        if exact:
+            extra = sorted(set(have) - set(_methods(protocol)))
+            assert extra == [], f"{protocol.__name__} lacks {extra} that {impl.__name__} has"
+        for name, params in _methods(protocol).items():
+            assert name in have, f"{impl.__name__} lacks {protocol.__name__}.{name}"
+            assert have[name] == params, f"{impl.__name__}.{name}{have[name]} != {params}"
