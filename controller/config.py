@@ -19,6 +19,7 @@ from controller.admission import RolloutSection
 from controller.core.policies import StalenessSection
 from controller.loop import ControllerSection
 from controller.step_close import CheckpointSection
+from events.replication import StoreConfig
 from workers.backends import TrainerBackend
 
 
@@ -109,6 +110,7 @@ class Config(_Section):
     dataplane: DataPlaneSection = msgspec.field(default_factory=DataPlaneSection)
     controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
 
     @property
     def buffer_capacity(self) -> int:
@@ -154,6 +156,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config: train.grad_clip must be > 0")
     if cfg.model.kind == "hf" and not cfg.model.path:
         raise ConfigError("config: model.path is required when model.kind = \"hf\"")
+    try:
+        cfg.store.check()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     need = cfg.train.groups_per_step * (cfg.staleness.window_versions + 1)
     if cfg.staleness.buffer_groups and cfg.staleness.buffer_groups < need:
         # A smaller buffer deadlocks: the admission gate would close before a step fills.
