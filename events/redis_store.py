@@ -298,6 +298,11 @@ class RedisEventStore:
             yield
         except (rex.ConnectionError, rex.TimeoutError) as err:
             raise self._unavailable(err) from err
+        except rex.ReadOnlyError as err:  # a demoted primary: writes go elsewhere now
+            raise StoreUnavailableError(
+                f"Redis at {self._safe_url} is a read-only replica (after a failover the "
+                f"primary is elsewhere; --redis-sentinel follows it): {err}"
+            ) from err
         except rex.ResponseError as err:
             if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
                 raise self._unavailable(err) from err

@@ -5,18 +5,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# redis-sentinel: the failover tests run three sentinels; deployments use it too.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing redis-server (apt)"
+    echo "[setup] installing ${missing[*]} (apt)"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "[setup] redis-server not found; install it (e.g. 'apt-get install redis-server')" >&2
+    echo "[setup] ${missing[*]} not found; install (e.g. 'apt-get install ${missing[*]}')" >&2
     exit 1
   fi
 fi
 # The packaged service is not used: the CLI and the tests start their own servers.
-if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+if command -v systemctl >/dev/null 2>&1; then
+  systemctl disable --now redis-server redis-sentinel >/dev/null 2>&1 || true
+fi
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -1,4 +1,4 @@
-"""A Redis primary, a replica and three sentinels on loopback, for failover tests.
+"""A Redis primary, replicas and three sentinels on loopback, for failover tests.
 
 Every node requires a password (the data nodes share one, the sentinels have their
 own), as a deployment should. Sentinel's timeouts are small (``down_after_ms``,
@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 
 from events.embedded import HOST, find_redis_server, free_port
+from tests.link_proxy import LinkProxy
 from tests.redis_server import RedisServer
 
 MASTER = "rlc"
@@ -76,20 +77,29 @@ class Sentinel:
 
 
 class SentinelCluster:
-    """primary + replica + ``n_sentinels`` sentinels (quorum 2), all loopback."""
+    """primary + ``n_replicas`` replicas + ``n_sentinels`` sentinels (quorum 2), loopback.
+
+    Each replica reaches the primary through a :class:`LinkProxy`, so a test can hold
+    replication (``hold_replication``) the way a network stall would.
+    """
 
     def __init__(self, directory: Path, *, password: str = "data-pw",
-                 sentinel_password: str = "sentinel-pw", n_sentinels: int = 3,
-                 down_after_ms: int = 500, failover_timeout_ms: int = 3000) -> None:
+                 sentinel_password: str = "sentinel-pw", n_replicas: int = 1,
+                 n_sentinels: int = 3, down_after_ms: int = 500,
+                 failover_timeout_ms: int = 3000) -> None:
         self.password, self.sentinel_password = password, sentinel_password
         binary = find_redis_server()
-        sentinel_binary = find_redis_sentinel()
-        assert sentinel_binary, "redis-sentinel not found (apt-get install redis-sentinel)"
-        self.primary = RedisServer(directory / "node-a", password=password, binary=binary,
+        self.primary = RedisServer(directory / "node-0", password=password, binary=binary,
                                    extra_config=_node_config(password))
-        self.replica = RedisServer(
-            directory / "node-b", password=password, binary=binary,
-            extra_config=[*_node_config(password), f"replicaof {HOST} {self.primary.port}"],
+        self.links = [LinkProxy(self.primary.port) for _ in range(n_replicas)]
+        self.replicas = [
+            RedisServer(directory / f"node-{i + 1}", password=password, binary=binary,
+                        extra_config=[*_node_config(password), f"replicaof {HOST} {link.port}"])
+            for i, link in enumerate(self.links)
+        ]
+        sentinel_binary = find_redis_sentinel() if n_sentinels else ""
+        assert sentinel_binary or not n_sentinels, (
+            "redis-sentinel not found (apt-get install redis-sentinel)"
         )
         self.sentinels = [
             Sentinel(directory / f"sentinel-{i}", sentinel_binary, self.primary.port,
@@ -97,6 +107,32 @@ class SentinelCluster:
                      down_after_ms=down_after_ms, failover_timeout_ms=failover_timeout_ms)
             for i in range(n_sentinels)
         ]
+
+    @property
+    def replica(self) -> RedisServer:
+        return self.replicas[0]
+
+    @property
+    def nodes(self) -> list[RedisServer]:
+        return [self.primary, *self.replicas]
+
+    def hold_replication(self) -> None:
+        for link in self.links:
+            link.hold()
+
+    def replicating_through_links(self) -> bool:
+        """True while every replica still replicates through its relay.
+
+        Sentinel re-points a replica whose master address differs from the monitored
+        one ("+fix-slave-config"), but only ``failover_timeout_ms`` after the replica's
+        last configuration change: tests that hold the links keep that timeout long.
+        """
+        return all(int(self.role(node)["master_port"]) == link.port
+                   for node, link in zip(self.replicas, self.links))
+
+    def cut_replication(self) -> None:
+        for link in self.links:
+            link.close()
 
     @property
     def sentinel_spec(self) -> str:
@@ -112,8 +148,10 @@ class SentinelCluster:
 
     def start(self, timeout_s: float = 60.0) -> SentinelCluster:
         self.primary.start()
-        self.replica.start()
-        self.wait_replica_in_sync(self.replica, timeout_s)
+        for node in self.replicas:
+            node.start()
+        for node in self.replicas:
+            self.wait_replica_in_sync(node, timeout_s)
         for s in self.sentinels:
             s.start()
         self.wait(lambda: all(self._sentinel_sees_all(s) for s in self.sentinels), timeout_s,
@@ -124,11 +162,14 @@ class SentinelCluster:
         try:
             c = redis.Redis(host=HOST, port=s.port, password=self.sentinel_password,
                             socket_timeout=2, decode_responses=True)
-            master = c.execute_command("SENTINEL", "MASTER", MASTER)
-            info = dict(zip(master[::2], master[1::2]))
-            return int(info["num-slaves"]) >= 1 and int(info["num-other-sentinels"]) >= len(self.sentinels) - 1
+            info = c.sentinel_master(MASTER)
+            return int(info["num-slaves"]) >= len(self.replicas) and int(info["num-other-sentinels"]) >= len(self.sentinels) - 1
         except (redis.RedisError, OSError):
             return False
+
+    def node_named_master(self) -> RedisServer | None:
+        port = self.master_port()
+        return next((n for n in self.nodes if n.port == port), None)
 
     def master_port(self) -> int | None:
         """The primary's port as a majority of sentinels name it."""
@@ -175,7 +216,8 @@ class SentinelCluster:
     def stop(self) -> None:
         for s in self.sentinels:
             s.stop()
-        for node in (self.primary, self.replica):
+        self.cut_replication()
+        for node in self.nodes:
             if node.process is not None:
                 self.resume(node)
             node.stop()

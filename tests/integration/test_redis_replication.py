@@ -1,8 +1,8 @@
 """``store.replicas``: an append returns only once N replicas hold it; a timeout is an error.
 
 Real redis-server processes on loopback: a primary and a replica (``replicaof``).
-The replica is frozen with SIGSTOP to make it miss a write, which is how a lagging or
-partitioned replica looks to the primary.
+The replica is frozen with SIGSTOP so that it cannot acknowledge a write, which is how a
+lagging or partitioned replica looks to the primary's ``WAIT``.
 """
 
 from __future__ import annotations
