@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from events.embedded import HOST, find_redis_server, free_port
+from events.embedded import HOST, FsyncPolicy, find_redis_server, free_port
 from tests.link_proxy import LinkProxy
 from tests.redis_server import RedisServer
 
@@ -86,16 +86,19 @@ class SentinelCluster:
     def __init__(self, directory: Path, *, password: str = "data-pw",
                  sentinel_password: str = "sentinel-pw", n_replicas: int = 1,
                  n_sentinels: int = 3, down_after_ms: int = 500,
-                 failover_timeout_ms: int = 3000) -> None:
+                 failover_timeout_ms: int = 3000, relay: bool = True,
+                 appendfsync: FsyncPolicy = "always") -> None:
         self.password, self.sentinel_password = password, sentinel_password
         binary = find_redis_server()
         self.primary = RedisServer(directory / "node-0", password=password, binary=binary,
-                                   extra_config=_node_config(password))
-        self.links = [LinkProxy(self.primary.port) for _ in range(n_replicas)]
+                                   appendfsync=appendfsync, extra_config=_node_config(password))
+        self.links = [LinkProxy(self.primary.port) for _ in range(n_replicas)] if relay else []
+        ports = [link.port for link in self.links] or [self.primary.port] * n_replicas
         self.replicas = [
             RedisServer(directory / f"node-{i + 1}", password=password, binary=binary,
-                        extra_config=[*_node_config(password), f"replicaof {HOST} {link.port}"])
-            for i, link in enumerate(self.links)
+                        appendfsync=appendfsync,
+                        extra_config=[*_node_config(password), f"replicaof {HOST} {port}"])
+            for i, port in enumerate(ports)
         ]
         sentinel_binary = find_redis_sentinel() if n_sentinels else ""
         assert sentinel_binary or not n_sentinels, (
