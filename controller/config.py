@@ -82,6 +82,8 @@ class TrainSection(_Section):
     grad_clip: float = 1.0
     warmup_steps: int = 0
     data_parallel: int = 1
+    node_resource: str = ""
+    """Ray custom resource the trainer's node must offer; empty = any node."""
     loss: LossSection = msgspec.field(default_factory=LossSection)
 
 

@@ -194,13 +194,30 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     except Exception as err:
         raise WorkerStartError(f"data plane ({spec.dataplane.kind}) failed to start: {err}") from None
 
+    offered = ray.cluster_resources()
+    for key, label in (("train", cfg.train.node_resource), ("rollout", cfg.rollout.node_resource)):
+        if label and offered.get(label, 0) <= 0:  # the actor would pend forever
+            raise WorkerStartError(
+                f"{key}.node_resource = {label!r}: no node in the Ray cluster offers it "
+                f"(start one with ray start --resources '{{\"{label}\": 1}}')"
+            )
+    started: set[str] = set()
+
     def factory(role: str, name: str) -> RayHandle:
         if role == "trainer":
-            actor = ray.remote(TrainerWorker).options(num_cpus=1).remote(spec)
+            where = _on_node(cfg.train.node_resource)
+            actor = ray.remote(TrainerWorker).options(num_cpus=1, **where).remote(spec)
             probe = actor.version_and_digest.remote()
         else:
-            actor = ray.remote(GeneratorWorker).options(num_cpus=1, max_concurrency=2).remote(spec, name)
+            # A replacement after a node loss may go anywhere when so configured;
+            # otherwise it waits (pending in Ray) for a node offering the resource.
+            moved = name in started and cfg.rollout.on_node_loss == "anywhere"
+            where = {} if moved else _on_node(cfg.rollout.node_resource)
+            actor = ray.remote(GeneratorWorker).options(
+                num_cpus=1, max_concurrency=2, **where
+            ).remote(spec, name)
             probe = actor.weight_version.remote()
+        started.add(name)
         try:  # surface constructor errors now, with the worker's name
             ray.get(probe)
         except Exception as err:
@@ -208,6 +225,14 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
         return RayHandle(actor, name=name, role=role)
 
     return _assemble(cfg, spec, plane, factory)
+
+
+def _on_node(resource: str) -> dict[str, Any]:
+    """Ray options that pin an actor to nodes started with ``--resources {resource: n}``.
+
+    A sliver of the resource is asked for, so any number of actors fit on such a node.
+    """
+    return {"resources": {resource: 0.001}} if resource else {}
 
 
 def _assemble(cfg: Config, spec: WorkerSpec, plane: DataPlane, factory) -> Workers:
