@@ -91,6 +91,10 @@ class DataPlaneSection(_Section):
     kind: Literal["transferqueue", "memory"] = "transferqueue"
     spill: bool = True
     """Write payloads through to safetensors files so they survive a full restart."""
+    storage_node_resource: str = ""
+    """TransferQueue storage units only on nodes offering this Ray resource; empty =
+    round-robin over every node. A unit dies with its node and TransferQueue keeps no
+    copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
 
 
 class RayConfig(_Section):

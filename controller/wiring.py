@@ -33,6 +33,11 @@ from workers.trainer import TrainerConfig
 from workers.trainer.config import OptimizerConfig, SchedulerConfig
 
 
+#: tries to start a replacement worker (2, 4, 6, 8 s apart: longer than Ray takes to
+#: declare a node with a killed raylet dead)
+REPLACE_ATTEMPTS = 5
+
+
 class WorkerStartError(RuntimeError):
     """A worker (or Ray / the data plane) could not be started; the message says which."""
 
@@ -67,7 +72,16 @@ class Workers:
             old.close()
         except Exception:
             pass  # it is dead already
-        new = await asyncio.to_thread(self.factory, role, name)
+        # A replacement may be placed on a node that is dying but not yet declared dead
+        # (Ray's health check takes seconds) and die with it: try again, later.
+        for attempt in range(REPLACE_ATTEMPTS):
+            try:
+                new = await asyncio.to_thread(self.factory, role, name)
+                break
+            except WorkerStartError:
+                if attempt == REPLACE_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(2.0 * (attempt + 1))
         self.handles = [new if h is old else h for h in self.handles]
         return new
 
@@ -141,6 +155,7 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
             spill_dir=str(run_dir / "spill") if cfg.dataplane.spill else None,
             ray_address=cfg.ray.address or None,
             ray_num_cpus=cfg.ray.num_cpus,
+            storage_node_resource=cfg.dataplane.storage_node_resource or None,
         ),
         trainer=trainer,
         loss=loss,

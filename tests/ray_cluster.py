@@ -57,24 +57,34 @@ class RayNode:
                                             env=self.cluster.env, start_new_session=True)
         return self
 
-    def raylet_pid(self) -> int:
-        """The pid of this node's raylet (a child in the node's process group)."""
+    def processes(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process of this node (its session: Ray puts workers
+        in process groups of their own, but they stay in the session ray start began)."""
         assert self.process is not None
-        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.process.pid)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,sess=,args="], capture_output=True,
+                             text=True, check=True).stdout
+        found = []
         for line in out.splitlines():
-            pid, _, args = line.strip().partition(" ")
-            if "/raylet/raylet " in args:
-                return int(pid)
-        raise AssertionError(f"no raylet in node {self.name}'s process group")
+            pid, sess, *args = line.split(None, 2)
+            if int(sess) == self.process.pid:
+                found.append((int(pid), args[0] if args else ""))
+        return found
+
+    def raylet_pid(self) -> int:
+        for pid, args in self.processes():
+            if Path(args.split()[0]).name == "raylet":
+                return pid
+        raise AssertionError(f"no raylet in node {self.name}: {self.processes()}")
 
     def stop(self) -> None:
+        """SIGKILL every process of the node (its session), the node's own first."""
         if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [self.process.pid] + [p for p, _ in self.processes() if p != self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.process.wait(timeout=30)
         self.process = None
 

@@ -7,16 +7,21 @@ generators by ``train.node_resource`` / ``rollout.node_resource``; TransferQueue
 storage units are spread over the nodes round-robin. The run learns for a few steps and
 ``audit`` exits 0.
 
-Then the generator node's raylet is killed with SIGKILL mid-run: Ray fails the node
-and every process on it. The controller records ``WorkerLost`` and, with the default
-``rollout.on_node_loss = "wait"``, its replacement generator waits (pending in Ray)
-until a node offering ``rlc_rollout`` joins; the test starts one, and the run finishes
-with every invariant holding.
+Then, in a second run, the generator node's raylet is killed with SIGKILL mid-run: Ray
+fails the node and every process on it. The controller records ``WorkerLost`` and, with
+the default ``rollout.on_node_loss = "wait"``, its replacement generator waits (pending
+in Ray) until a node offering ``rlc_rollout`` joins; the test starts one, and the run
+finishes with every invariant holding. That run keeps TransferQueue's storage units on
+the trainer's node (``dataplane.storage_node_resource``): a SimpleStorage unit holds
+the only copy of its payloads, and with a unit lost to the node the run hung (the
+TransferQueue client does not fail over), so a node one expects to lose must hold none.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,18 +52,15 @@ def _cli(cluster: RayCluster, *argv: str) -> list[str]:
 
 def _actors_on(node: RayNode) -> list[str]:
     """Process titles of Ray actors in the node's process group (ray::<Class>...)."""
-    assert node.process is not None
-    out = subprocess.run(["ps", "-o", "args=", "-g", str(node.process.pid)],
-                         capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith("ray::")]
+    return [args.split()[0] for _pid, args in node.processes() if args.startswith("ray::")]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path):
-    c = RayCluster(tmp_path / "ray")
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = RayCluster(tmp_path_factory.mktemp("ray"))
     try:
         c.add_node("head", "rlc_train", num_cpus=4, head=True)
-        c.wait_for_resources({"rlc_train": 1})
+        c.wait_for_resources({"rlc_train": 1})  # a node can only join a head that is up
         c.add_node("rollout", "rlc_rollout", num_cpus=3)
         c.wait_for_resources({"rlc_train": 1, "rlc_rollout": 1})
         yield c
@@ -66,32 +68,104 @@ def cluster(tmp_path: Path):
         c.stop()
 
 
-def test_two_nodes_then_generator_node_lost(cluster: RayCluster, redis_server: RedisServer,
-                                           tmp_path: Path) -> None:
+def _start(cluster: RayCluster, redis_server: RedisServer, tmp_path: Path, run_id: str,
+           steps: int, *extra: str) -> tuple[subprocess.Popen, Path, list[str]]:
     store = ["--redis-url", redis_server.url, "--data-dir", str(tmp_path / "data")]
-    log = tmp_path / "run.txt"
+    log = tmp_path / f"{run_id}.txt"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            _cli(cluster, "run", "--run-id", "mn", "--steps", "12", "--ray-address",
-                 cluster.address, *store, *ARGS),
+            _cli(cluster, "run", "--run-id", run_id, "--steps", str(steps), "--ray-address",
+                 cluster.address, *store, *ARGS, *extra),
             cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT,
         )
-    head, rollout = cluster.nodes
-    metrics = tmp_path / "data" / "runs" / "mn" / "metrics.jsonl"
+    return proc, log, store
+
+
+def _wait_steps(proc: subprocess.Popen, log: Path, metrics: Path, n: int) -> None:
+    deadline = time.monotonic() + 400
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+
+
+def _audit(cluster: RayCluster, run_id: str, store: list[str]) -> None:
+    audit = subprocess.run(_cli(cluster, "audit", "--run", run_id, *store), cwd=REPO,
+                           env=cluster.env, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-2000:]
+
+
+def test_trainer_and_generators_on_their_nodes(cluster: RayCluster, redis_server: RedisServer,
+                                               tmp_path: Path) -> None:
+    proc, log, store = _start(cluster, redis_server, tmp_path, "placed", 4)
     try:
-        deadline = time.monotonic() + 400
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.2)
+        _wait_steps(proc, log, tmp_path / "data" / "runs" / "placed" / "metrics.jsonl", 1)
+        head, rollout = cluster.nodes
         on_head, on_rollout = _actors_on(head), _actors_on(rollout)
+        assert proc.returncode is None or proc.returncode == 0
         assert any(t.startswith("ray::TrainerWorker") for t in on_head), on_head
         assert not any(t.startswith("ray::GeneratorWorker") for t in on_head), on_head
         assert any(t.startswith("ray::GeneratorWorker") for t in on_rollout), on_rollout
         assert not any(t.startswith("ray::TrainerWorker") for t in on_rollout), on_rollout
-        storage = [t for t in on_head + on_rollout if "SimpleStorageUnit" in t]
-        print("placement", on_head, on_rollout, storage)
+        # TransferQueue's storage units: one on each node.
+        assert "ray::SimpleStorageUnit" in on_head and "ray::SimpleStorageUnit" in on_rollout
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+    _audit(cluster, "placed", store)
+    state = _fold(redis_server.url, "placed")
+    assert state.trainer_version == 4 and not state.workers_lost
+
+
+def test_generator_node_lost_mid_run(cluster: RayCluster, redis_server: RedisServer,
+                                     tmp_path: Path) -> None:
+    proc, log, store = _start(cluster, redis_server, tmp_path, "lost", 10,
+                              "--set", 'dataplane.storage_node_resource="rlc_train"')
+    rollout = cluster.nodes[1]
+    try:
+        _wait_steps(proc, log, tmp_path / "data" / "runs" / "lost" / "metrics.jsonl", 2)
+        os.kill(rollout.raylet_pid(), signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while "generator" not in _lost_roles(redis_server.url, "lost"):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        rollout.stop()  # what is left of the node's processes
+        # rollout.on_node_loss = "wait": the replacement pends until such a node joins.
+        cluster.add_node("rollout-2", "rlc_rollout", num_cpus=3)
+        rc = proc.wait(timeout=400)
+        assert rc == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    _audit(cluster, "lost", store)
+    state = _fold(redis_server.url, "lost")
+    assert state.trainer_version == 10
+    assert [w.role for w in state.workers_lost] == ["generator"]
+
+
+def _fold(url: str, run_id: str):
+    from events.redis_store import RedisEventStore
+    from replay.reader import fold_log
+
+    store = RedisEventStore(url)
+    try:
+        result = fold_log(store, run_id)
+    finally:
+        store.close()
+    assert result.problem is None, result.problem
+    return result.state
+
+
+def _lost_roles(url: str, run_id: str) -> list[str]:
+    from events.redis_store import RedisEventStore
+
+    store = RedisEventStore(url)
+    try:
+        return [json.loads(e.data).get("role", "") for e in store.read_raw(run_id)
+                if e.event_type == "WorkerLost"]
+    finally:
+        store.close()
