@@ -35,8 +35,12 @@ class RayNode:
         self.cluster, self.name, self.resource, self.num_cpus = cluster, name, resource, num_cpus
         self.process: subprocess.Popen[bytes] | None = None
         self.log = cluster.directory / f"{name}.log"
+        self.head = False
+        self.starts = 0
 
     def start(self, *, head: bool) -> RayNode:
+        self.head = head
+        self.starts += 1
         ports = ["--node-manager-port", "--object-manager-port", "--runtime-env-agent-port",
                  "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port",
                  "--metrics-export-port"]
@@ -106,13 +110,23 @@ class RayCluster:
         self.nodes.append(node)
         return node
 
-    def wait_for_resources(self, resources: dict[str, float], timeout_s: float = 120.0) -> None:
+    def restart_failed_nodes(self) -> None:
+        """``ray start`` gives a node 30 s (fixed in Ray) to register with the head; on a
+        loaded machine that can pass, and the node exits. Start it again (3 tries)."""
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is not None:
+                assert node.starts < 3, f"node {node.name} failed to start 3 times; see {node.log}"
+                node.stop()
+                node.start(head=node.head)
+
+    def wait_for_resources(self, resources: dict[str, float], timeout_s: float = 300.0) -> None:
         """Until the cluster (as a driver sees it) offers at least ``resources``."""
         code = ("import json,ray; ray.init(address=%r, log_to_driver=False); "
                 "print(json.dumps(ray.available_resources()))" % self.address)
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
+            self.restart_failed_nodes()
             proc = subprocess.run([sys.executable, "-c", code], env=self.env,
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
