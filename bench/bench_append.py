@@ -7,7 +7,11 @@ measures, for batch sizes 1, 10 and 100:
   position check, XADDs with explicit ids);
 * raw   -- the same encoded payloads as plain ``XADD *`` commands, one pipeline per batch.
 
-Each cell runs for a fixed time slice, so the whole script takes about 30 seconds.
+Then the cost of ``store.replicas = 1``: a primary and one replica on loopback (both
+AOF ``always``), the same store appending with and without ``WAIT 1`` at batch 1 and
+100, under each fsync policy; every replicated append waits for the replica's acknowledgement.
+
+Each cell runs for a fixed time slice, so the whole script takes about 40 seconds.
 Target: store / raw >= 0.5 at batch >= 100.
 
     python bench/bench_append.py [--seconds-per-cell 2.0]
@@ -27,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from events.codec import encode  # noqa: E402
 from events.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
+from events.replication import StoreConfig  # noqa: E402
 from events.schema import GroupCommitted  # noqa: E402
+from tests.sentinel_cluster import SentinelCluster  # noqa: E402
 
 BATCH_SIZES = (1, 10, 100)
 POLICIES = ("always", "everysec")
@@ -93,6 +99,43 @@ def bench_policy(policy: str, data_dir: Path, seconds: float) -> list[Row]:
     return rows
 
 
+def bench_replicas(policy: str, data_dir: Path, seconds: float) -> list[tuple[str, int, float, float]]:
+    """(policy, batch, ev/s without WAIT, ev/s with WAIT 1) on a primary + replica pair.
+
+    The two variants alternate in four slices each, so a noisy neighbour's fsync burst
+    lands on both rather than on one.
+    """
+    pair = SentinelCluster(data_dir, n_replicas=1, n_sentinels=0, relay=False,
+                           appendfsync=policy).start()  # type: ignore[arg-type]
+    stores = [RedisEventStore(pair.primary.url),
+              RedisEventStore(pair.primary.url, replication=StoreConfig(replicas=1))]
+    rows = []
+    try:
+        for batch in (1, 100):
+            events = make_events(batch)
+            steps = []
+            for i, store in enumerate(stores):
+                run_id = f"bench-replicas{i}-{batch}"
+                cursor = {"epoch": store.claim_epoch(run_id), "position": 0}
+
+                def step(store=store, run_id=run_id, cursor=cursor) -> None:
+                    cursor["position"] = store.append(
+                        run_id, events, expected_position=cursor["position"], epoch=cursor["epoch"]
+                    )[-1]
+
+                steps.append(step)
+            totals = [0.0, 0.0]
+            for _ in range(4):
+                for i, step in enumerate(steps):
+                    totals[i] += timed(step, batch, seconds / 4) / 4
+            rows.append((policy, batch, totals[0], totals[1]))
+    finally:
+        for store in stores:
+            store.close()
+        pair.stop()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds-per-cell", type=float, default=2.0)
@@ -108,6 +151,14 @@ def main() -> None:
     worst = min(s / r for _, b, s, r in rows if b >= 100)
     verdict = "met" if worst >= 0.5 else "MISSED"
     print(f"target store/raw >= 0.50 at batch >= 100: {verdict} ({worst:.2f})")
+    replicated = []
+    with tempfile.TemporaryDirectory(prefix="rlc-bench-") as tmp:
+        for policy in POLICIES:
+            replicated += bench_replicas(policy, Path(tmp) / f"pair-{policy}", args.seconds_per_cell)
+    print("\nprimary + 1 replica on loopback; store.replicas=1 waits for it (WAIT 1)")
+    print(f"{'appendfsync':<12}{'batch':>6}{'replicas=0 ev/s':>17}{'replicas=1 ev/s':>17}{'ratio':>8}")
+    for policy, batch, plain, waited in replicated:
+        print(f"{policy:<12}{batch:>6}{plain:>17,.0f}{waited:>17,.0f}{waited / plain:>8.2f}")
 
 
 if __name__ == "__main__":

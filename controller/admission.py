@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Literal
 
 import msgspec
 import structlog
@@ -44,6 +45,12 @@ class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log's round trips are shared by that many groups. 1 = a call per group."""
     max_attempts: int = 3
     """Generation attempts per group before it is dropped."""
+    node_resource: str = ""
+    """Ray custom resource a generator's node must offer (``ray start --resources``);
+    empty = any node."""
+    on_node_loss: Literal["wait", "anywhere"] = "wait"
+    """A generator replaced after its node died: ``wait`` for a node with
+    ``node_resource`` to (re)join, or place it ``anywhere`` in the cluster."""
 
 
 def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:

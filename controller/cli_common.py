@@ -1,7 +1,10 @@
 """Plumbing shared by every CLI command: where the log is, and errors as one line.
 
-Where the log is: ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the embedded
-redis-server of ``--data-dir`` (default ``./rlc-data``), started if it is not running.
+Where the log is: ``--redis-sentinel`` + ``--redis-master`` (the primary the sentinels
+name, followed across a failover; passwords from ``RLC_REDIS_PASSWORD`` and
+``RLC_SENTINEL_PASSWORD``), else ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the
+embedded redis-server of ``--data-dir`` (default ``./rlc-data``), started if it is not
+running.
 Read-only commands never start a server for a directory that has none: they say so.
 """
 
@@ -15,10 +18,15 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 from events.errors import EventStoreError, RunNotFoundError
+from events.replication import StoreConfig
 from events.store import EventStore
 
 DEFAULT_DATA_DIR = "./rlc-data"
 ENV_REDIS_URL = "RLC_REDIS_URL"
+ENV_SENTINEL = "RLC_REDIS_SENTINEL"
+ENV_MASTER = "RLC_REDIS_MASTER"
+ENV_PASSWORD = "RLC_REDIS_PASSWORD"
+ENV_SENTINEL_PASSWORD = "RLC_SENTINEL_PASSWORD"
 
 
 class CliError(Exception):
@@ -34,6 +42,19 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=os.environ.get(ENV_REDIS_URL, ""),
         help=f"Redis holding the log (default: ${ENV_REDIS_URL}, else the embedded server)",
+    )
+    parser.add_argument(
+        "--redis-sentinel",
+        default=os.environ.get(ENV_SENTINEL, ""),
+        metavar="HOST:PORT,...",
+        help=f"Sentinels to ask for the primary (default: ${ENV_SENTINEL}); the store "
+        f"follows a failover. Passwords: ${ENV_PASSWORD}, ${ENV_SENTINEL_PASSWORD}",
+    )
+    parser.add_argument(
+        "--redis-master",
+        default=os.environ.get(ENV_MASTER, ""),
+        metavar="NAME",
+        help=f"with --redis-sentinel: the monitored master's name (default: ${ENV_MASTER})",
     )
     parser.add_argument(
         "--data-dir",
@@ -58,10 +79,27 @@ def resolve_redis_url(args: argparse.Namespace, *, start: bool) -> str:
 
 
 @contextmanager
-def open_store(args: argparse.Namespace, *, start: bool = False) -> Iterator[EventStore]:
+def open_store(
+    args: argparse.Namespace, *, start: bool = False, replication: StoreConfig | None = None
+) -> Iterator[EventStore]:
     from events.redis_store import RedisEventStore
 
-    store = RedisEventStore(resolve_redis_url(args, start=start))
+    if getattr(args, "redis_sentinel", ""):
+        from events.sentinel import open_sentinel_store
+
+        if args.redis_url:
+            raise CliError("pass either --redis-url or --redis-sentinel, not both")
+        try:
+            store = open_sentinel_store(
+                args.redis_sentinel, args.redis_master,
+                password=os.environ.get(ENV_PASSWORD) or None,
+                sentinel_password=os.environ.get(ENV_SENTINEL_PASSWORD) or None,
+                replication=replication,
+            )
+        except ValueError as err:
+            raise CliError(str(err)) from None
+    else:
+        store = RedisEventStore(resolve_redis_url(args, start=start), replication=replication)
     try:
         yield store
     finally:

@@ -19,6 +19,7 @@ from controller.admission import RolloutSection
 from controller.core.policies import StalenessSection
 from controller.loop import ControllerSection
 from controller.step_close import CheckpointSection
+from events.replication import StoreConfig
 from workers.backends import TrainerBackend
 
 
@@ -81,6 +82,8 @@ class TrainSection(_Section):
     grad_clip: float = 1.0
     warmup_steps: int = 0
     data_parallel: int = 1
+    node_resource: str = ""
+    """Ray custom resource the trainer's node must offer; empty = any node."""
     loss: LossSection = msgspec.field(default_factory=LossSection)
 
 
@@ -88,6 +91,10 @@ class DataPlaneSection(_Section):
     kind: Literal["transferqueue", "memory"] = "transferqueue"
     spill: bool = True
     """Write payloads through to safetensors files so they survive a full restart."""
+    storage_node_resource: str = ""
+    """TransferQueue storage units only on nodes offering this Ray resource; empty =
+    round-robin over every node. A unit dies with its node and TransferQueue keeps no
+    copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
 
 
 class RayConfig(_Section):
@@ -109,6 +116,7 @@ class Config(_Section):
     dataplane: DataPlaneSection = msgspec.field(default_factory=DataPlaneSection)
     controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
 
     @property
     def buffer_capacity(self) -> int:
@@ -154,6 +162,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config: train.grad_clip must be > 0")
     if cfg.model.kind == "hf" and not cfg.model.path:
         raise ConfigError("config: model.path is required when model.kind = \"hf\"")
+    try:
+        cfg.store.check()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     need = cfg.train.groups_per_step * (cfg.staleness.window_versions + 1)
     if cfg.staleness.buffer_groups and cfg.staleness.buffer_groups < need:
         # A smaller buffer deadlocks: the admission gate would close before a step fills.

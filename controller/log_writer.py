@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from controller.core.reducer import apply
 from controller.core.state import RunState, encode_state
-from events.errors import FencedError, StoreUnavailableError
+from events.errors import ConcurrencyError, FencedError, StoreUnavailableError
 from events.schema import Event, StoredEvent
 from events.store import EventStore
 
@@ -44,6 +44,9 @@ class LogWriter:
         self.retries = retries
         self.retry_delay_s = retry_delay_s
         self.fenced: FencedError | None = None
+        #: the log is not where this writer's state says (e.g. a failover lost the
+        #: primary's newest writes): the state must never be saved as a snapshot
+        self.diverged: ConcurrencyError | None = None
         self.appended = 0
         #: save a snapshot of the folded state every this many events (0 = never)
         self.snapshot_every = snapshot_every
@@ -71,6 +74,9 @@ class LogWriter:
             except FencedError as err:
                 self.fenced = err
                 raise
+            except ConcurrencyError as err:
+                self.diverged = err
+                raise
             except StoreUnavailableError:
                 if attempt == self.retries:
                     raise
@@ -84,6 +90,8 @@ class LogWriter:
 
     def snapshot(self) -> None:
         """Save the folded state at the current position (a cache for fast recovery)."""
+        if self.diverged is not None:
+            return
         try:
             self.store.save_snapshot(self.run_id, self.position, encode_state(self.state))
             self._last_snapshot = self.position

@@ -151,10 +151,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.local_workers:
         # Before anything is written: an unreachable cluster must leave no run behind.
         check_ray_address(args.ray_address or (cfg.ray.address if cfg else ""))
-    with open_store(args, start=True) as store:
+    with open_store(args, start=True, replication=cfg.store if cfg else None) as store:
         if args.resume:
             writer = resume_run(store, run_id)
             cfg = _resume_config(writer.state.config, args)
+            store.replication = cfg.store  # the run's own setting, from its log
         else:
             try:
                 writer = create_run(

@@ -33,6 +33,11 @@ from workers.trainer import TrainerConfig
 from workers.trainer.config import OptimizerConfig, SchedulerConfig
 
 
+#: tries to start a replacement worker (2, 4, 6, 8 s apart: longer than Ray takes to
+#: declare a node with a killed raylet dead)
+REPLACE_ATTEMPTS = 5
+
+
 class WorkerStartError(RuntimeError):
     """A worker (or Ray / the data plane) could not be started; the message says which."""
 
@@ -67,7 +72,16 @@ class Workers:
             old.close()
         except Exception:
             pass  # it is dead already
-        new = await asyncio.to_thread(self.factory, role, name)
+        # A replacement may be placed on a node that is dying but not yet declared dead
+        # (Ray's health check takes seconds) and die with it: try again, later.
+        for attempt in range(REPLACE_ATTEMPTS):
+            try:
+                new = await asyncio.to_thread(self.factory, role, name)
+                break
+            except WorkerStartError:
+                if attempt == REPLACE_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(2.0 * (attempt + 1))
         self.handles = [new if h is old else h for h in self.handles]
         return new
 
@@ -141,6 +155,7 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
             spill_dir=str(run_dir / "spill") if cfg.dataplane.spill else None,
             ray_address=cfg.ray.address or None,
             ray_num_cpus=cfg.ray.num_cpus,
+            storage_node_resource=cfg.dataplane.storage_node_resource or None,
         ),
         trainer=trainer,
         loss=loss,
@@ -194,13 +209,30 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     except Exception as err:
         raise WorkerStartError(f"data plane ({spec.dataplane.kind}) failed to start: {err}") from None
 
+    offered = ray.cluster_resources()
+    for key, label in (("train", cfg.train.node_resource), ("rollout", cfg.rollout.node_resource)):
+        if label and offered.get(label, 0) <= 0:  # the actor would pend forever
+            raise WorkerStartError(
+                f"{key}.node_resource = {label!r}: no node in the Ray cluster offers it "
+                f"(start one with ray start --resources '{{\"{label}\": 1}}')"
+            )
+    started: set[str] = set()
+
     def factory(role: str, name: str) -> RayHandle:
         if role == "trainer":
-            actor = ray.remote(TrainerWorker).options(num_cpus=1).remote(spec)
+            where = _on_node(cfg.train.node_resource)
+            actor = ray.remote(TrainerWorker).options(num_cpus=1, **where).remote(spec)
             probe = actor.version_and_digest.remote()
         else:
-            actor = ray.remote(GeneratorWorker).options(num_cpus=1, max_concurrency=2).remote(spec, name)
+            # A replacement after a node loss may go anywhere when so configured;
+            # otherwise it waits (pending in Ray) for a node offering the resource.
+            moved = name in started and cfg.rollout.on_node_loss == "anywhere"
+            where = {} if moved else _on_node(cfg.rollout.node_resource)
+            actor = ray.remote(GeneratorWorker).options(
+                num_cpus=1, max_concurrency=2, **where
+            ).remote(spec, name)
             probe = actor.weight_version.remote()
+        started.add(name)
         try:  # surface constructor errors now, with the worker's name
             ray.get(probe)
         except Exception as err:
@@ -208,6 +240,14 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
         return RayHandle(actor, name=name, role=role)
 
     return _assemble(cfg, spec, plane, factory)
+
+
+def _on_node(resource: str) -> dict[str, Any]:
+    """Ray options that pin an actor to nodes started with ``--resources {resource: n}``.
+
+    A sliver of the resource is asked for, so any number of actors fit on such a node.
+    """
+    return {"resources": {resource: 0.001}} if resource else {}
 
 
 def _assemble(cfg: Config, spec: WorkerSpec, plane: DataPlane, factory) -> Workers:

@@ -70,3 +70,20 @@ class EpochNotClaimedError(EventStoreError):
 
 class RedisServerNotFoundError(StoreUnavailableError):
     """No ``redis-server`` binary to start the embedded store with."""
+
+
+class ReplicationTimeoutError(StoreUnavailableError):
+    """An append reached the primary but fewer than ``store.replicas`` replicas confirmed it.
+
+    Its outcome is in doubt (the primary holds it; a failover may lose it): retrying the
+    same batch at the same position resolves it, because a replayed batch is recognised
+    by its event ids. Never treated as a success.
+    """
+
+    def __init__(self, where: str, confirmed: int, wanted: int, timeout_s: float) -> None:
+        self.confirmed = confirmed
+        self.wanted = wanted
+        super().__init__(
+            f"Redis at {where}: only {confirmed} of {wanted} replicas confirmed the append "
+            f"within {timeout_s:g}s; its outcome is in doubt (the retry resolves it)"
+        )

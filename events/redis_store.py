@@ -41,6 +41,7 @@ from events.errors import (
     RunNotFoundError,
     StoreUnavailableError,
 )
+from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
 from events.store import (
     READ_PAGE_SIZE,
@@ -151,30 +152,43 @@ class _PinnedConnection:
     observability layers). This sends on a connection redis-py set up (so AUTH, TLS and
     the database are its), and keeps the client's retry semantics: a command that hit
     a connection error is sent again on a fresh connection (safe for appends, whose
-    replays are recognised by event id), up to ``retries`` times.
+    replays are recognised by event id), up to ``retries`` times and for at least
+    ``retry_window_s`` (long enough to ride out a Sentinel failover when set).
     """
 
-    def __init__(self, client: Any, retries: int = 3) -> None:
+    def __init__(self, client: Any, retries: int = 3, retry_window_s: float = 0.0) -> None:
         self._pool = client.connection_pool
         self._retries = retries
+        self._retry_window_s = retry_window_s
         self._conn: Any = None
         self._lock = threading.Lock()
 
     def execute_command(self, *args: Any) -> Any:
+        return self._call(lambda conn: (conn.send_command(*args), conn.read_response())[1])
+
+    def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Several commands in one round trip on one connection (``WAIT`` needs that).
+
+        Every reply is read before the first error reply is raised, so the connection
+        stays in step.
+        """
+        return self._call(lambda conn: _send_many(conn, commands))
+
+    def _call(self, send: Callable[[Any], Any]) -> Any:
         with self._lock:
             attempt = 0
+            deadline = time.monotonic() + self._retry_window_s
             while True:
                 try:
                     if self._conn is None:
                         self._conn = self._connect()
-                    self._conn.send_command(*args)
-                    return self._conn.read_response()
+                    return send(self._conn)
                 except (rex.ConnectionError, rex.TimeoutError):
                     self._drop()
-                    if attempt == self._retries:
+                    if attempt >= self._retries and time.monotonic() >= deadline:
                         raise
                     attempt += 1
-                    time.sleep(0.05 * attempt)
+                    time.sleep(min(0.05 * attempt, 0.5))
 
     def _connect(self) -> Any:
         try:
@@ -191,6 +205,34 @@ class _PinnedConnection:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+def _send_many(conn: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    conn.send_packed_command(conn.pack_commands(commands))
+    replies: list[Any] = []
+    error: rex.ResponseError | None = None
+    for _ in commands:
+        try:
+            replies.append(conn.read_response())
+        except rex.ResponseError as err:
+            error = error or err
+            replies.append(err)
+    if error is not None:
+        raise error
+    return replies
+
+
+class _Sequential:
+    """``execute_many`` for a client handed in (fakeredis): one command after another."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def execute_command(self, *args: Any) -> Any:
+        return self._client.execute_command(*args)
+
+    def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
+        return [self._client.execute_command(*c) for c in commands]
 
 
 _APPEND = _Script(_APPEND_LUA)
@@ -217,8 +259,13 @@ class RedisEventStore:
         async_client_factory: Callable[[], Any] | None = None,
         connect_timeout_s: float = 5.0,
         command_timeout_s: float | None = 30.0,
+        replication: StoreConfig | None = None,
+        pin_client: bool = False,
+        retry_window_s: float = 0.0,
     ) -> None:
         self.url = url
+        #: appends wait for this many replicas (``events.replication``)
+        self.replication = (replication or StoreConfig()).check()
         self._safe_url = redact_url(url)
         self._connect_timeout_s = connect_timeout_s
         self._async_factory = async_client_factory or self._default_async_client
@@ -230,9 +277,11 @@ class RedisEventStore:
                     socket_timeout=command_timeout_s,  # also bounds a TLS handshake
                     decode_responses=False,
                 )
-                self._hot: Any = _PinnedConnection(client)
+                self._hot: Any = _PinnedConnection(client, retry_window_s=retry_window_s)
+            elif pin_client:  # a real client set up elsewhere (Sentinel)
+                self._hot = _PinnedConnection(client, retry_window_s=retry_window_s)
             else:
-                self._hot = client  # a client handed in (fakeredis): used as it is
+                self._hot = _Sequential(client)  # a client handed in (fakeredis)
             self._client = client
             self._client.ping()  # fail fast: bad host, password or TLS setup
 
@@ -249,6 +298,11 @@ class RedisEventStore:
             yield
         except (rex.ConnectionError, rex.TimeoutError) as err:
             raise self._unavailable(err) from err
+        except rex.ReadOnlyError as err:  # a demoted primary: writes go elsewhere now
+            raise StoreUnavailableError(
+                f"Redis at {self._safe_url} is a read-only replica (after a failover the "
+                f"primary is elsewhere; --redis-sentinel follows it): {err}"
+            ) from err
         except rex.ResponseError as err:
             if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
                 raise self._unavailable(err) from err
@@ -284,7 +338,11 @@ class RedisEventStore:
             pipe = self._client.pipeline(transaction=False)
             pipe.hincrby(meta_key(run_id), "epoch", 1)
             pipe.sadd(RUNS_KEY, run_id)
-            epoch, _ = pipe.execute()
+            if self.replication.replicas:  # same connection, so WAIT covers the claim
+                pipe.execute_command(*wait_command(self.replication))
+            epoch, _, *waited = pipe.execute()
+        if waited:
+            check_confirmed(waited[0], self.replication, self._safe_url)
         return int(epoch)
 
     def append(
@@ -298,7 +356,13 @@ class RedisEventStore:
         keys = (events_key(run_id), meta_key(run_id))
         try:
             with self._translate():
-                _, first = _APPEND(self._hot, keys, args)
+                if self.replication.replicas:
+                    _, first = replicated_append(
+                        self._hot, _APPEND, keys, args, self.replication,
+                        run_id=run_id, where=self._safe_url,
+                    )
+                else:
+                    _, first = _APPEND(self._hot, keys, args)
         except rex.ResponseError as err:
             raise _append_error(run_id, epoch, expected_position, str(err)) from None
         return list(range(int(first), int(first) + len(events)))

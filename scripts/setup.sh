@@ -5,25 +5,49 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# redis-sentinel: the failover tests run three sentinels; deployments use it too.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing redis-server (apt)"
+    echo "[setup] installing ${missing[*]} (apt)"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "[setup] redis-server not found; install it (e.g. 'apt-get install redis-server')" >&2
+    echo "[setup] ${missing[*]} not found; install (e.g. 'apt-get install ${missing[*]}')" >&2
     exit 1
   fi
 fi
 # The packaged service is not used: the CLI and the tests start their own servers.
-if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+if command -v systemctl >/dev/null 2>&1; then
+  systemctl disable --now redis-server redis-sentinel >/dev/null 2>&1 || true
+fi
 
 PY=${PYTHON:-python3}
+# RLC_EXTRAS: the project's extras (the Docker image sets "megatron", or "vllm" for
+# CUDA); RLC_TORCH_INDEX: where torch comes from (the CPU image sets PyTorch's CPU index).
+EXTRAS=${RLC_EXTRAS-dev,megatron}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv
 fi
-echo "[setup] installing torch==2.13.0 (CPU) and the project"
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[dev,megatron]'
+echo "[setup] installing torch==2.13.0 and the project [${EXTRAS}]"
+if [ -n "${RLC_TORCH_INDEX:-}" ]; then
+  .venv/bin/pip install -q --index-url "$RLC_TORCH_INDEX" torch==2.13.0
+else
+  .venv/bin/pip install -q torch==2.13.0
+fi
+.venv/bin/pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+
+# docker-compose (v1, the one on PyPI) validates docker/compose.yaml in the tests. Its
+# pins do not install on Python 3.11 (PyYAML < 6), so it lives in a venv of its own,
+# installed without its pins plus the libraries it needs.
+if [[ ",${EXTRAS}," == *",dev,"* ]] && [ ! -x .tools/bin/docker-compose ]; then
+  echo "[setup] installing docker-compose into .tools (validates docker/compose.yaml)"
+  "$PY" -m venv .tools
+  .tools/bin/pip install -q --no-deps docker-compose==1.29.2
+  .tools/bin/pip install -q --no-warn-conflicts "PyYAML>=6" docopt "jsonschema<4" texttable requests \
+    "websocket-client<1" "docker>=5,<7" "python-dotenv<1" distro dockerpty
+fi
 echo "[setup] done: .venv/bin/rl-controller --help"

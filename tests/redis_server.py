@@ -31,8 +31,11 @@ class RedisServer:
         appendfsync: FsyncPolicy = "always",
         password: str | None = None,
         binary: str | None = None,
+        extra_config: list[str] | None = None,
     ) -> None:
         self.directory = Path(directory)
+        #: more redis.conf lines (replicaof, masterauth, ...), written on every start
+        self.extra_config = list(extra_config or [])
         self.appendfsync = appendfsync
         self.password = password
         self.binary = binary or find_redis_server()
@@ -58,6 +61,7 @@ class RedisServer:
                 logfile=self.directory / "redis.log",
                 password=self.password,
             )
+            + "".join(f"{line}\n" for line in self.extra_config)
         )
         self.process = subprocess.Popen(
             [self.binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

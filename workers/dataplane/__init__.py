@@ -38,6 +38,8 @@ class DataPlaneConfig:
     ray_num_cpus: int = 4
     #: TransferQueue SimpleStorage units
     num_storage_units: int = 2
+    #: Ray resource a storage unit's node must offer (None: round-robin over all nodes)
+    storage_node_resource: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("memory", "transferqueue"):
@@ -60,6 +62,7 @@ def make_dataplane(config: DataPlaneConfig) -> DataPlane:
                 ray_address=config.ray_address,
                 ray_num_cpus=config.ray_num_cpus,
                 num_storage_units=config.num_storage_units,
+                storage_node_resource=config.storage_node_resource,
             )
         )
     if config.spill_dir is not None:

@@ -50,6 +50,8 @@ class TransferQueueConfig:
     ray_num_cpus: int = MIN_RAY_CPUS
     #: SimpleStorage units (Ray actors holding the payloads)
     num_storage_units: int = 2
+    #: only nodes offering this Ray resource hold storage units (None: every node)
+    storage_node_resource: str | None = None
 
 
 def _ensure_ray(cfg: TransferQueueConfig) -> None:
@@ -79,7 +81,10 @@ class TransferQueueDataPlane:
             from tensordict import TensorDict
 
             _ensure_ray(cfg)
-            tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": cfg.num_storage_units}}})
+            storage: dict = {"num_data_storage_units": cfg.num_storage_units}
+            if cfg.storage_node_resource:
+                storage["required_node_resource"] = cfg.storage_node_resource
+            tq.init({"backend": {"SimpleStorage": storage}})
         except DataPlaneUnavailable:
             raise
         except Exception as err:  # any start-up failure is fatal, never a fallback

@@ -1,0 +1,85 @@
+"""Open the log's store through Redis Sentinel, so it follows a failover.
+
+    --redis-sentinel 10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379 --redis-master rlc
+
+The sentinels are asked for the current primary of ``master`` on every (re)connect;
+a connection that finds its server demoted to a replica (``READONLY``) is dropped and
+the next attempt asks the sentinels again. The store's hot-path connection retries for
+``failover_window_s``, which must cover Sentinel's ``down-after-milliseconds`` plus
+the election (see docs/deploy.md). Passwords: ``password`` is the data nodes'
+``requirepass``; ``sentinel_password`` the sentinels' own (defaults to ``password``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.sentinel import Sentinel
+
+from events.redis_store import RedisEventStore
+from events.replication import StoreConfig
+
+DEFAULT_PORT = 26379
+
+
+def parse_sentinels(spec: str) -> list[tuple[str, int]]:
+    """``host:port,host:port`` (port defaults to 26379) -> address list; one-line errors."""
+    out: list[tuple[str, int]] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, str(DEFAULT_PORT)
+        if not host or not port.isdigit():
+            raise ValueError(f"--redis-sentinel {spec!r}: {item!r} is not host:port")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError("--redis-sentinel: no sentinel address given")
+    return out
+
+
+def sentinel_url(addresses: list[tuple[str, int]], master: str) -> str:
+    """A name for the store in messages (no password)."""
+    hosts = ",".join(f"{h}:{p}" for h, p in addresses)
+    return f"redis+sentinel://{hosts}/{master}"
+
+
+def open_sentinel_store(
+    spec: str,
+    master: str,
+    *,
+    password: str | None = None,
+    sentinel_password: str | None = None,
+    replication: StoreConfig | None = None,
+    failover_window_s: float = 30.0,
+    connect_timeout_s: float = 2.0,
+    command_timeout_s: float = 30.0,
+) -> RedisEventStore:
+    """A RedisEventStore on the primary that the sentinels name for ``master``."""
+    addresses = parse_sentinels(spec)
+    if not master:
+        raise ValueError("--redis-sentinel needs --redis-master NAME (the monitored master)")
+    sentinel_kwargs = {"socket_timeout": connect_timeout_s}
+    if sentinel_password or password:
+        sentinel_kwargs["password"] = sentinel_password or password
+    node_kwargs: dict[str, Any] = {
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": command_timeout_s,
+        "password": password,
+    }
+
+    def async_client() -> Any:
+        sentinel = AsyncSentinel(addresses, sentinel_kwargs=sentinel_kwargs, **node_kwargs)
+        return sentinel.master_for(master)
+
+    client = Sentinel(addresses, sentinel_kwargs=sentinel_kwargs, **node_kwargs).master_for(master)
+    return RedisEventStore(
+        sentinel_url(addresses, master),
+        client=client,
+        async_client_factory=async_client,
+        replication=replication,
+        pin_client=True,
+        retry_window_s=failover_window_s,
+    )
