@@ -6,6 +6,7 @@
     rl-controller replay     the folded state at any point of a run
     rl-controller staleness  lag analysis, plots and policy what-if
     rl-controller audit      trainer_version history and invariant check
+    rl-controller simulate   a recorded run re-run in virtual time (timing what-if)
 
 Everything but ``run`` only reads the log; nothing but ``run`` appends to it.
 """
@@ -28,9 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from controller import run_cmd
     from replay import cli as replay_cli
+    from sim import cli as sim_cli
 
     run_cmd.register(sub)
     replay_cli.register(sub)
+    sim_cli.register(sub)
     return parser
 
 

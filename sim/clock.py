@@ -1,0 +1,141 @@
+"""An asyncio event loop whose clock jumps to the next timer instead of sleeping.
+
+``VirtualTimeLoop`` is a ``SelectorEventLoop`` whose ``time()`` is a virtual clock.
+Each turn of the loop asks its selector to wait ``timeout`` seconds (until the next
+timer); the wrapped selector instead polls the real file descriptors without waiting
+and, when none is ready, moves the virtual clock straight to that timer. So
+``asyncio.sleep``, ``asyncio.timeout``, ``call_later`` -- the controller's own wake-up
+timeouts and its stall watchdog included -- all run on virtual time, and a simulated
+25-hour run takes as long as its callbacks take to execute.
+
+Why this is safe for the controller: its log appends are *synchronous* store calls
+(``LogWriter.append`` blocks on the Redis round trip), so no store I/O is ever pending
+on the loop while it is idle. The only real descriptor the loop polls is its own
+self-pipe; work handed to threads (``run_in_executor``) would let the clock run ahead
+of it, so the loop refuses it.
+
+Two modes:
+
+* ``charge_real_time=False`` (default): callbacks take no virtual time. Deterministic:
+  the same inputs give the same sequence of events at the same virtual times.
+* ``charge_real_time=True``: the real wall time the loop spends running callbacks is
+  added to the virtual clock, so a controller that is slow (CPU, Redis round trips,
+  fsyncs) delays everything after it exactly as it would on a cluster. Work done by the
+  simulated workers themselves is excluded with :meth:`VirtualTimeLoop.uncharged`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import selectors
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class VirtualTimeError(RuntimeError):
+    """The simulation cannot go on (nothing scheduled and nothing ready: a deadlock)."""
+
+
+class _JumpingSelector(selectors.BaseSelector):
+    """Delegates to a real selector, but never waits: an idle wait is a clock jump."""
+
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        self._real = selectors.DefaultSelector()
+        self._loop = loop
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.modify(fileobj, events, data)
+
+    def get_map(self) -> Any:
+        return self._real.get_map()
+
+    def close(self) -> None:
+        self._real.close()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        loop = self._loop
+        loop._settle()
+        ready = self._real.select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:
+            raise VirtualTimeError(
+                "virtual-time loop is idle with no timer scheduled: every task waits on "
+                "something that can never happen"
+            )
+        scheduled = loop._scheduled  # the loop's timer heap (head is not cancelled)
+        loop._advance_to(scheduled[0]._when if scheduled else loop.time() + timeout)
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """A selector event loop on a virtual clock (see the module docstring)."""
+
+    def __init__(self, *, start_s: float = 0.0, charge_real_time: bool = False) -> None:
+        self._vnow = float(start_s)
+        self.charge_real_time = charge_real_time
+        self._mark = time.perf_counter()
+        #: real seconds the loop spent in ``uncharged`` sections (simulated workers)
+        self.uncharged_s = 0.0
+        #: loop-thread CPU seconds spent in ``uncharged`` sections
+        self.uncharged_cpu_s = 0.0
+        #: virtual seconds the clock jumped over (the loop had nothing to do)
+        self.idle_s = 0.0
+        super().__init__(_JumpingSelector(self))
+
+    # -- the clock ---------------------------------------------------------------------
+
+    def time(self) -> float:
+        if self.charge_real_time:
+            return self._vnow + (time.perf_counter() - self._mark)
+        return self._vnow
+
+    def _settle(self) -> None:
+        """Fold the real time spent since the last turn into the virtual clock."""
+        if self.charge_real_time:
+            now = time.perf_counter()
+            self._vnow += now - self._mark
+            self._mark = now
+
+    def _advance_to(self, when: float) -> None:
+        if when > self._vnow:
+            self.idle_s += when - self._vnow
+            self._vnow = when
+        self._mark = time.perf_counter()
+
+    @contextlib.contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """Real time spent inside is not added to the clock (the simulated workers'
+        own bookkeeping is not the controller's cost)."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self.uncharged_cpu_s += time.thread_time() - cpu
+            self.uncharged_s += spent
+            self._mark += spent  # as if that time never passed
+
+    # -- refusals ------------------------------------------------------------------------
+
+    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> Any:
+        raise VirtualTimeError(
+            "run_in_executor on a virtual-time loop: the clock would not wait for the thread"
+        )
+
+
+def run(main: Any, *, start_s: float = 0.0, charge_real_time: bool = False) -> Any:
+    """``asyncio.run`` on a fresh :class:`VirtualTimeLoop`; returns ``main``'s result."""
+    loop = VirtualTimeLoop(start_s=start_s, charge_real_time=charge_real_time)
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        return runner.run(main)

@@ -1,0 +1,120 @@
+"""One simulated run: the real controller on a virtual clock with simulated workers.
+
+``simulate(store, spec)`` opens a run in ``store`` with ``controller.startup.create_run``
+(a real store: memory, or a real redis-server), stamps every later event with the
+virtual clock, publishes the initial weights as ``reconcile_workers`` does, and runs
+``controller.loop.Controller`` -- constructed through its public constructor with the
+simulated workers of ``sim.workers`` -- until ``run.steps``; then appends
+``RunFinished`` like ``rl-controller run``. What it returns is measured, not modelled:
+virtual wall time, the simulated trainer's busy time, the real CPU the loop thread
+spent (minus the simulated workers' own bookkeeping), events appended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.config import Config, config_to_dict
+from controller.log_writer import LogWriter
+from controller.loop import Controller
+from controller.recovery import publish_current
+from controller.run_cmd import loop_settings
+from controller.startup import create_run
+from events import schema as ev
+from events.store import EventStore
+from sim.clock import VirtualTimeLoop
+from sim.timings import Timings
+from sim.workers import Fleet, SimGenerator, SimPayloads, SimPublisher, SimTrainer
+
+CODE_VERSION = "rl-controller simulate (virtual time)"
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    config: Config
+    timings: Timings
+    run_id: str
+    #: virtual time of the first event the loop writes (a recorded run's first admission)
+    start_s: float = 0.0
+    #: add the loop's real time to the virtual clock (the controller is not free)
+    charge_real_time: bool = False
+    #: the watchdog's stall timeout; None = 1000 x the run's scale, never hit by waits
+    stall_timeout_s: float | None = None
+    #: concurrent calls per generator (``LoopSettings.generator_slots``)
+    generator_slots: int = 1
+
+
+@dataclass
+class SimOutcome:
+    writer: LogWriter
+    #: virtual seconds from the loop's start to its end
+    virtual_s: float
+    #: real seconds the run took
+    real_s: float
+    #: loop-thread CPU seconds, minus the simulated workers' own bookkeeping
+    controller_cpu_s: float
+    trainer_busy_s: float
+    refit_s: float
+    checkpoint_s: float
+    generation_calls: int
+    #: real seconds inside the simulated workers (not charged to the clock)
+    workers_real_s: float
+
+    @property
+    def events(self) -> int:
+        return self.writer.state.position
+
+
+def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
+    cfg = spec.config
+    writer = create_run(
+        store, spec.run_id, config=config_to_dict(cfg), seed=cfg.run.seed,
+        code_version=CODE_VERSION, window_versions=cfg.staleness.window_versions,
+        groups_per_step=cfg.train.groups_per_step,
+        samples_per_group=cfg.rollout.samples_per_group,
+    )
+    writer.snapshot_every = cfg.controller.snapshot_every_events
+    loop = VirtualTimeLoop(start_s=spec.start_s, charge_real_time=spec.charge_real_time)
+    writer.clock = loop.time  # every event from here on carries virtual time
+    stall = spec.stall_timeout_s or 1e9
+    settings = dataclasses.replace(
+        loop_settings(cfg, Path("sim-checkpoints") / spec.run_id),
+        stall_timeout_s=stall, generator_slots=spec.generator_slots,
+    )
+    fleet = Fleet(loop=loop, timings=spec.timings)
+    names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
+    trainer = SimTrainer(fleet)
+    publisher = SimPublisher(fleet, names)
+    controller = Controller(
+        writer, settings, trainer, [SimGenerator(n, fleet) for n in names], publisher,
+        SimPayloads(), clock=loop.time,
+    )
+
+    async def main() -> None:
+        await publish_current(writer, publisher)  # as reconcile_workers ends
+        await controller.run()
+        writer.append(writer.make(
+            ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}",
+            reason="completed",
+        ))
+
+    real0, cpu0 = time.perf_counter(), time.thread_time()
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        runner.run(main())
+        virtual_s = loop.time() - spec.start_s
+    real_s, cpu_s = time.perf_counter() - real0, time.thread_time() - cpu0
+    return SimOutcome(
+        writer=writer,
+        virtual_s=virtual_s,
+        real_s=real_s,
+        controller_cpu_s=max(0.0, cpu_s - loop.uncharged_cpu_s),
+        trainer_busy_s=trainer.busy_s,
+        refit_s=publisher.busy_s,
+        checkpoint_s=trainer.checkpoint_s,
+        generation_calls=fleet.calls,
+        workers_real_s=loop.uncharged_s,
+    )

@@ -1,0 +1,199 @@
+"""What a log says about time: per-group and per-step durations, and run-level figures.
+
+The same function reads a recorded run and a simulated one, so the two are compared by
+one definition. From the events' ``ts`` (write-ahead: intent before, fact after):
+
+* a group's generation time = its ``GroupCommitted.ts - RolloutAdmitted.ts``;
+* microbatch 0 of a step = its ``MicrobatchTrained.ts - StepBegun.ts`` (begin included);
+  microbatch i > 0 = its ts - max(previous microbatch's ts, latest commit of its groups)
+  (the loop selects it as soon as both hold, then calls the trainer);
+* finishing = ``StepFinished.ts`` - the last microbatch's ts;
+* refit = the next ``WeightsPublished.ts - StepFinished.ts``; a checkpoint = its
+  ``CheckpointSaved.ts`` - that ``WeightsPublished.ts`` (the loop saves right after);
+* wall time = last ``StepFinished.ts`` - first ``RolloutAdmitted.ts``; trainer idle =
+  wall - (begin + microbatches + finish) - refit - checkpoints: the time the trainer
+  waited for data or for the controller.
+
+Everything here is pure: it takes decoded ``(position, event)`` pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.schema import (
+    AnyEvent,
+    CheckpointSaved,
+    GroupCommitted,
+    GroupEvicted,
+    MicrobatchTrained,
+    RolloutAdmitted,
+    StepAborted,
+    StepBegun,
+    StepFinished,
+    WeightsPublished,
+)
+from sim.timings import RecordedTimings
+
+
+@dataclass
+class Timeline:
+    """Run-level figures of one log (recorded or simulated)."""
+
+    wall_s: float = 0.0
+    steps: int = 0
+    groups_consumed: int = 0
+    lags: list[int] = field(default_factory=list)
+    evicted: int = 0
+    trainer_busy_s: float = 0.0
+    refit_s: float = 0.0
+    checkpoint_s: float = 0.0
+    #: group ids in commit order, up to the last StepFinished (later commits -- drained
+    #: at the end of a run -- trained nothing)
+    commit_order: list[str] = field(default_factory=list)
+    #: finished step -> its microbatches' group ids
+    batches: dict[int, list[list[str]]] = field(default_factory=dict)
+    #: (seconds since the first admission, trainer_version) at each StepFinished
+    progress: list[tuple[float, int]] = field(default_factory=list)
+    #: finished step -> (mean lag, max lag)
+    step_lags: dict[int, tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def groups_per_s(self) -> float:
+        return self.groups_consumed / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def trainer_idle_s(self) -> float:
+        return max(0.0, self.wall_s - self.trainer_busy_s - self.refit_s - self.checkpoint_s)
+
+    @property
+    def trainer_idle_frac(self) -> float:
+        return self.trainer_idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def lag_quantile(self, q: float) -> int:
+        if not self.lags:
+            return 0
+        ordered = sorted(self.lags)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> dict[str, Any]:
+        lags = self.lags
+        hist: dict[int, int] = {}
+        for lag in lags:
+            hist[lag] = hist.get(lag, 0) + 1
+        return {
+            "wall_s": self.wall_s,
+            "steps": self.steps,
+            "groups": self.groups_consumed,
+            "groups_per_s": self.groups_per_s,
+            "lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "lag_p50": self.lag_quantile(0.5),
+            "lag_p90": self.lag_quantile(0.9),
+            "lag_max": max(lags, default=0),
+            "lag_histogram": {str(k): v for k, v in sorted(hist.items())},
+            "evicted": self.evicted,
+            "trainer_busy_s": self.trainer_busy_s,
+            "refit_s": self.refit_s,
+            "checkpoint_s": self.checkpoint_s,
+            "trainer_idle_s": self.trainer_idle_s,
+            "trainer_idle_frac": self.trainer_idle_frac,
+        }
+
+
+@dataclass
+class _Open:
+    begun_ts: float
+    last_ts: float
+    durations: list[float] = field(default_factory=list)
+    batches: list[list[str]] = field(default_factory=list)
+    lags: list[int] = field(default_factory=list)
+    base: int = 0
+
+
+def read_timeline(
+    events: Iterable[tuple[int, AnyEvent]], *, seed: int = 0
+) -> tuple[Timeline, RecordedTimings]:
+    """The run-level figures of a log and the durations a simulation replays."""
+    tl = Timeline()
+    rec = RecordedTimings({}, {}, {}, {}, {}, {0: 0.0}, {}, seed=seed)
+    admitted: dict[str, float] = {}
+    committed_ts: dict[str, float] = {}
+    start_version: dict[str, int] = {}
+    first_admit: float | None = None
+    open_step: _Open | None = None
+    last_finished: tuple[int, float] | None = None  # (trainer_version, ts) awaiting refit
+    commits: list[tuple[float, str]] = []
+    last_finished_ts = float("-inf")
+    published_ts = 0.0
+    trainer_version = 0
+    for _pos, event in events:
+        kind = type(event)
+        if kind is RolloutAdmitted:
+            if first_admit is None:
+                first_admit = event.ts
+            admitted[event.group_id] = event.ts
+        elif kind is GroupCommitted:
+            gid = event.group_id
+            committed_ts[gid] = event.ts
+            start_version[gid] = event.weight_version_start
+            if event.attempt == 1 or gid not in rec.generation:
+                rec.generation[gid] = event.ts - admitted.get(gid, event.ts)
+            rec.rewards[gid] = list(event.rewards)
+            rec.lengths[gid] = list(event.lengths)
+            commits.append((event.ts, gid))
+        elif kind is GroupEvicted:
+            tl.evicted += 1
+        elif kind is StepBegun:
+            open_step = _Open(begun_ts=event.ts, last_ts=event.ts, base=event.base_trainer_version)
+        elif kind is MicrobatchTrained and open_step is not None:
+            if open_step.durations:
+                ready = max((committed_ts.get(g, 0.0) for g in event.group_ids), default=0.0)
+                started = max(open_step.last_ts, ready)
+            else:
+                started = open_step.begun_ts
+            open_step.durations.append(max(0.0, event.ts - started))
+            open_step.batches.append(list(event.group_ids))
+            open_step.lags.extend(open_step.base - start_version.get(g, open_step.base) for g in event.group_ids)
+            open_step.last_ts = event.ts
+        elif kind in (StepFinished, StepAborted) and open_step is not None:
+            finish = max(0.0, event.ts - open_step.last_ts)
+            rec.microbatches[event.step] = open_step.durations
+            rec.finish[event.step] = finish
+            tl.trainer_busy_s += sum(open_step.durations) + finish
+            if kind is StepFinished:
+                trainer_version = event.trainer_version
+                tl.steps += 1
+                tl.batches[event.step] = open_step.batches
+                tl.groups_consumed += sum(len(b) for b in open_step.batches)
+                tl.lags.extend(open_step.lags)
+                if open_step.lags:
+                    tl.step_lags[event.step] = (
+                        sum(open_step.lags) / len(open_step.lags), max(open_step.lags)
+                    )
+                last_finished = (event.trainer_version, event.ts)
+                tl.progress.append((event.ts - (first_admit or event.ts), trainer_version))
+                tl.wall_s = event.ts - (first_admit or event.ts)
+                last_finished_ts = event.ts
+            open_step = None
+        elif kind is WeightsPublished:
+            published_ts = event.ts
+            if last_finished is None:
+                continue
+            version, finished_ts = last_finished
+            if event.weight_version == version:
+                rec.publish[version] = event.ts - finished_ts
+                tl.refit_s += event.ts - finished_ts
+            last_finished = None
+        elif kind is CheckpointSaved:
+            # saved right after the step's weights were published
+            if event.trainer_version > 0:
+                rec.checkpoint[event.trainer_version] = event.ts - published_ts
+                tl.checkpoint_s += event.ts - published_ts
+    tl.commit_order = [gid for ts, gid in commits if ts <= last_finished_ts]
+    # Refit and checkpoints after the last StepFinished are outside the wall time.
+    if tl.progress:
+        tl.refit_s -= rec.publish.get(trainer_version, 0.0) if last_finished is None else 0.0
+        tl.checkpoint_s -= rec.checkpoint.get(trainer_version, 0.0)
+    return tl, rec

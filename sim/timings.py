@@ -1,0 +1,167 @@
+"""How long simulated work takes: seeded distributions, or durations from a recorded log.
+
+A ``Timings`` answers every duration the simulated workers need:
+
+* ``generation_s(group_id, attempt)`` -- one group's generation (a call carrying several
+  groups ends with its slowest);
+* ``microbatch_s(step, index, num_sequences)`` / ``finish_s(step)`` -- the trainer;
+* ``publish_s(version)`` -- moving new weights to the generators (refit);
+* ``checkpoint_s(version)``;
+* ``group_rewards(group_id, n)`` / ``group_lengths(group_id, n)`` -- what a group's
+  samples scored and how long they were (only GRPO advantages and token counts use them).
+
+Per-group values are a function of ``(seed, group_id)`` alone, never of call order: the
+same group takes the same time under every window, policy and number of generators,
+so two simulated settings differ only by what the controller decided.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Timings(Protocol):
+    def generation_s(self, group_id: str, attempt: int) -> float: ...
+    def microbatch_s(self, step: int, index: int, num_sequences: int) -> float: ...
+    def finish_s(self, step: int) -> float: ...
+    def publish_s(self, version: int) -> float: ...
+    def checkpoint_s(self, version: int) -> float: ...
+    def group_rewards(self, group_id: str, n: int) -> list[float]: ...
+    def group_lengths(self, group_id: str, n: int) -> list[int]: ...
+
+
+def _rng(seed: int, *key: object) -> random.Random:
+    # String seeds hash with SHA-512: stable across processes and Python versions.
+    return random.Random(":".join(map(str, (seed, *key))))
+
+
+@dataclass(frozen=True)
+class Lognormal:
+    """Lognormal seconds with this median; ``sigma`` is the log-space spread (the tail)."""
+
+    median_s: float
+    sigma: float = 0.0
+
+    def draw(self, rng: random.Random) -> float:
+        if self.sigma <= 0:
+            return self.median_s
+        return self.median_s * math.exp(rng.gauss(0.0, self.sigma))
+
+    @property
+    def mean_s(self) -> float:
+        return self.median_s * math.exp(self.sigma**2 / 2)
+
+
+@dataclass(frozen=True)
+class SyntheticTimings:
+    """Durations from distributions, seeded per group / per step."""
+
+    generation: Lognormal
+    #: trainer time per sequence of a microbatch (plus ``microbatch_fixed_s`` per call)
+    train_per_sequence_s: float
+    microbatch_fixed_s: float = 0.0
+    finish: float = 0.0
+    publish: float = 0.0
+    checkpoint: float = 0.0
+    seed: int = 0
+    tokens_per_sample: int = 256
+
+    def generation_s(self, group_id: str, attempt: int) -> float:
+        return self.generation.draw(_rng(self.seed, "gen", group_id, attempt))
+
+    def microbatch_s(self, step: int, index: int, num_sequences: int) -> float:
+        return self.microbatch_fixed_s + self.train_per_sequence_s * num_sequences
+
+    def finish_s(self, step: int) -> float:
+        return self.finish
+
+    def publish_s(self, version: int) -> float:
+        return self.publish
+
+    def checkpoint_s(self, version: int) -> float:
+        return self.checkpoint
+
+    def group_rewards(self, group_id: str, n: int) -> list[float]:
+        rng = _rng(self.seed, "reward", group_id)
+        return [float(rng.random() < 0.5) for _ in range(n)]
+
+    def group_lengths(self, group_id: str, n: int) -> list[int]:
+        return [self.tokens_per_sample] * n
+
+
+@dataclass
+class RecordedTimings:
+    """Durations taken from a recorded run (``sim.recorded.extract``).
+
+    Groups and steps the recorded run never had (a what-if may admit more groups, or
+    train more microbatches per step) draw from the recorded values, seeded by their id.
+    """
+
+    generation: dict[str, float]
+    rewards: dict[str, list[float]]
+    lengths: dict[str, list[int]]
+    #: step -> [microbatch seconds, ...]; the first includes begin_train_step
+    microbatches: dict[int, list[float]]
+    finish: dict[int, float]
+    #: trainer_version -> seconds
+    publish: dict[int, float]
+    checkpoint: dict[int, float]
+    seed: int = 0
+    _pools: dict[str, list] = field(default_factory=dict, repr=False)
+
+    def _pool(self, name: str, values) -> list:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = sorted(values) if name != "rewards" else list(values)
+        return pool
+
+    def _fallback(self, name: str, values, *key: object):
+        pool = self._pool(name, values)
+        if not pool:
+            return 0.0
+        return _rng(self.seed, name, *key).choice(pool)
+
+    def generation_s(self, group_id: str, attempt: int) -> float:
+        value = self.generation.get(group_id)
+        if value is None:
+            value = self._fallback("generation", self.generation.values(), group_id, attempt)
+        return value
+
+    def microbatch_s(self, step: int, index: int, num_sequences: int) -> float:
+        recorded = self.microbatches.get(step)
+        if recorded is not None and index < len(recorded):
+            return recorded[index]
+        every = (d for ds in self.microbatches.values() for d in ds)
+        return self._fallback("microbatch", every, step, index)
+
+    def finish_s(self, step: int) -> float:
+        value = self.finish.get(step)
+        return self._fallback("finish", self.finish.values(), step) if value is None else value
+
+    def publish_s(self, version: int) -> float:
+        value = self.publish.get(version)
+        return self._fallback("publish", self.publish.values(), version) if value is None else value
+
+    def checkpoint_s(self, version: int) -> float:
+        value = self.checkpoint.get(version)
+        if value is None:
+            value = self._fallback("checkpoint", self.checkpoint.values(), version)
+        return value
+
+    def group_rewards(self, group_id: str, n: int) -> list[float]:
+        value = self.rewards.get(group_id)
+        if value is None or len(value) != n:
+            value = self._fallback("rewards", self.rewards.values(), group_id) or [0.0] * n
+            value = (list(value) * n)[:n] if value else [0.0] * n
+        return list(value)
+
+    def group_lengths(self, group_id: str, n: int) -> list[int]:
+        value = self.lengths.get(group_id)
+        if value is None or len(value) != n:
+            pool = [x for ls in self.lengths.values() for x in ls] or [1]
+            rng = _rng(self.seed, "lengths", group_id)
+            value = [rng.choice(pool) for _ in range(n)]
+        return list(value)

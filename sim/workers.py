@@ -1,0 +1,178 @@
+"""Simulated workers: the controller's client protocols, answered after simulated time.
+
+They implement ``GeneratorClient``, ``TrainerClient``, ``WeightPublisher`` and
+``PayloadStore`` (``controller.clients``) with no model and no data: a generator call
+resolves after its groups' generation time with well-formed outcomes (payload keys,
+rewards, lengths, the weight versions it held at its start and end), the trainer's calls
+take their simulated durations and count versions like the real trainer, the publisher
+moves the fleet's weight version after the refit time. Everything they do besides
+waiting runs in ``VirtualTimeLoop.uncharged`` so that, when the loop charges real time,
+only the controller's own time is charged.
+
+The trainer records its busy intervals (``busy_s``) so a simulation can say how long
+the trainer waited for the controller and for data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+
+from controller.clients import (
+    CheckpointOutcome,
+    GenerationOutcome,
+    GenerationRequest,
+    MicrobatchOutcome,
+    MicrobatchRef,
+    StepOutcome,
+)
+from sim.clock import VirtualTimeLoop
+from sim.timings import Timings
+
+
+@dataclass
+class Fleet:
+    """What every simulated worker shares: the clock, the timings, the published version."""
+
+    loop: VirtualTimeLoop
+    timings: Timings
+    #: weight version the generators hold (moved by the publisher)
+    weight_version: int = 0
+    #: generation calls issued, groups generated
+    calls: int = 0
+    groups: int = 0
+    generator_busy_s: float = 0.0
+    #: per sample: the key of its payload row (the rows are never stored)
+    key_format: str = "{gid}/{attempt}/{i}"
+    lengths_by_group: dict[str, list[int]] = field(default_factory=dict)
+
+
+class SimGenerator:
+    """A generator whose calls end after their slowest group's generation time."""
+
+    def __init__(self, name: str, fleet: Fleet) -> None:
+        self.name = name
+        self.fleet = fleet
+
+    def generate(self, requests: list[GenerationRequest]) -> asyncio.Future:
+        fleet = self.fleet
+        with fleet.loop.uncharged():
+            fut = fleet.loop.create_future()
+            duration = max(fleet.timings.generation_s(r.group_id, r.attempt) for r in requests)
+            fleet.calls += 1
+            fleet.generator_busy_s += duration
+            fleet.loop.call_later(duration, self._done, fut, requests, fleet.weight_version)
+        return fut
+
+    def _done(self, fut: asyncio.Future, requests: list[GenerationRequest], start: int) -> None:
+        if fut.done():
+            return  # cancelled (the run stopped)
+        fleet = self.fleet
+        with fleet.loop.uncharged():
+            outcomes = []
+            for r in requests:
+                lengths = fleet.timings.group_lengths(r.group_id, r.n_samples)
+                fleet.lengths_by_group[r.group_id] = lengths
+                outcomes.append(GenerationOutcome(
+                    payload_keys=[
+                        fleet.key_format.format(gid=r.group_id, attempt=r.attempt, i=i)
+                        for i in range(r.n_samples)
+                    ],
+                    rewards=fleet.timings.group_rewards(r.group_id, r.n_samples),
+                    lengths=lengths,
+                    weight_version_start=start,
+                    weight_version_end=fleet.weight_version,
+                ))
+            fleet.groups += len(requests)
+            fut.set_result(outcomes)
+
+    async def weight_version(self) -> int:
+        return self.fleet.weight_version
+
+
+class SimTrainer:
+    """Counts versions like the real trainer; each call takes its simulated time."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.version = 0
+        self.step = -1
+        self.index = 0
+        self.sequences = 0
+        self.tokens = 0
+        #: virtual seconds spent in begin/microbatch/finish calls
+        self.busy_s = 0.0
+        #: virtual seconds spent saving checkpoints
+        self.checkpoint_s = 0.0
+
+    async def _work(self, seconds: float) -> None:
+        self.busy_s += seconds
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    async def begin_train_step(self, step: int) -> None:
+        self.step, self.index, self.sequences, self.tokens = step, 0, 0, 0
+
+    async def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
+        n = len(ref.payload_keys)
+        await self._work(self.fleet.timings.microbatch_s(self.step, self.index, n))
+        self.index += 1
+        self.sequences += n
+        return MicrobatchOutcome(num_sequences=n, num_tokens=n * 8)
+
+    async def finish_train_step(self) -> StepOutcome:
+        await self._work(self.fleet.timings.finish_s(self.step))
+        self.version += 1
+        return StepOutcome(
+            trainer_version=self.version,
+            metrics={"loss": 0.0},
+            grad_norm=1.0,
+            weights_digest=self.digest(),
+        )
+
+    async def abort_train_step(self) -> None:
+        self.index = 0
+
+    def digest(self) -> str:
+        return hashlib.sha256(f"sim-weights-{self.version}".encode()).hexdigest()[:16]
+
+    async def version_and_digest(self) -> tuple[int, str]:
+        return self.version, self.digest()
+
+    async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
+        seconds = self.fleet.timings.checkpoint_s(self.version)
+        self.checkpoint_s += seconds
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        return CheckpointOutcome(trainer_version=self.version, uri=directory, sha256=self.digest())
+
+    async def load_checkpoint(self, directory: str) -> tuple[int, str]:
+        raise NotImplementedError("the simulated trainer never reloads")
+
+
+class SimPublisher:
+    """Refit: the generators hold ``version`` after the simulated publish time."""
+
+    def __init__(self, fleet: Fleet, names: list[str]) -> None:
+        self.fleet = fleet
+        self.names = names
+        self.busy_s = 0.0
+
+    async def publish(self, version: int, only: list[str] | None = None) -> list[str]:
+        seconds = self.fleet.timings.publish_s(version)
+        self.busy_s += seconds
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        self.fleet.weight_version = max(self.fleet.weight_version, version)
+        return list(self.names if only is None else only)
+
+
+class SimPayloads:
+    """No rows are ever stored; deleting is free."""
+
+    async def delete(self, keys: list[str]) -> None:
+        return None
+
+    async def keys(self) -> list[str]:
+        return []

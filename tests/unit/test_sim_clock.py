@@ -1,0 +1,88 @@
+"""The virtual-time event loop: sleeps and timeouts jump, callbacks may be charged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from sim.clock import VirtualTimeError, VirtualTimeLoop
+
+
+def _run(loop: VirtualTimeLoop, coro):
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        return runner.run(coro)
+
+
+def test_a_day_of_sleeps_takes_no_real_time():
+    loop = VirtualTimeLoop(start_s=100.0)
+    woke: list[tuple[str, float]] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        woke.append((name, asyncio.get_running_loop().time()))
+
+    async def main() -> None:
+        await asyncio.gather(sleeper("day", 86_400), sleeper("hour", 3_600), sleeper("now", 0))
+
+    start = time.perf_counter()
+    _run(loop, main())
+    assert time.perf_counter() - start < 5.0
+    assert woke == [("now", 100.0), ("hour", 3_700.0), ("day", 86_500.0)]
+    assert loop.idle_s == pytest.approx(86_400.0)
+
+
+def test_timeouts_fire_in_virtual_time():
+    loop = VirtualTimeLoop()
+
+    async def main() -> float:
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await never
+        return asyncio.get_running_loop().time()
+
+    assert _run(loop, main()) == 0.5
+
+
+def test_charged_time_counts_callbacks_but_not_uncharged_sections():
+    loop = VirtualTimeLoop(charge_real_time=True)
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    async def main() -> tuple[float, float]:
+        t0 = loop.time()
+        spin(0.05)
+        charged = loop.time() - t0
+        t1 = loop.time()
+        with loop.uncharged():
+            spin(0.05)
+        return charged, loop.time() - t1
+
+    charged, uncharged = _run(loop, main())
+    assert charged >= 0.05
+    assert uncharged < 0.02
+
+
+def test_a_deadlock_is_an_error_not_a_hang():
+    loop = VirtualTimeLoop()
+
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()  # nobody will ever set it
+
+    with pytest.raises(VirtualTimeError, match="idle with no timer"):
+        _run(loop, main())
+
+
+def test_threads_are_refused():
+    loop = VirtualTimeLoop()
+
+    async def main() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0)
+
+    with pytest.raises(VirtualTimeError, match="run_in_executor"):
+        _run(loop, main())
