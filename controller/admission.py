@@ -137,13 +137,16 @@ class AdmissionSide:
             if gen is None:
                 await self.journal.wait_wake()
                 continue
-            # Up to groups_per_call groups for one call, admitted in one append: the
-            # same decision as that many single admissions (policies.admission_room).
+            # Every call the gate and the free generators allow now, admitted in ONE
+            # append (one round trip, one fsync): the same decisions as one admission at
+            # a time (policies.admission_room), each call still carrying at most
+            # groups_per_call groups, the first free generator first.
             batch = self._next_admissions(room)
             self.journal.append(*batch)  # intent before the side effect
             for admitted in batch:
                 crash_point("after_rollout_admitted", admitted.group_id)
-            self._dispatch(gen, batch)
+            for i, gen in zip(range(0, room, per_call), free):
+                self._dispatch(gen, batch[i:i + per_call])
 
     def _next_admissions(self, n: int) -> list[ev.RolloutAdmitted]:
         """The next ``n`` admissions: failed groups' retries first, then new groups."""
@@ -226,8 +229,28 @@ class AdmissionSide:
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
             self._stop_with(err)
 
+    def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
+        """Calls that return in the same turn of the loop commit in one append (group
+        commit: one round trip and one fsync for all of them). The flush runs right
+        after the tasks of that turn; ``_drain_generations`` flushes what is left."""
+        self._pending_commits.append((reqs, outs))
+        if len(self._pending_commits) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_commits)
+
+    def _flush_commits(self) -> None:
+        pending, self._pending_commits = self._pending_commits, []
+        if not pending:
+            return
+        try:
+            self._commit(
+                [req for reqs, _ in pending for req in reqs],
+                [out for _, outs in pending for out in outs],
+            )
+        except Exception as err:  # fenced, or the store is gone: stop the run
+            self._stop_with(err)
+
     def _commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
-        """One call's groups, committed in one append (the facts after the side effect)."""
+        """Returned calls' groups, committed in one append (the facts after the side effect)."""
         for req in reqs:
             crash_point("before_group_committed", req.group_id)
         self.journal.append(*(

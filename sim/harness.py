@@ -42,10 +42,14 @@ class SimSpec:
     start_s: float = 0.0
     #: add the loop's real time to the virtual clock (the controller is not free)
     charge_real_time: bool = False
-    #: the watchdog's stall timeout; None = 1000 x the run's scale, never hit by waits
-    stall_timeout_s: float | None = None
+    #: the watchdog's stall timeout (virtual seconds): a simulated deadlock ends there
+    stall_timeout_s: float = 86_400.0
     #: concurrent calls per generator (``LoopSettings.generator_slots``)
     generator_slots: int = 1
+    #: live-group capacity of the admission gate instead of the config's (a what-if of a
+    #: buffer the config validation would refuse: between groups_per_step and
+    #: groups_per_step * (window + 1))
+    capacity: int | None = None
 
 
 @dataclass
@@ -80,11 +84,12 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     writer.snapshot_every = cfg.controller.snapshot_every_events
     loop = VirtualTimeLoop(start_s=spec.start_s, charge_real_time=spec.charge_real_time)
     writer.clock = loop.time  # every event from here on carries virtual time
-    stall = spec.stall_timeout_s or 1e9
     settings = dataclasses.replace(
         loop_settings(cfg, Path("sim-checkpoints") / spec.run_id),
-        stall_timeout_s=stall, generator_slots=spec.generator_slots,
+        stall_timeout_s=spec.stall_timeout_s, generator_slots=spec.generator_slots,
     )
+    if spec.capacity is not None:
+        settings = dataclasses.replace(settings, capacity=spec.capacity)
     fleet = Fleet(loop=loop, timings=spec.timings)
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
