@@ -12,6 +12,7 @@ died (``controller.worker_loss``).
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections.abc import Awaitable
 from typing import Literal
 
@@ -137,6 +138,7 @@ class AdmissionSide:
             if gen is None:
                 await self.journal.wait_wake()
                 continue
+            room = min(room, per_call * len(gens))
             # Every call the gate and the free generators allow now, admitted in ONE
             # append (one round trip, one fsync): the same decisions as one admission at
             # a time (policies.admission_room), each call still carrying at most
@@ -145,7 +147,7 @@ class AdmissionSide:
             self.journal.append(*batch)  # intent before the side effect
             for admitted in batch:
                 crash_point("after_rollout_admitted", admitted.group_id)
-            for i, gen in zip(range(0, room, per_call), free):
+            for i, gen in zip(range(0, room, per_call), gens):
                 self._dispatch(gen, batch[i:i + per_call])
 
     def _next_admissions(self, n: int) -> list[ev.RolloutAdmitted]:
