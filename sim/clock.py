@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import selectors
 import time
 from collections.abc import Iterator
@@ -110,6 +111,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def _advance_to(self, when: float) -> None:
         if when > self._vnow:
             self.idle_s += when - self._vnow
+            # The loop runs timers due before time() + clock resolution; far from zero
+            # (an epoch-sized clock) that sum rounds back to time() and the timer would
+            # never be due. Keep the clock small (offset timestamps instead), and step
+            # past such a timer if it happens anyway.
+            if when + self._clock_resolution <= when:
+                when = math.nextafter(when, math.inf)
             self._vnow = when
         self._mark = time.perf_counter()
 

@@ -82,8 +82,11 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         samples_per_group=cfg.rollout.samples_per_group,
     )
     writer.snapshot_every = cfg.controller.snapshot_every_events
-    loop = VirtualTimeLoop(start_s=spec.start_s, charge_real_time=spec.charge_real_time)
-    writer.clock = loop.time  # every event from here on carries virtual time
+    # The loop's clock starts at 0 (float resolution stays fine for years of virtual
+    # time); the log's timestamps are offset to start at ``start_s``.
+    loop = VirtualTimeLoop(charge_real_time=spec.charge_real_time)
+    origin = spec.start_s
+    writer.clock = lambda: origin + loop.time()  # every later event carries virtual time
     settings = dataclasses.replace(
         loop_settings(cfg, Path("sim-checkpoints") / spec.run_id),
         stall_timeout_s=spec.stall_timeout_s, generator_slots=spec.generator_slots,
@@ -96,7 +99,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     publisher = SimPublisher(fleet, names)
     controller = Controller(
         writer, settings, trainer, [SimGenerator(n, fleet) for n in names], publisher,
-        SimPayloads(), clock=loop.time,
+        SimPayloads(fleet, trainer), clock=loop.time,
     )
 
     async def main() -> None:
@@ -110,7 +113,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     real0, cpu0 = time.perf_counter(), time.thread_time()
     with asyncio.Runner(loop_factory=lambda: loop) as runner:
         runner.run(main())
-        virtual_s = loop.time() - spec.start_s
+        virtual_s = loop.time()
     real_s, cpu_s = time.perf_counter() - real0, time.thread_time() - cpu0
     return SimOutcome(
         writer=writer,

@@ -3,13 +3,18 @@
 The same function reads a recorded run and a simulated one, so the two are compared by
 one definition. From the events' ``ts`` (write-ahead: intent before, fact after):
 
-* a group's generation time = its ``GroupCommitted.ts - RolloutAdmitted.ts``;
+* a group's generation time = its ``GroupCommitted.ts - RolloutAdmitted.ts``, plus the
+  recorded loop's reaction time before that admission (its ts - the last event before
+  it that was not an admission):
+  the simulated loop reacts at once, so the recorded latency travels with the group;
 * microbatch 0 of a step = its ``MicrobatchTrained.ts - StepBegun.ts`` (begin included);
   microbatch i > 0 = its ts - max(previous microbatch's ts, latest commit of its groups)
   (the loop selects it as soon as both hold, then calls the trainer);
 * finishing = ``StepFinished.ts`` - the last microbatch's ts;
 * refit = the next ``WeightsPublished.ts - StepFinished.ts``; a checkpoint = its
-  ``CheckpointSaved.ts`` - that ``WeightsPublished.ts`` (the loop saves right after);
+  ``CheckpointSaved.ts`` - that ``WeightsPublished.ts`` (the loop saves right after),
+  plus the release of the payloads it covers (``PayloadsReleased.ts - CheckpointSaved.ts``:
+  the train pump waits for the deletes too);
 * wall time = last ``StepFinished.ts`` - first ``RolloutAdmitted.ts``; trainer idle =
   wall - (begin + microbatches + finish) - refit - checkpoints: the time the trainer
   waited for data or for the controller.
@@ -29,6 +34,7 @@ from events.schema import (
     GroupCommitted,
     GroupEvicted,
     MicrobatchTrained,
+    PayloadsReleased,
     RolloutAdmitted,
     StepAborted,
     StepBegun,
@@ -125,21 +131,34 @@ def read_timeline(
     open_step: _Open | None = None
     last_finished: tuple[int, float] | None = None  # (trainer_version, ts) awaiting refit
     commits: list[tuple[float, str]] = []
+    latency: dict[str, float] = {}
+    prev_ts = batch_ts = float("nan")
+    batch_latency = 0.0
     last_finished_ts = float("-inf")
     published_ts = 0.0
+    checkpoint: tuple[int, float] | None = None  # awaiting its payload release
     trainer_version = 0
     for _pos, event in events:
         kind = type(event)
+        if kind is not RolloutAdmitted:  # an admission never frees a generator
+            prev_ts = event.ts
         if kind is RolloutAdmitted:
+            if event.ts != batch_ts:  # a new admission append: the loop's reaction time
+                # (the simulation starts its clock at the first admission: none there)
+                batch_ts = event.ts
+                batch_latency = 0.0 if first_admit is None else event.ts - prev_ts
             if first_admit is None:
                 first_admit = event.ts
             admitted[event.group_id] = event.ts
+            latency[event.group_id] = batch_latency
         elif kind is GroupCommitted:
             gid = event.group_id
             committed_ts[gid] = event.ts
             start_version[gid] = event.weight_version_start
             if event.attempt == 1 or gid not in rec.generation:
-                rec.generation[gid] = event.ts - admitted.get(gid, event.ts)
+                rec.generation[gid] = (
+                    event.ts - admitted.get(gid, event.ts) + latency.get(gid, 0.0)
+                )
             rec.rewards[gid] = list(event.rewards)
             rec.lengths[gid] = list(event.lengths)
             commits.append((event.ts, gid))
@@ -191,9 +210,16 @@ def read_timeline(
             if event.trainer_version > 0:
                 rec.checkpoint[event.trainer_version] = event.ts - published_ts
                 tl.checkpoint_s += event.ts - published_ts
+            checkpoint = (event.trainer_version, event.ts)
+        elif kind is PayloadsReleased and checkpoint is not None:
+            version, saved_ts = checkpoint
+            rec.release[version] = event.ts - saved_ts
+            tl.checkpoint_s += event.ts - saved_ts
+            checkpoint = None
     tl.commit_order = [gid for ts, gid in commits if ts <= last_finished_ts]
     # Refit and checkpoints after the last StepFinished are outside the wall time.
     if tl.progress:
         tl.refit_s -= rec.publish.get(trainer_version, 0.0) if last_finished is None else 0.0
         tl.checkpoint_s -= rec.checkpoint.get(trainer_version, 0.0)
+        tl.checkpoint_s -= rec.release.get(trainer_version, 0.0)
     return tl, rec

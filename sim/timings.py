@@ -6,7 +6,8 @@ A ``Timings`` answers every duration the simulated workers need:
   groups ends with its slowest);
 * ``microbatch_s(step, index, num_sequences)`` / ``finish_s(step)`` -- the trainer;
 * ``publish_s(version)`` -- moving new weights to the generators (refit);
-* ``checkpoint_s(version)``;
+* ``checkpoint_s(version)`` and ``release_s(version)`` (deleting the payload rows the
+  checkpoint covers; the train pump waits for both);
 * ``group_rewards(group_id, n)`` / ``group_lengths(group_id, n)`` -- what a group's
   samples scored and how long they were (only GRPO advantages and token counts use them).
 
@@ -29,6 +30,7 @@ class Timings(Protocol):
     def finish_s(self, step: int) -> float: ...
     def publish_s(self, version: int) -> float: ...
     def checkpoint_s(self, version: int) -> float: ...
+    def release_s(self, version: int) -> float: ...
     def group_rewards(self, group_id: str, n: int) -> list[float]: ...
     def group_lengths(self, group_id: str, n: int) -> list[int]: ...
 
@@ -66,6 +68,7 @@ class SyntheticTimings:
     finish: float = 0.0
     publish: float = 0.0
     checkpoint: float = 0.0
+    release: float = 0.0
     seed: int = 0
     tokens_per_sample: int = 256
 
@@ -83,6 +86,9 @@ class SyntheticTimings:
 
     def checkpoint_s(self, version: int) -> float:
         return self.checkpoint
+
+    def release_s(self, version: int) -> float:
+        return self.release
 
     def group_rewards(self, group_id: str, n: int) -> list[float]:
         rng = _rng(self.seed, "reward", group_id)
@@ -109,6 +115,8 @@ class RecordedTimings:
     #: trainer_version -> seconds
     publish: dict[int, float]
     checkpoint: dict[int, float]
+    #: trainer_version of the checkpoint -> seconds its payload release took
+    release: dict[int, float] = field(default_factory=dict)
     seed: int = 0
     _pools: dict[str, list] = field(default_factory=dict, repr=False)
 
@@ -150,6 +158,10 @@ class RecordedTimings:
         if value is None:
             value = self._fallback("checkpoint", self.checkpoint.values(), version)
         return value
+
+    def release_s(self, version: int) -> float:
+        value = self.release.get(version)
+        return self._fallback("release", self.release.values(), version) if value is None else value
 
     def group_rewards(self, group_id: str, n: int) -> list[float]:
         value = self.rewards.get(group_id)

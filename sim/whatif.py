@@ -9,8 +9,8 @@ run by the real controller on the virtual clock (``sim.harness``) with the recor
 durations replayed per group and per step (group ``g000042`` takes its recorded time in
 every scenario). The first scenario is always the recorded settings: it must reproduce
 the recorded order of commits and the recorded batches exactly, and the recorded wall
-time within :data:`WALL_TOLERANCE` -- the residue is the recorded controller's own
-latency, which the free virtual clock does not charge.
+time within :data:`WALL_TOLERANCE` -- the residue is the part of the recorded
+controller's latency the log does not show.
 
 Assumptions: :data:`ASSUMPTIONS` (printed with every result; see docs/scale.md).
 """
@@ -28,15 +28,18 @@ from sim.harness import SimOutcome, SimSpec, simulate
 from sim.timeline import Timeline, read_timeline
 
 ASSUMPTIONS = (
-    "a group takes its recorded generation time (commit ts - admission ts) whichever "
-    "generator runs it and however many run at once; a call carrying several groups ends "
-    "with its slowest",
+    "a group takes its recorded generation time (commit ts - admission ts, plus the "
+    "recorded loop's reaction time before its admission) whichever generator runs it and "
+    "however many run at once; a call carrying several groups ends with its slowest",
+    "all groups of a call start on the weights the generator held when the call started "
+    "(a real generator that works through a call's groups one by one may start a later "
+    "group on newer weights: recorded lag can be lower by up to 1 for such groups)",
     "groups the recorded run never admitted draw a recorded group's time, rewards and "
     "lengths (seeded by group id)",
     "a step's microbatches and finish take their recorded times (step by step, by index); "
-    "refit and checkpoints their recorded times",
-    "the controller itself takes no time (the free virtual clock); its recorded latency is "
-    "the residue of the baseline's wall time",
+    "refit, checkpoints and payload releases their recorded times",
+    "the simulated controller itself takes no time beyond the recorded reaction times "
+    "the groups carry",
     "failures, aborts and worker losses are not replayed",
 )
 

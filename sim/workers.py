@@ -169,10 +169,18 @@ class SimPublisher:
 
 
 class SimPayloads:
-    """No rows are ever stored; deleting is free."""
+    """No rows are ever stored; deleting them takes the release time of the checkpoint
+    the trainer just saved (the loop releases right after a checkpoint)."""
+
+    def __init__(self, fleet: Fleet, trainer: SimTrainer) -> None:
+        self.fleet = fleet
+        self.trainer = trainer
 
     async def delete(self, keys: list[str]) -> None:
-        return None
+        seconds = self.fleet.timings.release_s(self.trainer.version)
+        self.trainer.checkpoint_s += seconds
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
     async def keys(self) -> list[str]:
         return []
