@@ -12,7 +12,9 @@ Here: the real controller on the virtual clock (``sim``), 64 generators with
 microbatches of 128 (their require_batches x mini-batch), each row's published
 update_actor per step and its remainder (step - gen - update: parameter sync) as the
 refit time. The one thing verl does not publish is the generation time of a group; it
-is a lognormal whose sigma is assumed (``--sigma``) and whose median is calibrated so
+is a lognormal cut at ``--cap-s`` (their 28K-token max_response_length bounds the tail;
+200 s = threshold 0's step less one microbatch and the sync), whose sigma is assumed
+(``--sigma``) and whose median is calibrated so
 that the simulated threshold-0.5 row matches the published one (``--calibrate``),
 then every other row is a prediction.
 
@@ -73,7 +75,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
         "task.num_prompts=1000000",
     ])
     timings = SyntheticTimings(
-        generation=Lognormal(median_s, args.sigma),
+        generation=Lognormal(median_s, args.sigma, cap_s=args.cap_s),
         train_per_sequence_s=0.0,
         microbatch_fixed_s=update_s / MICROBATCHES,
         publish=max(0.0, step_s - gen_s - update_s),
@@ -125,6 +127,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="simulated steps (wall times scale to 400)")
     ap.add_argument("--sigma", type=float, default=0.7, help="lognormal sigma of a group's generation")
     ap.add_argument("--slots", type=int, default=8, help="concurrent groups per rollout GPU")
+    ap.add_argument("--cap-s", type=float, default=200.0,
+                    help="longest generation of a group (their max_response_length of 28K tokens "
+                         "cuts the tail); default: threshold 0's step - a microbatch - the sync")
     ap.add_argument("--median-s", type=float, help="skip calibration: this median generation time")
     ap.add_argument("--calibration-rounds", type=int, default=7)
     ap.add_argument("--selection", default="ready_first",
@@ -134,7 +139,8 @@ def main() -> None:
     median = args.median_s or calibrate(args)
     print(f"\nverl fully-async staleness ablation (128 GPUs: 64 rollout + 64 train), in virtual "
           f"time; 64 generators x {args.slots} slots, generation lognormal(median {median:.1f}s, "
-          f"sigma {args.sigma}), {args.steps} steps simulated, totals scaled to 400 steps")
+          f"sigma {args.sigma}, capped at {args.cap_s:g}s), {args.steps} steps simulated, totals "
+          f"scaled to 400 steps")
     header = (f"{'threshold':>9} {'ours: window, capacity':>22} | {'published step':>14} {'gen':>6} "
               f"{'update':>6} {'400 steps':>9} | {'simulated step':>14} {'gen wait':>8} "
               f"{'400 steps':>9} {'ratio':>6} {'lag mean/max':>12} {'evicted':>7}")

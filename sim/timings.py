@@ -46,11 +46,14 @@ class Lognormal:
 
     median_s: float
     sigma: float = 0.0
+    #: no draw is longer (a max_response_length cuts the tail); None = no cap
+    cap_s: float | None = None
 
     def draw(self, rng: random.Random) -> float:
-        if self.sigma <= 0:
-            return self.median_s
-        return self.median_s * math.exp(rng.gauss(0.0, self.sigma))
+        value = self.median_s
+        if self.sigma > 0:
+            value *= math.exp(rng.gauss(0.0, self.sigma))
+        return value if self.cap_s is None else min(value, self.cap_s)
 
     @property
     def mean_s(self) -> float:
