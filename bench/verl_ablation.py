@@ -7,8 +7,8 @@ staleness_threshold they publish the mean seconds per step (a parameter sync), o
 the trainer waited for generation ("gen") and trained ("update_actor"), and the total
 time of 400 steps (:data:`PUBLISHED`).
 
-Here: the real controller on the virtual clock (``sim``), 64 generators with
-``--slots`` concurrent groups each, one version per 512 groups trained in 4
+Here: the real controller on the virtual clock (``sim``), 64 rollout GPUs with
+``--slots`` concurrent groups each (64 x slots simulated generators of one group), one version per 512 groups trained in 4
 microbatches of 128 (their require_batches x mini-batch), each row's published
 update_actor per step and its remainder (step - gen - update: parameter sync) as the
 refit time. The one thing verl does not publish is the generation time of a group; it
@@ -63,7 +63,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
     window = 0 if threshold == 0 else 1
     cfg = load_config(None, [
         f"run.steps={args.steps}",
-        f"rollout.num_generators={GENERATORS}",
+        f"rollout.num_generators={GENERATORS * args.slots}",
         "rollout.groups_per_call=1",
         "rollout.samples_per_group=16",
         f"train.groups_per_step={GROUPS_PER_STEP}",
@@ -84,7 +84,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
     store = MemoryEventStore()
     real0 = time.perf_counter()
     simulate(store, SimSpec(
-        config=cfg, timings=timings, run_id="verl", generator_slots=args.slots,
+        config=cfg, timings=timings, run_id="verl",
         capacity=int(round((1 + threshold) * GROUPS_PER_STEP)),
     ))
     tl, _ = read_timeline((e.position, e.event) for e in store.read("verl"))
@@ -138,7 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     median = args.median_s or calibrate(args)
     print(f"\nverl fully-async staleness ablation (128 GPUs: 64 rollout + 64 train), in virtual "
-          f"time; 64 generators x {args.slots} slots, generation lognormal(median {median:.1f}s, "
+          f"time; 64 GPUs x {args.slots} slots (generators), generation lognormal(median {median:.1f}s, "
           f"sigma {args.sigma}, capped at {args.cap_s:g}s), {args.steps} steps simulated, totals "
           f"scaled to 400 steps")
     header = (f"{'threshold':>9} {'ours: window, capacity':>22} | {'published step':>14} {'gen':>6} "

@@ -91,6 +91,12 @@ class AdmissionSide:
         self.tasks: set[asyncio.Task] = set()
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
+        #: returned generator calls waiting for their shared commit append
+        self._pending_commits: list[tuple[list[GenerationRequest], list[GenerationOutcome]]] = []
+        #: one entry (a generator's index) per free call slot: the first free generator
+        #: in list order is found in O(log n), not by scanning 1024 of them
+        self._gen_index = {gen.name: i for i, gen in enumerate(generators)}
+        self._free_slots = [i for i in range(len(generators)) for _ in range(GENERATOR_SLOTS)]
 
     def start(self) -> asyncio.Future:
         """Before the pump runs: queue the failed groups' retries; returns the future a
@@ -108,16 +114,35 @@ class AdmissionSide:
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_exception(err)
 
-    def _free_generator(self) -> GeneratorClient | None:
-        for gen in self.generators:
-            if gen.name in self.loss.restarting:
-                continue
-            if self.busy[gen.name] < GENERATOR_SLOTS:
-                return gen
-        return None
+    def _take_free_calls(self, n: int) -> list[GeneratorClient]:
+        """Up to ``n`` free call slots, first generators first (restarting ones skipped)."""
+        out: list[GeneratorClient] = []
+        skipped: list[int] = []
+        heap, restarting = self._free_slots, self.loss.restarting
+        while heap and len(out) < n:
+            i = heapq.heappop(heap)
+            gen = self.generators[i]
+            if restarting and gen.name in restarting:
+                skipped.append(i)
+            else:
+                out.append(gen)
+        for i in skipped:
+            heapq.heappush(heap, i)
+        return out
 
-    def _admission_room(self) -> int:
-        """Groups the gate admits now (up to one call's worth); records why it is shut."""
+    def _free_count(self) -> int:
+        restarting = self.loss.restarting
+        if not restarting:
+            return len(self._free_slots)
+        gens = self.generators
+        return sum(1 for i in self._free_slots if gens[i].name not in restarting)
+
+    def _release_slot(self, gen: GeneratorClient) -> None:
+        self.busy[gen.name] -= 1
+        heapq.heappush(self._free_slots, self._gen_index[gen.name])
+
+    def _admission_room(self, limit: int) -> int:
+        """Groups the gate admits now (up to ``limit``); records why it is shut."""
         state = self.journal.state
         if state.trainer_version >= self.target_version:
             return 0
@@ -127,15 +152,17 @@ class AdmissionSide:
             groups_per_step=self.groups_per_step,
             capacity=self.staleness.capacity(self.groups_per_step),
         )
-        room = policies.admission_room(state, limit=self.rollout.groups_per_call, **gate)
+        room = policies.admission_room(state, limit=limit, **gate)
         self.gate_reason = "" if room else policies.admission(state, **gate).reason
         return room
 
     async def pump(self) -> None:
+        per_call = self.rollout.groups_per_call
         while True:
-            room = self._admission_room()
-            gen = self._free_generator() if room else None
-            if gen is None:
+            free = self._free_count()
+            room = self._admission_room(per_call * free) if free > 0 else 0
+            gens = self._take_free_calls(-(-room // per_call)) if room else []
+            if not gens:
                 await self.journal.wait_wake()
                 continue
             room = min(room, per_call * len(gens))
@@ -144,7 +171,12 @@ class AdmissionSide:
             # a time (policies.admission_room), each call still carrying at most
             # groups_per_call groups, the first free generator first.
             batch = self._next_admissions(room)
-            self.journal.append(*batch)  # intent before the side effect
+            try:
+                self.journal.append(*batch)  # intent before the side effect
+            except BaseException:
+                for gen in gens:  # nothing was dispatched: the slots stay free
+                    heapq.heappush(self._free_slots, self._gen_index[gen.name])
+                raise
             for admitted in batch:
                 crash_point("after_rollout_admitted", admitted.group_id)
             for i, gen in zip(range(0, room, per_call), gens):
@@ -213,19 +245,19 @@ class AdmissionSide:
             except asyncio.CancelledError:
                 raise
             except WorkerLostError as err:
-                self.busy[gen.name] -= 1
+                self._release_slot(gen)
                 for req in reqs:
                     self._on_generation_failed(req, f"{gen.name}: {err}")
                 await self.loss.replace_generator(gen, err)
                 return
             except Exception as err:  # a worker failure is data, not a crash
-                self.busy[gen.name] -= 1
+                self._release_slot(gen)
                 for req in reqs:
                     self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
                 return
-            self.busy[gen.name] -= 1
+            self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
-            self._commit(reqs, outcomes)
+            self._queue_commit(reqs, outcomes)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
@@ -234,7 +266,7 @@ class AdmissionSide:
     def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Calls that return in the same turn of the loop commit in one append (group
         commit: one round trip and one fsync for all of them). The flush runs right
-        after the tasks of that turn; ``_drain_generations`` flushes what is left."""
+        after the tasks of that turn; ``drain`` flushes what is left."""
         self._pending_commits.append((reqs, outs))
         if len(self._pending_commits) == 1:
             asyncio.get_running_loop().call_soon(self._flush_commits)
@@ -294,6 +326,7 @@ class AdmissionSide:
             _, pending = await asyncio.wait(self.tasks, timeout=timeout_s)
             for task in pending:
                 task.cancel()
+        self._flush_commits()
 
     def cancel_all(self) -> None:
         """Fenced: nothing these generations return may be logged or acted on."""

@@ -45,7 +45,8 @@ class Journal:
         self.clock = clock
         #: replaced (not reset) at every StepFinished: a reader holding the old object
         #: keeps the finished step's figures
-        self.timers = Timers()
+        now = clock()  # the timers run on the loop's clock (virtual in ``sim``)
+        self.timers = Timers(started=now, last_progress=now, step_started=now)
         self._wake = asyncio.Event()
 
     @property
@@ -98,5 +99,7 @@ class Journal:
     def next_step_timers(self) -> Timers:
         """Start the next step's timers; returns the finished step's."""
         done = self.timers
-        self.timers = Timers(started=done.started, last_progress=done.last_progress)
+        self.timers = Timers(
+            started=done.started, last_progress=done.last_progress, step_started=self.clock()
+        )
         return done

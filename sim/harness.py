@@ -13,16 +13,15 @@ spent (minus the simulated workers' own bookkeeping), events appended.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+import msgspec
 
 from controller.config import Config, config_to_dict
 from controller.log_writer import LogWriter
 from controller.loop import Controller
 from controller.recovery import publish_current
-from controller.run_cmd import loop_settings
 from controller.startup import create_run
 from events import schema as ev
 from events.store import EventStore
@@ -44,8 +43,6 @@ class SimSpec:
     charge_real_time: bool = False
     #: the watchdog's stall timeout (virtual seconds): a simulated deadlock ends there
     stall_timeout_s: float = 86_400.0
-    #: concurrent calls per generator (``LoopSettings.generator_slots``)
-    generator_slots: int = 1
     #: live-group capacity of the admission gate instead of the config's (a what-if of a
     #: buffer the config validation would refuse: between groups_per_step and
     #: groups_per_step * (window + 1))
@@ -87,19 +84,23 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     loop = VirtualTimeLoop(charge_real_time=spec.charge_real_time)
     origin = spec.start_s
     writer.clock = lambda: origin + loop.time()  # every later event carries virtual time
-    settings = dataclasses.replace(
-        loop_settings(cfg, Path("sim-checkpoints") / spec.run_id),
-        stall_timeout_s=spec.stall_timeout_s, generator_slots=spec.generator_slots,
-    )
+    # The run's own config, with the watchdog's limit in virtual seconds and, for a
+    # what-if buffer, the gate's capacity set past the config's validation.
+    staleness = cfg.staleness
     if spec.capacity is not None:
-        settings = dataclasses.replace(settings, capacity=spec.capacity)
+        staleness = msgspec.structs.replace(staleness, buffer_groups=spec.capacity)
+    run_cfg = msgspec.structs.replace(
+        cfg, staleness=staleness,
+        controller=msgspec.structs.replace(cfg.controller, stall_timeout_s=spec.stall_timeout_s),
+    )
     fleet = Fleet(loop=loop, timings=spec.timings)
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
     publisher = SimPublisher(fleet, names)
     controller = Controller(
-        writer, settings, trainer, [SimGenerator(n, fleet) for n in names], publisher,
-        SimPayloads(fleet, trainer), clock=loop.time,
+        writer, run_cfg, trainer, [SimGenerator(n, fleet) for n in names], publisher,
+        SimPayloads(fleet, trainer), checkpoint_dir=f"sim-checkpoints/{spec.run_id}",
+        clock=loop.time,
     )
 
     async def main() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
-from controller.state import RunState
+from controller.core.state import RunState
 from events.schema import AnyEvent
 from events.store import MemoryEventStore
 from sim.harness import SimOutcome, SimSpec, simulate

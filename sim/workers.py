@@ -1,7 +1,7 @@
 """Simulated workers: the controller's client protocols, answered after simulated time.
 
 They implement ``GeneratorClient``, ``TrainerClient``, ``WeightPublisher`` and
-``PayloadStore`` (``controller.clients``) with no model and no data: a generator call
+``PayloadStore`` (``workers.api``) with no model and no data: a generator call
 resolves after its groups' generation time with well-formed outcomes (payload keys,
 rewards, lengths, the weight versions it held at its start and end), the trainer's calls
 take their simulated durations and count versions like the real trainer, the publisher
@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
-from controller.clients import (
+from workers.api import (
     CheckpointOutcome,
     GenerationOutcome,
     GenerationRequest,

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from controller.config import load_config
-from controller.fold import fold_raw
+from controller.core.fold import fold_raw
 from events.codec import encode
 from events.store import MemoryEventStore
 from sim.harness import simulate, SimSpec

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from controller.config import config_to_dict, load_config
-from controller.fold import fold_raw
+from controller.core.fold import fold_raw
 from events import schema as ev
 from events.store import MemoryEventStore
 from sim.harness import SimSpec, simulate
