@@ -8,6 +8,13 @@ median is reported, with ratios against ``ray.put``/``ray.get`` of the same row 
 against a hand-packed ``ray.put`` (one flat tensor per field plus offsets), the
 fastest way to move the same rows through Ray's object store.
 
+Second table: the whole crossing from generator to trainer -- put (one call per group),
+get of the rows as one batch, collate into a padded ``TrainBatch`` -- through
+TransferQueue, as the code does it now (TensorDict end to end: jagged TensorDict in and
+out, ``TensorDict.to_padded_tensor``) and as it did before (``before_*`` below: every
+row flattened to 1-D with a ``__shape__`` companion row, reshaped and cloned per row on
+get, padded by a Python loop), side by side in one run. Target: now >= 0.9x before.
+
     python -m bench.bench_dataplane [--groups 64] [--samples 8] [--repeats 5]
 """
 
@@ -20,6 +27,9 @@ import time
 import ray
 import torch
 
+from tensordict import TensorDict
+
+from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import MemoryDataPlane
 from workers.dataplane.transferqueue import TransferQueueDataPlane
 
@@ -105,6 +115,95 @@ def time_ray_packed(rows, repeats: int) -> float:
     return statistics.median(times)
 
 
+# -- the crossing before the TensorDict change (kept here as the baseline) -------------
+
+_SHAPE = "__shape__/"
+
+
+def before_encode(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    shapes = torch.tensor([[v.dim(), *v.shape] for v in values], dtype=torch.int64)
+    if values[0].dim() == 0:
+        return torch.stack([v.detach().cpu() for v in values]), shapes
+    flat = [v.detach().cpu().reshape(-1) for v in values]
+    if len({f.shape[0] for f in flat}) == 1:
+        return torch.stack(flat), shapes
+    return torch.nested.as_nested_tensor(flat, layout=torch.jagged), shapes
+
+
+def _before_rows(t: torch.Tensor) -> list[torch.Tensor]:
+    if t.is_nested:
+        return list(t.values().split(t.offsets().diff().tolist()))
+    return list(t.unbind(0))
+
+
+def before_decode(data: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
+    out = []
+    for value, shape in zip(_before_rows(data), _before_rows(shapes)):
+        dims = [int(x) for x in shape.tolist()][1:]
+        out.append(value.reshape(dims).clone())
+    return out
+
+
+def before_collate(rows, advantages) -> dict[str, torch.Tensor]:
+    t = max(int(r["input_ids"].shape[0]) for r in rows)
+    b = len(rows)
+    ids = torch.zeros(b, t, dtype=torch.int64)
+    att = torch.zeros(b, t, dtype=torch.bool)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    lp = torch.zeros(b, t, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        n = int(r["input_ids"].shape[0])
+        ids[i, :n] = r["input_ids"]
+        att[i, :n] = True
+        mask[i, :n] = r["loss_mask"].to(torch.bool)
+        lp[i, :n] = r["generator_logprobs"].to(torch.float32)
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": mask,
+            "generator_logprobs": lp, "advantages": torch.tensor(advantages)}
+
+
+def before_crossing(tq, part: str, groups, keys) -> dict[str, torch.Tensor]:
+    for gkeys, grows in groups:
+        batch = {}
+        for name in grows[0]:
+            batch[name], batch[_SHAPE + name] = before_encode([r[name] for r in grows])
+        tq.kv_batch_put(keys=gkeys, partition_id=part,
+                        fields=TensorDict(batch, batch_size=[len(gkeys)]))
+    select = [x for f in ROW_FIELDS for x in (f, _SHAPE + f)]
+    td = tq.kv_batch_get(keys=keys, partition_id=part, select_fields=select)
+    rows = [{} for _ in keys]
+    for name in ROW_FIELDS:
+        for i, value in enumerate(before_decode(td[name], td[_SHAPE + name])):
+            rows[i][name] = value
+    return before_collate(rows, [0.0] * len(rows))
+
+
+def now_crossing(plane, part: str, groups, keys):
+    for gkeys, grows in groups:
+        plane.put(part, gkeys, grows)
+    return collate(plane.get_batch(part, keys, list(ROW_FIELDS)), [0.0] * len(keys))
+
+
+def time_crossing(plane, keys, rows, samples: int, repeats: int) -> tuple[float, float]:
+    """Median (before, now) seconds, the two paths alternating round by round."""
+    groups = [(keys[i : i + samples], rows[i : i + samples]) for i in range(0, len(rows), samples)]
+    times: dict[str, list[float]] = {"before": [], "now": []}
+    for i in range(repeats + 1):
+        for name in ("before", "now"):
+            part = f"cross-{name}-{i}"
+            t0 = time.perf_counter()
+            if name == "before":
+                got = before_crossing(plane._tq, part, groups, keys)["input_ids"]
+            else:
+                got = now_crossing(plane, part, groups, keys).input_ids
+            dt = time.perf_counter() - t0
+            n = rows[-1]["input_ids"].shape[0]
+            assert torch.equal(got[-1, :n], rows[-1]["input_ids"])
+            plane.clear(part)
+            if i:
+                times[name].append(dt)
+    return statistics.median(times["before"]), statistics.median(times["now"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=64)
@@ -125,6 +224,7 @@ def main() -> None:
             "memory": time_plane(MemoryDataPlane(), keys, rows, args.repeats),
             "transferqueue": time_plane(tq_plane, keys, rows, args.repeats),
         }
+        before, now = time_crossing(tq_plane, keys, rows, args.samples, args.repeats)
     finally:
         tq_plane.close()
         ray.shutdown()
@@ -132,6 +232,11 @@ def main() -> None:
     print(f"{'plane':<16}{'put+get s':>12}{'MiB/s':>10}{'vs ray.put/get':>18}")
     for name, dt in results.items():
         print(f"{name:<16}{dt:>12.4f}{payload_mb(rows) / dt:>10.1f}{base / dt:>17.2f}x")
+    print(f"\ngenerator -> trainer through TransferQueue (put per group, get, collate)")
+    print(f"{'path':<28}{'seconds':>10}")
+    print(f"{'before (rows + shape rows)':<28}{before:>10.4f}")
+    print(f"{'now (TensorDict)':<28}{now:>10.4f}")
+    print(f"now vs before: {before / now:.2f}x throughput (target >= 0.9x)")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class TrainSection(_Section):
 class DataPlaneSection(_Section):
     kind: Literal["transferqueue", "memory"] = "transferqueue"
     spill: bool = True
-    """Write payloads through to safetensors files so they survive a full restart."""
+    """Write payloads through to disk (memory-mapped TensorDicts) to survive a restart."""
     storage_node_resource: str = ""
     """TransferQueue storage units only on nodes offering this Ray resource; empty =
     round-robin over every node. A unit dies with its node and TransferQueue keeps no

@@ -1,11 +1,15 @@
 """The tensors that cross from generators to the trainer.
 
-Two shapes of the same data:
+Two shapes of the same data, both ``tensordict`` types (TransferQueue's own):
 
-* a **sample row** -- what a generator writes to the data plane for one completion
-  (:data:`ROW_FIELDS`), 1-D per sample, jagged across samples;
-* a :class:`TrainBatch` -- rows right-padded to a common length and stacked, plus the
-  per-sample advantage the controller computed from the group's rewards.
+* **sample rows** -- what a generator writes to the data plane for one completion
+  (:data:`ROW_FIELDS`), 1-D per sample, jagged across samples. The data plane hands a
+  microbatch's rows to the trainer as ONE ``TensorDict`` of batch size ``[B]``, jagged
+  fields as nested tensors (``DataPlane.get_batch``);
+* a :class:`TrainBatch` -- a ``tensorclass`` (a typed ``TensorDict``): those rows
+  right-padded to a common length by ``TensorDict.to_padded_tensor``, plus the
+  per-sample advantage the controller computed from the group's rewards. Indexing
+  (``batch[2:5]``) selects rows of every field at once.
 
 Alignment convention (shared by generator, trainer and loss): position ``t`` of
 ``input_ids`` is the token; ``generator_logprobs[t]`` is log p(input_ids[t] | input_ids[<t])
@@ -15,9 +19,12 @@ t = 0, prompt tokens or padding). Logits at ``t - 1`` predict token ``t``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
 
 import torch
+from tensordict import TensorDictBase, tensorclass
+
+from workers.dataplane.api import batch_of
 
 #: Fields of one payload row in the data plane, with their dtypes.
 ROW_FIELDS: dict[str, torch.dtype] = {
@@ -30,9 +37,15 @@ ROW_FIELDS: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True)
+#: fields of a TrainBatch that are [B, T] (the rest, ``advantages``, is [B])
+_PER_TOKEN = (
+    "input_ids", "attention_mask", "loss_mask", "generator_logprobs", "reference_logprobs"
+)
+
+
+@tensorclass
 class TrainBatch:
-    """A padded batch of B samples of length T (T = longest sample)."""
+    """A padded batch of B samples of length T (T = longest sample); batch size [B]."""
 
     input_ids: torch.Tensor  # [B, T] int64, pad = 0
     attention_mask: torch.Tensor  # [B, T] bool, True on real tokens
@@ -41,6 +54,19 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float32
     #: [B, T] float32 logprobs under the frozen reference model (only with a KL penalty)
     reference_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        b, t = self.input_ids.shape
+        for name in (*_PER_TOKEN, "advantages"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            want = (b,) if name == "advantages" else (b, t)
+            if tuple(value.shape) != want:
+                raise ValueError(
+                    f"TrainBatch.{name} has shape {tuple(value.shape)}, expected {want}"
+                )
+        self.batch_size = torch.Size([b])
 
     @property
     def num_sequences(self) -> int:
@@ -51,53 +77,35 @@ class TrainBatch:
         """Valid (loss-bearing) tokens."""
         return int(self.loss_mask.sum())
 
-    def __post_init__(self) -> None:
-        b, t = self.input_ids.shape
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            want = (b,) if f.name == "advantages" else (b, t)
-            if tuple(value.shape) != want:
-                raise ValueError(
-                    f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {want}"
-                )
-
-    def select(self, index: slice | torch.Tensor) -> "TrainBatch":
+    def select(self, index: slice | torch.Tensor) -> TrainBatch:
         """Rows ``index`` as a new batch (used to split into microbatches)."""
-        ref = None if self.reference_logprobs is None else self.reference_logprobs[index]
-        return TrainBatch(
-            input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index],
-            loss_mask=self.loss_mask[index],
-            generator_logprobs=self.generator_logprobs[index],
-            advantages=self.advantages[index],
-            reference_logprobs=ref,
-        )
+        return self[index]
 
 
-def collate(rows: list[dict[str, torch.Tensor]], advantages: list[float]) -> TrainBatch:
-    """Right-pad sample rows (``ROW_FIELDS``) into a TrainBatch."""
-    if not rows:
+def collate(
+    rows: TensorDictBase | Sequence[Mapping[str, torch.Tensor]], advantages: list[float]
+) -> TrainBatch:
+    """Right-pad sample rows (``ROW_FIELDS``; a batch TensorDict or one mapping per row)
+    into a TrainBatch."""
+    if not isinstance(rows, TensorDictBase):
+        rows = list(rows)
+        if not rows:
+            raise ValueError("cannot collate an empty list of rows")
+        names = ("input_ids", "loss_mask", "generator_logprobs")
+        rows = batch_of({n: [r[n] for r in rows] for n in names}, len(rows))
+    b = int(rows.batch_size[0]) if rows.batch_dims else 0
+    if b == 0:
         raise ValueError("cannot collate an empty list of rows")
-    if len(rows) != len(advantages):
-        raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
-    t = max(int(r["input_ids"].shape[0]) for r in rows)
-    b = len(rows)
-    ids = torch.zeros(b, t, dtype=torch.int64)
-    att = torch.zeros(b, t, dtype=torch.bool)
-    mask = torch.zeros(b, t, dtype=torch.bool)
-    lp = torch.zeros(b, t, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        n = int(r["input_ids"].shape[0])
-        ids[i, :n] = r["input_ids"]
-        att[i, :n] = True
-        mask[i, :n] = r["loss_mask"].to(torch.bool)
-        lp[i, :n] = r["generator_logprobs"].to(torch.float32)
+    if b != len(advantages):
+        raise ValueError(f"{b} rows but {len(advantages)} advantages")
+    ids = rows.get("input_ids")
+    lengths = ids.offsets().diff() if ids.is_nested else torch.full((b,), ids.shape[1])
+    padded = rows.select("input_ids", "loss_mask", "generator_logprobs").to_padded_tensor(0)
+    t = padded.get("input_ids").shape[1]
     return TrainBatch(
-        input_ids=ids,
-        attention_mask=att,
-        loss_mask=mask,
-        generator_logprobs=lp,
+        input_ids=padded.get("input_ids").to(torch.int64),
+        attention_mask=torch.arange(t) < lengths.unsqueeze(1),
+        loss_mask=padded.get("loss_mask").to(torch.bool),
+        generator_logprobs=padded.get("generator_logprobs").to(torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
     )

@@ -100,7 +100,7 @@ class TrainerWorker:
         self.trainer.begin_train_step(step, self.spec.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
-        rows = self.dataplane.get(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
+        rows = self.dataplane.get_batch(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
         batch = collate(rows, ref.advantages)
         result = self.trainer.train_microbatch(batch)
         results = result if isinstance(result, list) else [result]

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from tensordict import TensorDict, TensorDictBase
 
 from tests.dataplane_fixtures import grpo_rows, partition, plane, tq_plane  # noqa: F401
+from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import (
     DataPlaneConfig,
+    DataPlaneError,
     MemoryDataPlane,
     MissingPayloadError,
     SpillDataPlane,
     make_dataplane,
 )
+from workers.dataplane.api import batch_of, rows_of
 
 
 def assert_rows_equal(got, want) -> None:
@@ -171,6 +177,48 @@ def test_stored_rows_do_not_alias_caller_tensors(plane, partition):
     assert plane.get(partition, ["a"])[0]["x"].tolist() == [1, 2, 3]
 
 
+# -- the batch as one TensorDict (what the trainer collates) ----------------------------
+
+
+def test_get_batch_is_one_tensordict_of_the_rows(plane, partition):
+    keys, rows = grpo_rows(groups=2, samples=3, prompt_len=4, max_completion=6)
+    plane.put(partition, keys, rows)
+    order = [keys[4], keys[0], keys[2]]
+    td = plane.get_batch(partition, order, ["input_ids", "reward"])
+    assert isinstance(td, TensorDictBase) and list(td.batch_size) == [3]
+    assert set(td.keys()) == {"input_ids", "reward"}
+    want = [{f: rows[keys.index(k)][f] for f in ("input_ids", "reward")} for k in order]
+    assert_rows_equal(rows_of(td), want)
+    with pytest.raises(MissingPayloadError):
+        plane.get_batch(partition, [keys[0], "nope"], ["reward"])
+
+
+def test_put_of_a_tensordict_equals_put_of_rows(plane, partition):
+    keys, rows = grpo_rows(groups=1, samples=4, prompt_len=3, max_completion=5)
+    plane.put(partition, keys, batch_of({n: [r[n] for r in rows] for n in rows[0]}, len(rows)))
+    assert_rows_equal(plane.get(partition, keys), rows)
+
+
+def test_collate_pads_the_batch_tensordict(plane, partition):
+    keys, rows = grpo_rows(groups=1, samples=3, prompt_len=2, max_completion=5)
+    plane.put(partition, keys, rows)
+    batch = collate(plane.get_batch(partition, keys, list(ROW_FIELDS)), [0.5, -1.0, 0.0])
+    lengths = [int(r["input_ids"].shape[0]) for r in rows]
+    assert tuple(batch.input_ids.shape) == (3, max(lengths))
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        assert torch.equal(batch.input_ids[i, :n], row["input_ids"])
+        assert torch.equal(batch.loss_mask[i, :n], row["loss_mask"])
+        assert batch.attention_mask[i].tolist() == [True] * n + [False] * (max(lengths) - n)
+        assert not batch.loss_mask[i, n:].any() and not batch.generator_logprobs[i, n:].any()
+    assert batch.advantages.tolist() == [0.5, -1.0, 0.0]
+    assert batch[1:].num_sequences == 2  # a TensorDict type: indexing slices every field
+
+
+def test_rows_may_differ_only_in_their_first_dimension(plane, partition):
+    with pytest.raises(ValueError, match="first dimension"):
+        plane.put(partition, ["a", "b"], [{"m": torch.ones(2, 3)}, {"m": torch.ones(2, 4)}])
+
+
 # -- durable spill ------------------------------------------------------------------
 
 
@@ -193,10 +241,51 @@ def test_spill_survives_restart(tmp_path):
 def test_spill_leaves_no_temporary_files(tmp_path):
     plane = SpillDataPlane(MemoryDataPlane(), tmp_path)
     plane.put("p/with/slashes", ["k/1"], [{"x": torch.tensor(1)}])
-    files = [p.name for p in tmp_path.rglob("*") if p.is_file()]
-    assert files == ["k%2F1.safetensors"]
+    # on disk: one put = one memory-mapped TensorDict directory, and nothing else
+    (folder,) = tmp_path.iterdir()
+    assert folder.name == "p%2Fwith%2Fslashes"
+    (put,) = folder.iterdir()
+    assert put.is_dir() and not put.name.startswith(".")
+    assert TensorDict.load_memmap(put).get_non_tensor("__keys__") == '["k/1"]'
     plane.clear("p/with/slashes")
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_spill_clearing_part_of_a_put_keeps_the_rest_across_restart(tmp_path):
+    keys, rows = grpo_rows(groups=1, samples=4, prompt_len=3, max_completion=5)
+    first = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    first.put("run-1", keys, rows, [{"sample": i} for i in range(4)])
+    first.clear("run-1", [keys[1], keys[3]])
+    (put,) = (tmp_path / "run-1").iterdir()
+    assert put.name.endswith(".1")  # the rest, rewritten as the next generation
+    second = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    assert second.reload("run-1") == 2
+    assert_rows_equal(second.get("run-1", [keys[0], keys[2]]), [rows[0], rows[2]])
+    assert second.tags("run-1") == {keys[0]: {"sample": 0}, keys[2]: {"sample": 2}}
+
+
+def test_spill_reload_tidies_what_a_crash_left(tmp_path):
+    plane = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    plane.put("p", ["a", "b"], [{"x": torch.tensor(1)}, {"x": torch.tensor(2)}])
+    (put,) = (tmp_path / "p").iterdir()
+    stamp = put.name.rsplit(".", 1)[0]
+    # a crash between writing generation 1 (only "a") and deleting generation 0
+    shutil.copytree(put, tmp_path / "p" / f"{stamp}.7")
+    TensorDict({"x": torch.tensor([9])}, batch_size=[1]).set_non_tensor(
+        "__keys__", '["a"]').set_non_tensor("__tags__", "null").memmap(
+        prefix=tmp_path / "p" / f"{stamp}.8")
+    (tmp_path / "p" / ".tmp-half-written").mkdir()  # a write cut before its rename
+    fresh = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    assert fresh.reload() == 1
+    assert fresh.get("p", ["a"])[0]["x"].item() == 9 and fresh.list("p") == ["a"]
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [f"{stamp}.8"]
+
+
+def test_spill_refuses_the_old_safetensors_format(tmp_path):
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "run-1" / "run-1%2Fg0%2Fa0%2Fs0.safetensors").write_bytes(b"old")
+    with pytest.raises(DataPlaneError, match="safetensors format of an earlier release"):
+        SpillDataPlane(MemoryDataPlane(), tmp_path).reload()
 
 
 # -- factory ------------------------------------------------------------------------

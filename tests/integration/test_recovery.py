@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from controller import crashpoints
 from controller.config import config_to_dict
@@ -21,6 +20,7 @@ from events.redis_store import RedisEventStore
 from replay.reader import fold_log
 from replay.retrain import run_retrain
 from tests.integration.recovery_helpers import controller_for, reconcile, start_local, tiny_config
+from workers.dataplane import MemoryDataPlane, SpillDataPlane
 
 pytestmark = pytest.mark.integration
 
@@ -95,11 +95,13 @@ def test_digest_mismatch_stops_recovery(redis_url: str, tmp_path) -> None:
     gid = max(step.group_ids, key=lambda g: torch.tensor(state.groups[g].rewards).var().item())
     assert torch.tensor(state.groups[gid].rewards).var().item() > 0
     key = state.groups[gid].payload_keys[0]
-    spill = tmp_path / "spill" / RUN / (key.replace("/", "%2F") + ".safetensors")
-    row = load_file(str(spill))
+    # tamper with the spilled row: a later put of the key replaces its fields on reload
+    spill = SpillDataPlane(MemoryDataPlane(), tmp_path / "spill")
+    spill.reload(RUN)
+    row = spill.get(RUN, [key])[0]
     mask = row["loss_mask"]
     row["input_ids"] = torch.where(mask, (row["input_ids"] + 1) % 8, row["input_ids"])
-    save_file(row, str(spill), metadata={"tags": "{}"})
+    spill.put(RUN, [key], [{"input_ids": row["input_ids"]}])
 
     writer2 = resume_run(RedisEventStore(redis_url), RUN)
     before = writer2.position

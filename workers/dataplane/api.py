@@ -8,10 +8,15 @@ durable spill wrapper) passes the same contract suite.
 
 Semantics shared by all implementations:
 
-* A row is ``{field: Tensor}``; tensors of one field may differ in shape across rows
-  (jagged completions) but must have the same number of dimensions within one put.
-  Only tensors cross the plane -- no pickled objects. Field names starting with
-  ``__`` are reserved.
+* A row is ``{field: Tensor}``; tensors of one field may differ across rows in their
+  first dimension only (jagged completions), as in a jagged ``TensorDict``. Only
+  tensors cross the plane -- no pickled objects. Field names starting with ``__`` are
+  reserved. ``put`` takes rows, columns, or a ``TensorDict`` with one batch entry
+  per key.
+* ``get_batch`` returns the rows as ONE ``tensordict.TensorDict`` of batch size
+  ``[len(keys)]`` -- TransferQueue's own type, what the trainer collates: scalar fields
+  dense ``[B]``, the others jagged (nested tensors, ragged first dimension) or dense
+  when every row has the same shape. ``get`` is the same read as one dict per row.
 * ``put`` to an existing key replaces the given fields and keeps the others; tags, when
   given, replace the key's tags. Tags are flat dicts of str/int/float/bool.
 * ``get`` returns rows in the order of ``keys``, each with the requested fields
@@ -28,12 +33,16 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, Union, runtime_checkable
 
 import torch
+from tensordict import TensorDict, TensorDictBase
 
 Row = dict[str, torch.Tensor]
 TagValue = Union[str, int, float, bool]
 Tags = dict[str, TagValue]
-#: either columns ``{field: [tensor per key]}`` or rows ``[{field: tensor} per key]``
-Fields = Union[Mapping[str, Sequence[torch.Tensor]], Sequence[Mapping[str, torch.Tensor]]]
+#: columns ``{field: [tensor per key]}``, rows ``[{field: tensor} per key]``, or a
+#: TensorDict with one batch entry per key
+Fields = Union[
+    Mapping[str, Sequence[torch.Tensor]], Sequence[Mapping[str, torch.Tensor]], TensorDictBase
+]
 
 RESERVED_PREFIX = "__"
 
@@ -82,6 +91,12 @@ class DataPlane(Protocol):
         self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
     ) -> list[Row]: ...
 
+    def get_batch(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> TensorDict:
+        """The rows of ``keys`` as one TensorDict (see the module docstring)."""
+        ...
+
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None: ...
 
     def list(self, partition: str) -> list[str]: ...
@@ -121,6 +136,10 @@ def as_columns(
 
 
 def _columns(fields: Fields, n: int) -> dict[str, list[torch.Tensor]]:
+    if isinstance(fields, TensorDictBase):
+        if tuple(fields.batch_size[:1]) != (n,):
+            raise ValueError(f"{n} keys but a TensorDict of batch size {list(fields.batch_size)}")
+        return {name: split_rows(fields.get(name)) for name in fields.keys()}
     if isinstance(fields, Mapping):
         return {name: list(values) for name, values in fields.items()}
     rows = list(fields)
@@ -149,3 +168,43 @@ def _check_column(name: str, values: list[torch.Tensor], n: int) -> None:
         ndims.add(v.dim())
     if len(ndims) > 1:
         raise ValueError(f"field {name!r}: rows have different numbers of dimensions {sorted(ndims)}")
+    trailing = {tuple(v.shape[1:]) for v in values}
+    if len(trailing) > 1:
+        raise ValueError(
+            f"field {name!r}: rows may differ only in their first dimension, got trailing "
+            f"shapes {sorted(trailing)}"
+        )
+
+
+# -- rows <-> one TensorDict ------------------------------------------------------------
+
+
+def batch_of(columns: Mapping[str, Sequence[torch.Tensor]], n: int) -> TensorDict:
+    """Columns (as ``as_columns`` returns them) as one TensorDict of batch size ``[n]``:
+    scalars and equal-shaped rows stacked dense, other fields jagged."""
+    out: dict[str, torch.Tensor] = {}
+    for name, values in columns.items():
+        first = values[0].shape
+        if all(v.shape == first for v in values):
+            out[name] = torch.stack([v.detach().cpu() for v in values])
+        else:
+            rows = [v.detach().cpu() for v in values]
+            out[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    return TensorDict(out, batch_size=[n])
+
+
+def split_rows(value: torch.Tensor) -> list[torch.Tensor]:
+    """One batched field (dense or jagged) as one tensor per batch entry."""
+    if value.is_nested and value.layout == torch.jagged:
+        # split the flat values by offsets (much cheaper than unbind)
+        return list(value.values().split(value.offsets().diff().tolist()))
+    return list(value.unbind(0))
+
+
+def rows_of(batch: TensorDictBase) -> list[Row]:
+    """A TensorDict with one batch entry per key as one dict row per key."""
+    rows: list[Row] = [{} for _ in range(batch.batch_size[0])]
+    for name in batch.keys():
+        for row, value in zip(rows, split_rows(batch.get(name))):
+            row[name] = value
+    return rows

@@ -9,8 +9,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from tensordict import TensorDict
 
-from workers.dataplane.api import Fields, MissingPayloadError, Row, Tags, as_columns
+from workers.dataplane.api import Fields, MissingPayloadError, Row, Tags, as_columns, batch_of
 
 
 class MemoryDataPlane:
@@ -54,6 +55,16 @@ class MemoryDataPlane:
             if missing_fields:
                 raise MissingPayloadError(partition, fields=missing_fields)
             return [{f: rows[k][f].clone() for f in fields} for k in keys]
+
+    def get_batch(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> TensorDict:
+        rows = self.get(partition, keys, fields)
+        names = list(rows[0]) if rows else []
+        missing = sorted({n for r in rows for n in names if n not in r})
+        if missing:  # fields=None and the rows' fields differ: no common batch
+            raise MissingPayloadError(partition, fields=missing)
+        return batch_of({n: [r[n] for r in rows] for n in names}, len(rows))
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
         with self._lock:

@@ -1,34 +1,57 @@
-"""Durable spill: a data plane wrapper that writes every row through to disk.
+"""Durable spill: a data plane wrapper that writes every put through to disk.
 
 Payload rows must outlive a full restart until a checkpoint covers the step that
 consumed them (DESIGN.md, "Recovery"). This wrapper implements the data plane
-protocol over any inner plane and mirrors each row into a safetensors file::
+protocol over any inner plane and writes each ``put`` (a generator writes one group's
+samples per put) as ONE memory-mapped ``TensorDict`` (``TensorDict.memmap``)::
 
-    {directory}/{quote(partition)}/{quote(key)}.safetensors   # tensors; tags in metadata
+    {directory}/{quote(partition)}/{stamp}.{generation}/   # batch [n]: the put's rows
+        <field>.memmap ...   jagged fields as nested tensors; "__keys__", "__tags__"
+        meta.json            hold the keys and tags (JSON), next to the tensors
 
-Files are written atomically (temporary file, fsync, rename, fsync of the directory),
-so after a crash a row file is either the complete old or the complete new row.
-Disk is written before the inner plane, so a row the inner plane holds is on disk.
-After a restart, :meth:`SpillDataPlane.reload` puts every spilled row back into the
-(fresh) inner plane.
+Directories are written whole and then renamed into place (temporary directory, fsync of
+every file, rename, fsync of the partition directory), so after a crash a put is either
+entirely on disk or not at all. Disk is written before the inner plane, so a row the
+inner plane holds is on disk. A put is never changed in place: clearing some of its keys
+writes the rest as the next generation of the same stamp, then deletes the old one.
+
+:meth:`SpillDataPlane.reload` replays the puts in stamp order into a (fresh) inner
+plane, which reproduces the ``put`` semantics exactly (later fields replace earlier
+ones, tags given replace tags). A spill directory from an earlier release, which kept
+one safetensors file per row, is refused with an error that says so (see
+``docs/recovery.md``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import tempfile
+import shutil
+import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from safetensors.torch import load_file, save_file
+import torch
+from tensordict import TensorDict
 
-from workers.dataplane.api import DataPlane, Fields, Row, Tags, as_columns
+from workers.dataplane.api import (
+    DataPlane,
+    DataPlaneError,
+    Fields,
+    Row,
+    Tags,
+    as_columns,
+    rows_of,
+)
 
-_SUFFIX = ".safetensors"
-_TAGS = "tags"
+_KEYS = "__keys__"
+_TAGS = "__tags__"
 _TMP_PREFIX = ".tmp-"
+_LEGACY_SUFFIX = ".safetensors"
+_counter = itertools.count()
 
 
 class SpillDataPlane:
@@ -36,6 +59,8 @@ class SpillDataPlane:
         self.inner = inner
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        #: keys of each put directory seen (directories are immutable once renamed in)
+        self._keys_of: dict[Path, list[str]] = {}
 
     def put(
         self,
@@ -47,18 +72,20 @@ class SpillDataPlane:
         keys, columns, tag_list = as_columns(keys, fields, tags)
         folder = self._folder(partition)
         folder.mkdir(parents=True, exist_ok=True)
-        for i, key in enumerate(keys):
-            path = folder / (quote(key, safe="") + _SUFFIX)
-            row, old_tags = _read(path) if path.exists() else ({}, {})
-            row.update({name: values[i] for name, values in columns.items()})
-            _write_atomic(path, row, old_tags if tag_list is None else tag_list[i])
-        _fsync_dir(folder)
+        # stamp: time for order across processes, pid and a counter for uniqueness
+        stamp = f"{time.time_ns():020d}-{os.getpid()}-{next(_counter):08d}"
+        _write_put(folder, f"{stamp}.0", keys, columns, tag_list)
         self.inner.put(partition, keys, columns, tag_list)
 
     def get(
         self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
     ) -> list[Row]:
         return self.inner.get(partition, keys, fields)
+
+    def get_batch(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> TensorDict:
+        return self.inner.get_batch(partition, keys, fields)
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
         # Inner first: a row on disk but not in memory is restored by reload; the
@@ -68,11 +95,29 @@ class SpillDataPlane:
         if not folder.exists():
             return
         if keys is None:
-            doomed = list(folder.glob("*" + _SUFFIX))
-        else:
-            doomed = [folder / (quote(k, safe="") + _SUFFIX) for k in keys]
-        for path in doomed:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(folder)
+            _fsync_dir(self.directory)
+            return
+        doomed = set(keys)
+        for path in _put_dirs(folder):
+            put_keys = self._put_keys(path)
+            if doomed.isdisjoint(put_keys):
+                continue
+            if not doomed.issuperset(put_keys):  # keep the rest as the next generation
+                td = TensorDict.load_memmap(path)
+                keep = [i for i, k in enumerate(put_keys) if k not in doomed]
+                rows = rows_of(td.exclude(_KEYS, _TAGS))
+                tags = json.loads(td.get_non_tensor(_TAGS))
+                stamp, generation = path.name.rsplit(".", 1)
+                _write_put(
+                    folder,
+                    f"{stamp}.{int(generation) + 1}",
+                    [put_keys[i] for i in keep],
+                    {n: [rows[i][n] for i in keep] for n in rows[0]},
+                    None if tags is None else [tags[i] for i in keep],
+                )
+            shutil.rmtree(path)
+            self._keys_of.pop(path, None)
         _fsync_dir(folder)
 
     def list(self, partition: str) -> list[str]:
@@ -92,21 +137,23 @@ class SpillDataPlane:
     def reload(self, partition: str | None = None) -> int:
         """Put every spilled row (of ``partition``, or all) back into the inner plane.
 
-        Returns the number of rows reloaded.
+        Returns the number of distinct keys reloaded.
         """
         parts = self.spilled_partitions() if partition is None else [partition]
         count = 0
         for part in parts:
             folder = self._folder(part)
-            for path in sorted(folder.glob("*" + _SUFFIX)) if folder.exists() else []:
-                if path.name.startswith(_TMP_PREFIX):
-                    # a write that a crash interrupted before its rename: never a row
-                    path.unlink(missing_ok=True)
-                    continue
-                row, tags = _read(path)
-                key = unquote(path.name[: -len(_SUFFIX)])
-                self.inner.put(part, [key], [row], [tags])
-                count += 1
+            if not folder.exists():
+                continue
+            _refuse_legacy(folder)
+            seen: set[str] = set()
+            for path in _put_dirs(folder, tidy=True):
+                td = TensorDict.load_memmap(path)
+                keys = json.loads(td.get_non_tensor(_KEYS))
+                tags = json.loads(td.get_non_tensor(_TAGS))
+                self.inner.put(part, keys, rows_of(td.exclude(_KEYS, _TAGS)), tags)
+                seen.update(keys)
+            count += len(seen)
         return count
 
     def _folder(self, partition: str) -> Path:
@@ -114,32 +161,95 @@ class SpillDataPlane:
             raise ValueError("partition must be a non-empty string")
         return self.directory / quote(partition, safe="")
 
-
-def _read(path: Path) -> tuple[Row, Tags]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    return load_file(str(path)), json.loads(meta.get(_TAGS, "{}"))
+    def _put_keys(self, path: Path) -> list[str]:
+        if path not in self._keys_of:
+            td = TensorDict.load_memmap(path)
+            self._keys_of[path] = json.loads(td.get_non_tensor(_KEYS))
+        return self._keys_of[path]
 
 
-def _write_atomic(path: Path, row: Row, tags: Tags) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=_SUFFIX)
-    os.close(fd)
+def _put_dirs(folder: Path, *, tidy: bool = False) -> list[Path]:
+    """The partition's complete put directories in stamp order, newest generation only.
+
+    With ``tidy``, what a crash left behind goes: temporary directories (a write that
+    never got renamed in) and generations that a newer one replaced.
+    """
+    newest: dict[str, tuple[int, Path]] = {}
+    for path in folder.iterdir():
+        if path.name.startswith(_TMP_PREFIX):
+            if tidy:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        if not path.is_dir():
+            continue
+        stamp, _, generation = path.name.rpartition(".")
+        held = newest.get(stamp)
+        if held is None or int(generation) > held[0]:
+            if held is not None and tidy:
+                shutil.rmtree(held[1])
+            newest[stamp] = (int(generation), path)
+        elif tidy:
+            shutil.rmtree(path)
+    return [newest[stamp][1] for stamp in sorted(newest)]
+
+
+def _write_put(
+    folder: Path,
+    name: str,
+    keys: list[str],
+    columns: dict[str, list[torch.Tensor]],
+    tags: list[Tags] | None,
+) -> None:
+    """Write one put as a memory-mapped TensorDict, atomically, under ``folder/name``."""
+    td = TensorDict(
+        {field: _stacked(values) for field, values in columns.items()}, batch_size=[len(keys)]
+    )
+    td.set_non_tensor(_KEYS, json.dumps(keys))
+    td.set_non_tensor(_TAGS, json.dumps(tags, sort_keys=True))
+    tmp = folder / (_TMP_PREFIX + name)
     try:
-        tensors = {k: v.detach().cpu().contiguous() for k, v in row.items()}
-        save_file(tensors, tmp, metadata={_TAGS: json.dumps(tags, sort_keys=True)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        td.memmap(prefix=tmp)
+        for root, _dirs, files in os.walk(tmp):
+            for file in files:
+                _fsync_file(Path(root) / file)
+            _fsync_dir(Path(root))
+        os.rename(tmp, folder / name)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _fsync_dir(folder)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _stacked(values: list[torch.Tensor]) -> torch.Tensor:
+    """One field of a put: dense when every row has one shape, else a nested tensor
+    (strided layout: what ``TensorDict.memmap`` stores)."""
+    rows = [v.detach().cpu() for v in values]
+    if all(r.shape == rows[0].shape for r in rows):
+        return torch.stack(rows)
+    with warnings.catch_warnings():  # "prototype stage": the layout memmap supports
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.as_nested_tensor(rows, layout=torch.strided)
+
+
+def _refuse_legacy(folder: Path) -> None:
+    old = next(folder.glob("*" + _LEGACY_SUFFIX), None)
+    if old is not None:
+        raise DataPlaneError(
+            f"spill directory {folder} holds rows in the safetensors format of an earlier "
+            f"release ({old.name}); this release reads memory-mapped TensorDicts only. "
+            "Resume that run with the release that wrote it, or delete the directory "
+            "(its payloads are then lost: steps after the newest checkpoint cannot be "
+            "re-trained)"
+        )
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    _fsync_file(folder)

@@ -2,12 +2,12 @@
 
 Uses TransferQueue's key/value API (``kv_batch_put`` / ``kv_batch_get`` / ``kv_list`` /
 ``kv_clear``) over its SimpleStorage backend (in-memory storage units run as Ray
-actors). The adapter hides three sharp edges behind the data plane contract:
+actors). Rows travel as TransferQueue's own type, a ``TensorDict`` with one batch entry
+per key (``workers.dataplane.api.batch_of``: jagged fields as nested tensors), and
+``get_batch`` hands TransferQueue's TensorDict on as it comes. Non-scalar fields come
+back jagged even when they went in dense; ``api.split_rows`` reads either. The adapter
+hides two sharp edges behind the data plane contract:
 
-* **Shapes.** Non-scalar fields come back as jagged nested tensors even when they went
-  in dense. Every field is therefore stored with a companion ``__shape__/<field>`` row
-  ``[ndim, *shape]``; rows are flattened to 1-D on put and reshaped on get. Scalar
-  fields go in as a dense ``[B]`` column.
 * **Missing data is silent.** An absent key or field is dropped from the result (or
   yields an empty batch); the adapter checks what came back and raises
   :class:`MissingPayloadError` naming the missing keys/fields.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
-import torch
+from tensordict import TensorDict
 
 from workers.dataplane.api import (
     DataPlaneUnavailable,
@@ -33,9 +33,10 @@ from workers.dataplane.api import (
     Row,
     Tags,
     as_columns,
+    batch_of,
+    rows_of,
 )
 
-_SHAPE = "__shape__/"
 #: TransferQueue's controller and storage units need this many logical CPUs in Ray.
 MIN_RAY_CPUS = 4
 
@@ -78,7 +79,6 @@ class TransferQueueDataPlane:
     def __init__(self, cfg: TransferQueueConfig = TransferQueueConfig()) -> None:
         try:
             import transfer_queue as tq
-            from tensordict import TensorDict
 
             _ensure_ray(cfg)
             storage: dict = {"num_data_storage_units": cfg.num_storage_units}
@@ -90,7 +90,6 @@ class TransferQueueDataPlane:
         except Exception as err:  # any start-up failure is fatal, never a fallback
             raise DataPlaneUnavailable(f"TransferQueue failed to start: {err!r}") from err
         self._tq = tq
-        self._td = TensorDict
         # TransferQueue's client is not safe for concurrent calls from threads.
         self._lock = threading.Lock()
 
@@ -104,20 +103,22 @@ class TransferQueueDataPlane:
         tags: Sequence[Tags] | None = None,
     ) -> None:
         keys, columns, tag_list = as_columns(keys, fields, tags)
-        batch: dict[str, torch.Tensor] = {}
-        for name, values in columns.items():
-            batch[name], batch[_SHAPE + name] = _encode(values)
-        td = self._td(batch, batch_size=[len(keys)])
+        td = batch_of(columns, len(keys))
         with self._lock:
             self._tq.kv_batch_put(keys=keys, partition_id=partition, fields=td, tags=tag_list)
 
     def get(
         self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
     ) -> list[Row]:
+        return rows_of(self.get_batch(partition, keys, fields)) if keys else []
+
+    def get_batch(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> TensorDict:
         keys = list(keys)
         if not keys:
-            return []
-        select = None if fields is None else [x for f in fields for x in (f, _SHAPE + f)]
+            return TensorDict({}, batch_size=[0])
+        select = None if fields is None else list(fields)
         with self._lock:
             try:
                 td = self._tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=select)
@@ -127,12 +128,7 @@ class TransferQueueDataPlane:
                 select is not None and any(f not in td.keys() for f in select)
             ):
                 raise self._diagnose(partition, keys, fields)
-        names = [n for n in td.keys() if not n.startswith(_SHAPE)]
-        rows: list[Row] = [{} for _ in keys]
-        for name in names:
-            for i, value in enumerate(_decode(td[name], td[_SHAPE + name])):
-                rows[i][name] = value
-        return rows
+        return td
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
         with self._lock:
@@ -174,28 +170,3 @@ class TransferQueueDataPlane:
             names = set(td.keys())
             have = names if have is None else have & names
         return MissingPayloadError(partition, fields=[f for f in fields if f not in (have or set())])
-
-
-def _encode(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One column -> (data, shapes): dense ``[B]`` for scalars, else flattened rows."""
-    shapes = torch.tensor([[v.dim(), *v.shape] for v in values], dtype=torch.int64)
-    if values[0].dim() == 0:
-        return torch.stack([v.detach().cpu() for v in values]), shapes
-    flat = [v.detach().cpu().reshape(-1) for v in values]
-    if len({f.shape[0] for f in flat}) == 1:
-        return torch.stack(flat), shapes
-    return torch.nested.as_nested_tensor(flat, layout=torch.jagged), shapes
-
-
-def _rows(t: torch.Tensor) -> list[torch.Tensor]:
-    if t.is_nested:  # split the flat values by offsets (much cheaper than unbind)
-        return list(t.values().split(t.offsets().diff().tolist()))
-    return list(t.unbind(0))
-
-
-def _decode(data: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
-    out = []
-    for value, shape in zip(_rows(data), _rows(shapes)):
-        dims = [int(x) for x in shape.tolist()][1:]
-        out.append(value.reshape(dims).clone())
-    return out
