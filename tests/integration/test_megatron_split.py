@@ -221,6 +221,7 @@ def test_no_grad_ready_counts_leak_into_later_steps_with_overlap():
     t = MegatronTrainer(FACTORY, ADAMW, MegatronOptions(overlap_grad_reduce=True))
     for step in range(3):
         train_split(t, make_batch(16 + step), TOKEN, [2, 6], step)
+        assert t.ddp.bucket_groups, "overlap_grad_reduce builds bucket groups; none to check"
         for group in t.ddp.bucket_groups:
             assert group.per_param_grad_ready_counts == {}
             assert group.golden_per_param_grad_ready_counts == {}
