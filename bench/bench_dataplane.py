@@ -184,11 +184,12 @@ def now_crossing(plane, part: str, groups, keys):
 
 
 def time_crossing(plane, keys, rows, samples: int, repeats: int) -> tuple[float, float]:
-    """Median (before, now) seconds, the two paths alternating round by round."""
+    """Median (before, now) seconds, the two paths alternating round by round (and which
+    goes first, since the second one pays for the storage the first one just freed)."""
     groups = [(keys[i : i + samples], rows[i : i + samples]) for i in range(0, len(rows), samples)]
     times: dict[str, list[float]] = {"before": [], "now": []}
     for i in range(repeats + 1):
-        for name in ("before", "now"):
+        for name in ("before", "now") if i % 2 else ("now", "before"):
             part = f"cross-{name}-{i}"
             t0 = time.perf_counter()
             if name == "before":
