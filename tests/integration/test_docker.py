@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from events.embedded import free_port, resp_command
+from events.embedded import free_port
+from tests.redis_server import resp_command
 
 pytestmark = pytest.mark.integration
 
