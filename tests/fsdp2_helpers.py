@@ -145,6 +145,31 @@ def checkpoint_scenario(ckpt_dir: str) -> dict[str, Any]:
     return {"info": info, "saved_digest": saved, "after": t.export_weights()}
 
 
+def hf_factory(path: str):
+    from workers.models.factory import ModelConfig
+    from workers.trainer.config import BuiltModelFactory
+
+    return BuiltModelFactory(ModelConfig(kind="hf", path=path))
+
+
+def hf_tp_scenario(path: str, tp: int) -> dict[str, Any]:
+    """HF Llama (tied embeddings) over a (dp, tp) mesh: split steps with a dummy."""
+    rank, world = dd.rank_and_world()
+    dp_index = rank // tp
+    out: dict[str, Any] = {}
+    for cfg_name, loss_name in (("sgd", "token"), ("adamw", "sequence_kl")):
+        t = Fsdp2Trainer(hf_factory(path), CONFIGS[cfg_name], replace(F64, tensor_parallel=tp))
+        for step, batch in enumerate(batches()):
+            mine = split(batch, [8 // (world // tp)] * (world // tp))[dp_index]
+            t.begin_train_step(step, LOSSES[loss_name])
+            for mb in split(mine, [3, mine.num_sequences - 3]):
+                t.train_microbatch(mb)
+            t.train_microbatch(None)
+            t.finish_train_step()
+        out[(cfg_name, loss_name)] = (t.export_weights(), t.weights_digest())
+    return out
+
+
 def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[str]) -> None:
     """Spawned rank: run the named jobs, write this rank's results to a file."""
     torch.set_num_threads(1)
@@ -167,6 +192,9 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[st
                 out[job] = abort_scenario()
             elif job == "checkpoint":
                 out[job] = checkpoint_scenario(out_dir)
+            elif job.startswith("hf_tp"):  # "hf_tp<k>:<model dir>"
+                head, path = job.split(":", 1)
+                out["hf_tp"] = hf_tp_scenario(path, int(head[len("hf_tp"):]))
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(out, f)
     finally:

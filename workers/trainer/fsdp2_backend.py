@@ -4,9 +4,9 @@ Same contract, state machine, metrics and normalisation as
 :class:`~workers.trainer.torch_backend.TorchTrainer` (a subclass reusing them); what
 differs is where the weights live and how gradients travel::
 
-    build     rank 0: factory() (the weights); others: the factory on the meta device;
-              [tp plan]; fully_shard(each transformer block); fully_shard(root);
-              broadcast rank 0's full state into the shards (fsdp2_shard)
+    build     rank 0: factory() (the weights, full); every rank: the factory on the
+              meta device; [tp plan]; fully_shard(each transformer block);
+              fully_shard(root); rank 0's full state broadcast into the shards
     begin     zero the sharded grads (and, with grad_reduce="at_finish", turn gradient
               sync off on every FSDP module)
     micro*    forward + backward, loss with normaliser 1. FSDP all-gathers each block's
@@ -77,6 +77,7 @@ from workers.trainer.api import (
     StepResult,
 )
 from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
+from workers.trainer.metrics import StepStats, combine, loss_normaliser
 from workers.trainer.torch_backend import TorchTrainer, _OpenStep, _trim, model_logits
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -165,15 +166,17 @@ class Fsdp2Trainer(TorchTrainer):
         dtype = _DTYPES.get(self.options.param_dtype or "")
         if self.rank == 0 and full_state is None:
             torch.manual_seed(self.config.seed)
-            module = factory().to(self.device)
+            source = factory().to(self.device)
             if dtype is not None:
-                module = module.to(dtype)
-            full_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-            full_buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
-        else:
-            module = fs.build_on_meta(factory)
-            if dtype is not None:
-                module = module.to(dtype)
+                source = source.to(dtype)
+            full_state = {k: v.detach() for k, v in source.state_dict().items()}
+            full_buffers = {k: b.detach() for k, b in source.named_buffers()}
+            del source
+        # Every rank shards a meta-device copy: a real tensor would make rank 0 take a
+        # different (scattering) path through the tensor-parallel plan than the others.
+        module = fs.build_on_meta(factory)
+        if dtype is not None:
+            module = module.to(dtype)
         module.eval()  # dropout off: determinism
         fs.shard_model(module, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
         fs.materialise_from_rank0(module, full_state, full_buffers, self.device)
@@ -269,14 +272,34 @@ class Fsdp2Trainer(TorchTrainer):
         self._optimizer.zero_grad(set_to_none=True)
         return self._close_step(open_, total, grad_norm, lr)
 
+    def _global_normaliser(self, open_: _OpenStep) -> tuple[StepStats, int]:
+        """Counts and metric sums over the dp ranks only: the tp ranks of one dp index
+        trained the same rows, and counting them tp times would scale N by tp."""
+        cfg = open_.loss_config
+        local = open_.metrics.stats(
+            open_.num_sequences, open_.num_tokens, open_.num_microbatches, open_.num_dummy
+        )
+        tp = self.options.tensor_parallel
+        per_rank = dd.all_gather_objects(local)
+        total = combine([s for r, s in enumerate(per_rank) if r % tp == 0])
+        n = loss_normaliser(total, cfg.aggregation)
+        if n == 0:
+            raise ValueError(
+                f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
+                "rank; abort it"
+            )
+        return total, n
+
     def _clip_gradients(self) -> float:
-        """Clip by the L2 norm over every shard of every gradient (one all-reduce)."""
-        grads = [p.grad for p in self._params]
-        total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-        total = fs.full_tensor(total)  # a DTensor norm is a partial sum: reduce it
+        """Clip by the L2 norm over every shard of every gradient (an all-reduce per mesh)."""
+        total = fs.global_norm([p.grad for p in self._params])
         max_norm = self.config.max_grad_norm
         if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total, foreach=True)
+            # torch's clip_grads_with_norm_ arithmetic, one tensor at a time: with tp the
+            # gradients live on two meshes, which a foreach op cannot mix
+            coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            for p in self._params:
+                p.grad.mul_(coef)
         return float(total)
 
     def abort_train_step(self) -> None:

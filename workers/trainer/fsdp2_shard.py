@@ -3,9 +3,9 @@
 ::
 
     world = dp x tp ranks          mesh ("dp", "tp"), row-major: rank = dp_index * tp + tp_index
-    rank 0:   factory() on CPU ----------------------------+ full state dict
-    others:   factory() on the meta device (no memory)    |
-    all:      [tp plan per block] -> fully_shard(block) for each transformer block
+    rank 0:   factory() on CPU --------------------------+ full state dict (then dropped)
+    all:      factory() on the meta device (no memory)   |
+              [tp plan per block] -> fully_shard(block) for each transformer block
               -> fully_shard(root) -> to_empty -> set_model_state_dict(broadcast_from_rank0)
               -> buffers broadcast from rank 0 (non-persistent ones, e.g. rotary
                  inv_freq, are not in the state dict and would be garbage after to_empty)
@@ -159,6 +159,23 @@ def gather_full(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
         if keep:
             out[name] = full.to("cpu", copy=True)
     return out
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over the full tensors, from the local shards.
+
+    Grouped by device mesh (with tp, block parameters live on the 2-D mesh, the rest on
+    "dp"): each group's norm is a partial DTensor, reduced by ``full_tensor``.
+    """
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        key = t.device_mesh if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
+    norms = [
+        full_tensor(torch.nn.utils.get_total_norm(ts, 2.0, foreach=True))
+        for _, ts in sorted(groups.items(), key=lambda kv: str(kv[0]))
+    ]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def local_bytes(tensors: Any) -> int:
