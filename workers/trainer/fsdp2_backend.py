@@ -78,7 +78,8 @@ from workers.trainer.api import (
 )
 from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
 from workers.trainer.metrics import StepStats, combine, loss_normaliser
-from workers.trainer.torch_backend import TorchTrainer, _OpenStep, _trim, model_logits
+from workers.trainer.tensors import model_logits
+from workers.trainer.torch_backend import TorchTrainer, _OpenStep
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -96,7 +97,7 @@ class Fsdp2Options:
     gradient_divide_factor: float | None = 1.0
     #: free each block's gathered parameters after its forward (memory over time)
     reshard_after_forward: bool = True
-    #: cast the model's parameters after building it (tests use float64); None = as built
+    #: cast the model's parameters after building it; None = ``TrainerConfig.dtype``
     param_dtype: Literal["float32", "float64"] | None = None
 
 
@@ -163,7 +164,7 @@ class Fsdp2Trainer(TorchTrainer):
         full_buffers: dict[str, torch.Tensor] | None,
     ) -> tuple[nn.Module, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         """A sharded copy of the model; rank 0 builds the weights unless given them."""
-        dtype = _DTYPES.get(self.options.param_dtype or "")
+        dtype = self.config.torch_dtype or _DTYPES.get(self.options.param_dtype or "")
         if self.rank == 0 and full_state is None:
             torch.manual_seed(self.config.seed)
             source = factory().to(self.device)

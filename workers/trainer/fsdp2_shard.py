@@ -94,7 +94,7 @@ def shard_model(
     if mesh["tp"].size() > 1:
         from workers.trainer.fsdp2_tp import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(transformer_blocks(model), mesh["tp"])
     dp_mesh = mesh["dp"]
     for block in transformer_blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)

@@ -20,20 +20,18 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from workers.trainer.fsdp2_shard import transformer_blocks
-
 _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Parallelise each of the model's transformer ``blocks`` in place over ``tp_mesh``."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    blocks = transformer_blocks(model)
     plan = {name: ColwiseParallel() for name in _COLWISE}
     plan.update({name: RowwiseParallel() for name in _ROWWISE})
     tp = tp_mesh.size()
