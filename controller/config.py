@@ -75,6 +75,8 @@ class LossSection(_Section):
 
 class TrainSection(_Section):
     backend: TrainerBackend = "torch"
+    """torch: replicated ranks, one flat all-reduce; megatron: mcore DDP; fsdp2:
+    fully_shard over a (data_parallel, tensor_parallel) mesh (docs/backends.md)."""
     groups_per_step: int = 16
     groups_per_microbatch: int = 8
     lr: float = 3e-3
@@ -84,6 +86,8 @@ class TrainSection(_Section):
     data_parallel: int = 1
     node_resource: str = ""
     """Ray custom resource the trainer's node must offer; empty = any node."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks per data-parallel rank (fsdp2 backend, HF Llama/Qwen2 blocks)."""
     loss: LossSection = msgspec.field(default_factory=LossSection)
 
 
@@ -126,7 +130,7 @@ class Config(_Section):
 _POSITIVE = {
     "run.steps", "rollout.samples_per_group", "rollout.num_generators",
     "rollout.max_attempts", "rollout.groups_per_call", "train.groups_per_step", "train.groups_per_microbatch",
-    "train.data_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
+    "train.data_parallel", "train.tensor_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
     "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
 }
@@ -160,6 +164,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config: train.loss.is_cap must be >= 1")
     if cfg.train.grad_clip <= 0:
         raise ConfigError("config: train.grad_clip must be > 0")
+    if cfg.train.tensor_parallel > 1 and cfg.train.backend != "fsdp2":
+        raise ConfigError("config: train.tensor_parallel > 1 needs train.backend = \"fsdp2\"")
     if cfg.model.kind == "hf" and not cfg.model.path:
         raise ConfigError("config: model.path is required when model.kind = \"hf\"")
     try:

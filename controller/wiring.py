@@ -163,6 +163,7 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
         prompt_seed=cfg.run.seed,
         dataset=cfg.task.dataset or None,
         data_parallel=cfg.train.data_parallel,
+        tensor_parallel=cfg.train.tensor_parallel,
         trainer_backend=cfg.train.backend,
     )
 

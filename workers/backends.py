@@ -5,6 +5,7 @@ config key          value                    built by
 ==================  =======================  =========================================
 trainer.backend     ``"torch"`` (default)    ``workers.trainer.torch_backend.TorchTrainer``
 trainer.backend     ``"megatron"``           ``workers.trainer.megatron_backend.MegatronTrainer``
+trainer.backend     ``"fsdp2"``              ``workers.trainer.fsdp2_backend.Fsdp2Trainer``
 generator.backend   ``"torch"`` (default)    ``workers.generator.generator.Generator``
 generator.backend   ``"vllm"``               ``workers.generator.vllm_backend.VllmGenerator``
 ==================  =======================  =========================================
@@ -35,7 +36,7 @@ from workers.availability import (
 if TYPE_CHECKING:
     from workers.trainer.api import Trainer
 
-TrainerBackend = Literal["torch", "megatron"]
+TrainerBackend = Literal["torch", "megatron", "fsdp2"]
 GeneratorBackend = Literal["torch", "vllm"]
 
 __all__ = [
@@ -60,6 +61,10 @@ def make_trainer(
         from workers.trainer.torch_backend import TorchTrainer
 
         return TorchTrainer(model_factory, config)
+    if backend == "fsdp2":  # torch.distributed only: nothing extra to install
+        from workers.trainer.fsdp2_backend import Fsdp2Trainer
+
+        return Fsdp2Trainer(model_factory, config, **options)
     check_megatron(installed=package_available("megatron.core"), cuda=cuda_available())
     from workers.trainer.megatron_backend import MegatronTrainer
 

@@ -59,8 +59,10 @@ class WorkerSpec:
     task_options: Mapping[str, Any] = field(default_factory=dict)
     data_parallel: int = 1
     torch_threads: int = 1
-    #: "torch" or "megatron" (megatron-core DDP; data parallel 1 in ``run`` so far)
+    #: "torch", "megatron" (megatron-core DDP) or "fsdp2" (fully_shard, dp x tp mesh)
     trainer_backend: TrainerBackend = "torch"
+    #: fsdp2 only: tensor-parallel ranks per data-parallel rank
+    tensor_parallel: int = 1
 
 
 class TrainerWorker:
@@ -73,20 +75,26 @@ class TrainerWorker:
         self.trainer: Any = self._build()
 
     def _build(self) -> Any:
-        factory = BuiltModelFactory(self.spec.model)
-        if self.spec.trainer_backend != "torch":
-            if self.spec.data_parallel != 1:
-                raise ValueError(
-                    f"trainer.backend = {self.spec.trainer_backend!r} runs with "
-                    "train.data_parallel = 1 under 'rl-controller run' (its data-parallel "
-                    "parity is tested directly, see docs/backends.md)"
-                )
-            return make_trainer(self.spec.trainer_backend, factory, self.spec.trainer)
-        if self.spec.data_parallel == 1:
-            return TorchTrainer(factory, self.spec.trainer)
+        """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
+        spec = self.spec
+        factory = BuiltModelFactory(spec.model)
+        options = None
+        if spec.trainer_backend == "fsdp2":
+            from workers.trainer.fsdp2_backend import Fsdp2Options
+
+            options = Fsdp2Options(tensor_parallel=spec.tensor_parallel)
+        world = spec.data_parallel * spec.tensor_parallel
+        if world == 1:
+            if spec.trainer_backend == "torch":
+                return TorchTrainer(factory, spec.trainer)
+            kwargs = {} if options is None else {"options": options}
+            return make_trainer(spec.trainer_backend, factory, spec.trainer, **kwargs)  # type: ignore[arg-type]
         from workers.trainer.actor import TrainerGroup
 
-        return TrainerGroup(self.spec.data_parallel, factory, self.spec.trainer)
+        return TrainerGroup(
+            world, factory, spec.trainer, trainer_backend=spec.trainer_backend,
+            options=options, tensor_parallel=spec.tensor_parallel,
+        )
 
     def reset(self) -> None:
         """Back to the initial weights (seeded init, version 0), as if just started."""

@@ -18,7 +18,10 @@ def _cli(*args: str, data_dir) -> subprocess.CompletedProcess:
     )
 
 
-def test_run_with_megatron_backend_then_audit(tmp_path):
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_run_with_megatron_backend_then_audit(tmp_path, data_parallel):
+    """At data parallel 2 the trainer is a TrainerGroup of Ray rank actors (one
+    megatron rank each), the same shell the torch and fsdp2 backends use."""
     from events.embedded import stop_embedded_redis
 
     try:
@@ -27,6 +30,7 @@ def test_run_with_megatron_backend_then_audit(tmp_path):
             "--set", "train.backend=megatron", "--set", "dataplane.kind=memory",
             "--set", "dataplane.spill=false", "--set", "train.groups_per_step=2",
             "--set", "train.groups_per_microbatch=1", "--set", "rollout.samples_per_group=4",
+            "--set", f"train.data_parallel={data_parallel}",
             data_dir=tmp_path,
         )
         assert run.returncode == 0, run.stderr[-2000:]

@@ -100,3 +100,31 @@ def test_trainer_worker_reset_stops_its_rank_actors(ray_cluster, tmp_path):
         assert _live(new) == 2
     finally:
         worker.trainer.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer_backend", ["megatron", "fsdp2"])
+def test_rank_actors_run_every_backend(ray_cluster, trainer_backend):
+    """The same rank actors build megatron (mcore DDP) and fsdp2 (sharded) ranks; an
+    uneven split step over two actors equals the world-size-1 torch one-shot."""
+    if trainer_backend == "megatron":
+        pytest.importorskip("megatron.core")
+    from workers.trainer.actor import TrainerGroup
+
+    batch = make_batch(101)
+    want, want_results, _ = oneshot_reference(SGD64, TOKEN, [batch])
+    group = TrainerGroup(2, FACTORY, SGD64, trainer_backend=trainer_backend)
+    try:
+        group.begin_train_step(0, TOKEN)
+        rank0, rank1 = split(batch, [5, 3])
+        group.train_microbatches([split(rank0, [2, 3]), [rank1]])
+        res = group.finish_train_step()
+        assert res.grad_norm == pytest.approx(
+            want_results[0].grad_norm, rel=metric_tolerance(SGD64)[0]
+        )
+        assert max_param_diff(group.export_weights(), want) <= weight_tolerance(SGD64, 1)
+        assert group.weights_digest() == res.weights_digest or res.weights_digest is None
+        logprobs = group.compute_logprobs(batch)
+        assert logprobs.shape == batch.loss_mask.shape
+    finally:
+        group.shutdown()

@@ -40,6 +40,8 @@ def test_file_then_overrides(tmp_path):
         (["staleness.buffer_groups=3"], "staleness.buffer_groups = 3 is too small"),
         (["sampling.top_p=1.5"], "sampling.top_p"),
         (["model.kind=hf"], "model.path is required"),
+        (["train.tensor_parallel=2"], "train.tensor_parallel > 1 needs train.backend"),
+        (["train.tensor_parallel=0"], "train.tensor_parallel must be > 0"),
         (["justakey"], "expected key=value"),
         (["train.lr.x=1"], "train.lr: Expected `float`, got `object`"),
     ],

@@ -13,9 +13,15 @@ own copy of the step phase and rejects wrong-order calls *before* fanning out: a
 that would fail on only some ranks could leave the others blocked in a collective.
 
 Microbatches: ``train_microbatch(batch)`` splits one global microbatch's rows across the
-ranks (a rank with no rows runs a dummy); ``train_microbatches(per_rank)`` takes explicit
+data-parallel ranks (a rank with no rows runs a dummy; the ``tensor_parallel`` ranks of
+one dp index get the same rows); ``train_microbatches(per_rank)`` takes explicit
 per-rank lists of possibly different lengths and pads the short ones with zero-weight
 dummies, so every rank makes the same number of calls.
+
+Backends: each rank builds ``trainer_backend`` ("torch", "megatron" or "fsdp2") through
+``workers.backends.make_trainer``. For "fsdp2" reading the full weights is a collective
+(parameters are sharded), so ``export_weights`` and ``compute_logprobs`` go to every
+rank, and rank 0's answer is returned.
 """
 
 from __future__ import annotations
@@ -38,14 +44,16 @@ from workers.trainer.api import (
     TrainStepStateError,
 )
 from workers.trainer.config import ModelFactory, TrainerConfig
-from workers.trainer.torch_backend import TorchTrainer
+
+#: backends whose full-weight reads (export, logprobs) are collectives over all ranks
+_COLLECTIVE_READS = frozenset({"fsdp2"})
 
 
 class TrainerRankActor:
     """One data-parallel rank inside a Ray actor: joins the group, then delegates."""
 
     def __init__(self) -> None:
-        self._trainer: TorchTrainer | None = None
+        self._trainer: Any = None
 
     def address(self) -> tuple[str, int]:
         """(node ip, a free port) for the rank-0 rendezvous."""
@@ -62,12 +70,17 @@ class TrainerRankActor:
         model_factory: ModelFactory,
         config: TrainerConfig,
         backend: dd.Backend | None = None,
+        trainer_backend: str = "torch",
+        options: Any = None,
     ) -> None:
+        from workers.backends import make_trainer
+
         dd.init_process_group(rank, world_size, master_addr, master_port, backend)
-        self._trainer = TorchTrainer(model_factory, config)
+        kwargs = {} if options is None else {"options": options}
+        self._trainer = make_trainer(trainer_backend, model_factory, config, **kwargs)  # type: ignore[arg-type]
 
     @property
-    def trainer(self) -> TorchTrainer:
+    def trainer(self) -> Any:
         if self._trainer is None:
             raise RuntimeError("TrainerRankActor.setup has not been called")
         return self._trainer
@@ -88,7 +101,7 @@ class TrainerRankActor:
         self.trainer.abort_train_step()
 
     def compute_logprobs(
-        self, batch: TrainBatch, which: LogprobSource, temperature: float
+        self, batch: TrainBatch | None, which: LogprobSource, temperature: float
     ) -> torch.Tensor:
         return self.trainer.compute_logprobs(batch, which, temperature=temperature)
 
@@ -128,14 +141,22 @@ class TrainerGroup:
         num_cpus_per_rank: float = 1,
         num_gpus_per_rank: float = 0,
         backend: dd.Backend | None = None,
+        trainer_backend: str = "torch",
+        options: Any = None,
+        tensor_parallel: int = 1,
     ) -> None:
         import ray
+
+        if world_size % tensor_parallel:
+            raise ValueError(f"tensor_parallel {tensor_parallel} does not divide {world_size} ranks")
 
         self._ray = ray
         cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(
             TrainerRankActor
         )
         self.world_size = world_size
+        self.tensor_parallel = tensor_parallel
+        self._collective_reads = trainer_backend in _COLLECTIVE_READS
         self._ranks = [cls.remote() for _ in range(world_size)]
         addr, port = ray.get(self._ranks[0].address.remote())
         if backend is None and num_gpus_per_rank == 0:
@@ -143,7 +164,9 @@ class TrainerGroup:
         cfg = config or TrainerConfig()
         self._all(
             [
-                a.setup.remote(r, world_size, addr, port, model_factory, cfg, backend)
+                a.setup.remote(
+                    r, world_size, addr, port, model_factory, cfg, backend, trainer_backend, options
+                )
                 for r, a in enumerate(self._ranks)
             ]
         )
@@ -182,13 +205,18 @@ class TrainerGroup:
     def train_microbatch(self, batch: TrainBatch | None) -> list[MicrobatchResult]:
         """One global microbatch, rows split across ranks; per-rank results in rank order."""
         self._require("train_microbatch", StepPhase.OPEN)
-        if batch is None:
-            shards: list[TrainBatch | None] = [None] * self.world_size
-        else:
-            shards = dd.shard_rows(batch, self.world_size)
+        shards = self._shards(batch)
         return self._guarded(
             [a.train_microbatch.remote(s) for a, s in zip(self._ranks, shards)]
         )
+
+    def _shards(self, batch: TrainBatch | None) -> list[TrainBatch | None]:
+        """Each rank's rows: split over dp indices, repeated for the tp ranks of one."""
+        tp = self.tensor_parallel
+        if batch is None:
+            return [None] * self.world_size
+        per_dp = dd.shard_rows(batch, self.world_size // tp)
+        return [per_dp[r // tp] for r in range(self.world_size)]
 
     def train_microbatches(
         self, per_rank: Sequence[Sequence[TrainBatch]]
@@ -239,13 +267,22 @@ class TrainerGroup:
     def compute_logprobs(
         self, batch: TrainBatch, which: LogprobSource = "policy", *, temperature: float = 1.0
     ) -> torch.Tensor:
-        shards = dd.shard_rows(batch, self.world_size)
-        refs = [
-            a.compute_logprobs.remote(s, which, temperature)
-            for a, s in zip(self._ranks, shards)
-            if s is not None
-        ]
-        return torch.cat(self._all(refs), dim=0)
+        shards = self._shards(batch)
+        if not self._collective_reads:
+            refs = [
+                a.compute_logprobs.remote(s, which, temperature)
+                for a, s in zip(self._ranks, shards)
+                if s is not None
+            ]
+            return torch.cat(self._all(refs), dim=0)
+        outs = self._all(
+            [a.compute_logprobs.remote(s, which, temperature) for a, s in zip(self._ranks, shards)]
+        )
+        tp = self.tensor_parallel
+        return torch.cat(
+            [o for r, (o, s) in enumerate(zip(outs, shards)) if s is not None and r % tp == 0],
+            dim=0,
+        )
 
     def save_checkpoint(self, directory: str | Path) -> CheckpointInfo:
         self._require("save_checkpoint", StepPhase.IDLE)
@@ -264,6 +301,8 @@ class TrainerGroup:
         return digests[0]
 
     def export_weights(self) -> dict[str, torch.Tensor]:
+        if self._collective_reads:
+            return self._fan("export_weights")[0]
         return self._all([self._ranks[0].export_weights.remote()])[0]
 
     def shutdown(self) -> None:
@@ -272,3 +311,10 @@ class TrainerGroup:
         finally:
             for a in self._ranks:
                 self._ray.kill(a)
+
+    def close(self) -> None:
+        """Shut down and kill every rank, even when some are already dead."""
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,151 @@
+"""FSDP2 backend at data parallel 2 vs the torch backend, side by side in one run.
+
+Two gloo processes; per backend (torch: replicated ranks + one flat all-reduce;
+fsdp2 with gradients reduce-scattered per microbatch; fsdp2 accumulating unsharded
+gradients and reducing once at finish) it prints:
+
+* per-rank bytes of parameters + gradients + optimizer state (AdamW), measured inside
+  an open step after the microbatches (when gradients exist), and the ratio to the
+  torch backend's (target for fsdp2: <= 0.6);
+* the median step time of the split API (begin / K microbatches / finish) at K = 1
+  (the API's own cost; target <= 1.10) and K = --microbatches, and of the same
+  backend's one-shot ``train()`` on the same rows, interleaved step by step, with the
+  ratios. Under FSDP every microbatch all-gathers each block's parameters (forward and
+  backward) and, per_microbatch, reduce-scatters its gradient: K microbatches pay
+  those collectives K times, which is the price of microbatching a sharded model.
+
+    python bench/bench_fsdp2.py --iters 10 --microbatches 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_trainer_split import make_batch, rows  # noqa: E402
+from workers.loss import LossConfig  # noqa: E402
+from workers.models.tiny import TinyConfig  # noqa: E402
+from workers.trainer import distributed as dd  # noqa: E402
+from workers.trainer.config import OptimizerConfig, TinyModelFactory, TrainerConfig  # noqa: E402
+from workers.trainer.fsdp2_backend import Fsdp2Options, Fsdp2Trainer  # noqa: E402
+from workers.trainer.torch_backend import TorchTrainer  # noqa: E402
+
+BACKENDS = ("torch", "fsdp2 per_microbatch", "fsdp2 at_finish")
+
+
+def _bytes(tensors) -> int:
+    from workers.trainer.fsdp2_shard import local_bytes
+
+    return local_bytes(tensors)
+
+
+def memory(trainer) -> int:
+    """Parameter + gradient + optimizer-state bytes held by this rank right now.
+
+    Gradients include FSDP's unsharded accumulation (``at_finish`` keeps the step's
+    gradient there, full size, until finish reduce-scatters it).
+    """
+    params = list(trainer.model.parameters())
+    state = [t for s in trainer._optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor) and t.dim() > 0]
+    unsharded = []
+    for m in getattr(trainer, "_fsdp_modules", []):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                unsharded.append(fp.unsharded_accumulated_grad)
+                unsharded.append(getattr(getattr(fp, "_unsharded_param", None), "grad", None))
+    return _bytes(params) + _bytes(p.grad for p in params) + _bytes(state) + _bytes(unsharded)
+
+
+def build(name: str, args: argparse.Namespace):
+    factory = TinyModelFactory(TinyConfig(
+        vocab_size=args.vocab, context_len=args.seq_len, d_model=args.d_model,
+        n_layers=args.layers, n_heads=4,
+    ))
+    config = TrainerConfig(optimizer=OptimizerConfig(lr=1e-4), digest_on_finish=False)
+    if name == "torch":
+        return TorchTrainer(factory, config)
+    mode = name.split()[1]
+    return Fsdp2Trainer(factory, config, Fsdp2Options(grad_reduce=mode))  # type: ignore[arg-type]
+
+
+def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    torch.set_num_threads(args.threads)
+    dd.init_process_group(rank, world, "127.0.0.1", port, "gloo")
+    loss = LossConfig()
+    batch = rows(make_batch(args, 0), world)[rank]
+    splits = {1: rows(batch, 1), args.microbatches: rows(batch, args.microbatches)}
+    out: dict[str, dict] = {}
+    trainers = {name: build(name, args) for name in BACKENDS}
+    for name, t in trainers.items():
+        t.train(batch, loss)  # warm-up; optimizer state exists from here on
+        t.begin_train_step(1, loss)
+        for mb in splits[args.microbatches]:
+            t.train_microbatch(mb)
+        out[name] = {"bytes": memory(t), "oneshot": [], **{k: [] for k in splits}}
+        t.abort_train_step()
+    for _ in range(args.iters):
+        for name, t in trainers.items():
+            for k, mbs in splits.items():
+                dd.barrier()
+                start = time.perf_counter()
+                t.begin_train_step(0, loss)
+                for mb in mbs:
+                    t.train_microbatch(mb)
+                t.finish_train_step()
+                out[name][k].append(time.perf_counter() - start)
+            dd.barrier()
+            start = time.perf_counter()
+            t.train(batch, loss)
+            out[name]["oneshot"].append(time.perf_counter() - start)
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
+    dd.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32, help="global rows per step")
+    p.add_argument("--seq-len", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(run_rank, args=(2, dd.find_free_port(), args, tmp), nprocs=2,
+                           start_method="spawn")
+        ranks = [pickle.load(open(Path(tmp) / f"rank{r}.pkl", "rb")) for r in range(2)]
+    base = max(r["torch"]["bytes"] for r in ranks)
+    print(f"dp 2, K = {args.microbatches} microbatches, {args.iters} interleaved steps")
+    k = args.microbatches
+
+    def median(name: str, key) -> float:  # a step lasts as long as its slowest rank
+        return statistics.median(max(a, b) for a, b in zip(*(r[name][key] for r in ranks)))
+
+    print(f"{'backend':<22} {'bytes/rank':>11} {'vs torch':>9} {'one-shot s':>11} "
+          f"{'split K=1':>10} {'ratio':>6} {f'split K={k}':>10} {'ratio':>6}")
+    for name in BACKENDS:
+        nbytes = max(r[name]["bytes"] for r in ranks)
+        one, s1, sk = median(name, "oneshot"), median(name, 1), median(name, k)
+        print(f"{name:<22} {nbytes:>11,} {nbytes / base:>8.2f}x {one:>11.4f} "
+              f"{s1:>10.4f} {s1 / one:>5.2f}x {sk:>10.4f} {sk / one:>5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
