@@ -99,6 +99,8 @@ class DataPlaneSection(_Section):
     """TransferQueue storage units only on nodes offering this Ray resource; empty =
     round-robin over every node. A unit dies with its node and TransferQueue keeps no
     copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
+    storage_units: int = 2
+    """TransferQueue storage units (Ray actors holding payloads; one CPU each)."""
 
 
 class RayConfig(_Section):
@@ -106,6 +108,9 @@ class RayConfig(_Section):
     """Existing Ray cluster to join; empty = start a local one."""
     num_cpus: int = 8
     """Logical CPUs for a local Ray (TransferQueue needs >= 4)."""
+    placement_timeout_s: float = 300.0
+    """How long a worker may wait to be placed and built before the run stops and
+    says what is pending (Ray itself waits forever)."""
 
 
 class Config(_Section):
@@ -133,6 +138,7 @@ _POSITIVE = {
     "train.data_parallel", "train.tensor_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
     "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
+    "ray.placement_timeout_s", "dataplane.storage_units",
 }
 _NON_NEGATIVE = {
     "staleness.window_versions", "staleness.buffer_groups", "train.lr",

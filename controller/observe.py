@@ -72,7 +72,8 @@ class Progress:
 
     def __init__(self, total_steps: int, *, console: Console | None = None, enabled: bool = True):
         self.total_steps = total_steps
-        self.console = console or Console(stderr=True)
+        # soft_wrap: plain lines (piped, --no-progress) are never cut at 80 columns
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.enabled = enabled and self.console.is_terminal
         self._rows: list[tuple[str, ...]] = []
         self._live: Live | None = None

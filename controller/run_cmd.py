@@ -22,13 +22,14 @@ from pathlib import Path
 
 import structlog
 
+from controller import followup, preflight, quiet, ray_cluster
+from controller.cli_common import CliError, add_store_args, open_store, require_run
 from controller.core import policies
-from controller.cli_common import CliError, add_store_args, open_store
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import RecoveryError, reconcile_workers
-from controller.startup import RunExistsError, create_run, resume_run
+from controller.startup import RunExistsError, create_run, load_state, resume_run
 from events import schema as ev
 from events.errors import FencedError
 
@@ -78,12 +79,15 @@ def _resolve_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
+_RESUME_KEEPS_CONFIG = (
+    "a resumed run keeps the config recorded in its log; only --steps and "
+    "--ray-address may change (drop --config/--set)"
+)
+
+
 def _resume_config(logged: dict, args: argparse.Namespace) -> Config:
     if args.config or args.set:
-        raise CliError(
-            "a resumed run keeps the config recorded in its log; only --steps and "
-            "--ray-address may change (drop --config/--set)"
-        )
+        raise CliError(_RESUME_KEEPS_CONFIG)
     cfg = config_from_dict(logged)
     extra = []
     if args.steps is not None:
@@ -136,6 +140,16 @@ def _code_version() -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # Everything that can be checked without the store is checked before it is opened
+    # (an embedded server is not even started for a bad command line).
+    if args.resume and not args.run_id:
+        raise CliError("--resume needs --run-id (see 'rl-controller runs')")
+    if args.rewind_to_checkpoint and not args.resume:
+        raise CliError("--rewind-to-checkpoint only applies to --resume")
+    if args.resume and (args.config or args.set):
+        raise CliError(_RESUME_KEEPS_CONFIG)
+    run_id = args.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
+    preflight.check_new_run_id(run_id)
     cfg = None if args.resume else _resolve_config(args)
     if cfg is not None:
         policies.check_capacity(
@@ -143,20 +157,37 @@ def cmd_run(args: argparse.Namespace) -> int:
             groups_per_step=cfg.train.groups_per_step,
             window=cfg.staleness.window_versions,
         )
-    run_id = args.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
-    if args.resume and not args.run_id:
-        raise CliError("--resume needs --run-id (see 'rl-controller runs')")
-    if args.rewind_to_checkpoint and not args.resume:
-        raise CliError("--rewind-to-checkpoint only applies to --resume")
-    if not args.local_workers:
-        # Before anything is written: an unreachable cluster must leave no run behind.
-        check_ray_address(args.ray_address or (cfg.ray.address if cfg else ""))
+        preflight.check_config(cfg)
+        if not args.local_workers:
+            # Before anything is written: an unreachable or too small cluster must
+            # leave no run behind.
+            ray_cluster.check_local_capacity(cfg)
+            check_ray_address(cfg.ray.address)
     with open_store(args, start=True, replication=cfg.store if cfg else None) as store:
         if args.resume:
+            # Read-only first: the recorded config is checked before a new epoch is
+            # claimed, and a finished run answers without starting anything.
+            require_run(store, run_id)
+            state = load_state(store, run_id)
+            cfg = _resume_config(state.config, args)
+            preflight.check_config(cfg)
+            if state.finished and state.trainer_version >= cfg.run.steps:
+                return _nothing_to_do(args, run_id, state.trainer_version)
+            if not args.local_workers:
+                ray_cluster.check_local_capacity(cfg)
+                check_ray_address(cfg.ray.address)
+            if args.redis_url:
+                preflight.check_durability(store, cfg, args.redis_url)
+            _start_ray(args, cfg, run_id)
             writer = resume_run(store, run_id)
-            cfg = _resume_config(writer.state.config, args)
             store.replication = cfg.store  # the run's own setting, from its log
         else:
+            if store.run_exists(run_id) and store.last_position(run_id) > 0:
+                raise CliError(f"run {run_id!r} already exists; pass --resume to continue it, "
+                               "or choose another --run-id")
+            if args.redis_url:
+                preflight.check_durability(store, cfg, args.redis_url)
+            _start_ray(args, cfg, run_id)
             try:
                 writer = create_run(
                     store, run_id,
@@ -218,16 +249,19 @@ def _train(args, cfg: Config, writer, store) -> int:
         raise CliError(f"stopped: {err}", 4) from None
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
+    except KeyboardInterrupt:
+        resume = followup.command(args, "run", "--resume", "--run-id", writer.run_id)
+        raise CliError(f"interrupted; the log is consistent, continue with: {resume}", 130) from None
     finally:
         sink.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
             writer.snapshot()
-    _summary(progress, writer, run_dir, time.monotonic() - started)
+    _summary(args, progress, writer, run_dir, time.monotonic() - started)
     return 0
 
 
-def _summary(progress: Progress, writer, run_dir: Path, elapsed_s: float) -> None:
+def _summary(args, progress: Progress, writer, run_dir: Path, elapsed_s: float) -> None:
     state = writer.state
     last = state.steps.get(state.version_steps.get(state.trainer_version, -1))
     reward = last.metrics.get("reward/mean") if last else None
@@ -235,7 +269,31 @@ def _summary(progress: Progress, writer, run_dir: Path, elapsed_s: float) -> Non
     c.print(f"\n[bold]run {writer.run_id}[/] finished: trainer_version {state.trainer_version}, "
             f"{len(state.steps)} steps, {state.position} events, {elapsed_s:.0f}s"
             + (f", last reward {reward:.3f}" if reward is not None else ""))
-    c.print(f"  metrics   {run_dir / 'metrics.jsonl'}")
-    c.print(f"  audit     rl-controller audit --run {writer.run_id}")
-    c.print(f"  staleness rl-controller staleness --run {writer.run_id}")
-    c.print(f"  replay    rl-controller replay --run {writer.run_id} --step {max(state.steps, default=0)}")
+    run = writer.run_id
+    c.print(f"  metrics   {run_dir / 'metrics.jsonl'}", markup=False, highlight=False)
+    for label, words in (
+        ("audit", ("audit", "--run", run)),
+        ("staleness", ("staleness", "--run", run)),
+        ("replay", ("replay", "--run", run, "--step", str(max(state.steps, default=0)))),
+        ("continue", ("run", "--resume", "--run-id", run, "--steps", str(2 * state.trainer_version or 1))),
+        ("delete", ("delete", "--run", run)),
+    ):
+        c.print(f"  {label:<9} {followup.command(args, *words)}", markup=False, highlight=False)
+
+
+def _start_ray(args: argparse.Namespace, cfg: Config, run_id: str) -> None:
+    """Third-party output to the run's log file, then Ray up and checked (no writes yet)."""
+    third_party_log = Path(args.data_dir) / "runs" / run_id / "third_party.log"
+    quiet.size_transferqueue_threads()
+    quiet.route_to_file(third_party_log)
+    if not args.local_workers:
+        ray_cluster.connect(cfg, third_party_log)
+        quiet.route_to_file(third_party_log)  # loggers Ray created while connecting
+
+
+def _nothing_to_do(args: argparse.Namespace, run_id: str, version: int) -> int:
+    print(
+        f"run {run_id} is finished at trainer_version {version}: nothing to do "
+        f"(pass --steps N with N > {version} to train further)"
+    )
+    return 0

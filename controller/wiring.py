@@ -156,6 +156,7 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
             ray_address=cfg.ray.address or None,
             ray_num_cpus=cfg.ray.num_cpus,
             storage_node_resource=cfg.dataplane.storage_node_resource or None,
+            num_storage_units=cfg.dataplane.storage_units,
         ),
         trainer=trainer,
         loss=loss,
@@ -235,9 +236,18 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
             probe = actor.weight_version.remote()
         started.add(name)
         try:  # surface constructor errors now, with the worker's name
-            ray.get(probe)
+            ray.get(probe, timeout=cfg.ray.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            free = ray.available_resources().get("CPU", 0.0)
+            raise WorkerStartError(
+                f"{role} {name} (1 CPU) was not placed and built within "
+                f"ray.placement_timeout_s = {cfg.ray.placement_timeout_s:g} s; the cluster "
+                f"has {free:g} CPUs free of {ray.cluster_resources().get('CPU', 0.0):g}"
+            ) from None
         except Exception as err:
-            raise WorkerStartError(f"{role} {name} failed to start: {err}") from None
+            first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+            raise WorkerStartError(f"{role} {name} failed to start: {first or err!r}") from None
         return RayHandle(actor, name=name, role=role)
 
     return _assemble(cfg, spec, plane, factory)

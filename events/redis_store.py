@@ -319,6 +319,25 @@ class RedisEventStore:
             )
         return infos
 
+    def durability(self) -> tuple[str, str] | None:
+        """The server's (appendonly, appendfsync); None when CONFIG is not allowed."""
+        try:
+            with self._translate():
+                reply = self._client.config_get("append*")
+        except rex.ResponseError:  # managed Redis often disables CONFIG
+            return None
+        values = {_text(k): _text(v) for k, v in reply.items()}
+        return values.get("appendonly", "?"), values.get("appendfsync", "?")
+
+    def delete_run(self, run_id: str) -> None:
+        """Remove the run's stream, meta and snapshot and its entry in the run list."""
+        self._require_run(run_id)
+        with self._translate():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(events_key(run_id), meta_key(run_id), snapshot_key(run_id))
+            pipe.srem(RUNS_KEY, run_id)
+            pipe.execute()
+
     def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
         self._require_run(run_id)
         with self._translate():

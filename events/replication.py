@@ -34,6 +34,9 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Replicas that must confirm each append (``WAIT N``). 0: the primary's own AOF only."""
     wait_timeout_s: float = 5.0
     """How long an append waits for its replicas; past it the append fails as in doubt."""
+    require_fsync_always: bool = False
+    """Refuse an external Redis whose AOF is off or whose appendfsync is not "always"
+    (by default such a server is used with a warning saying what a crash can lose)."""
 
     def check(self) -> StoreConfig:
         if self.replicas < 0:

@@ -32,8 +32,10 @@ def _command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "controller.cli"]
 
 
-def cli(*argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
+def cli(
+    *argv: str, timeout_s: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "RLC_REDIS_URL"}
     args = [*_command(), *argv]
     try:
         return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -97,6 +99,16 @@ BAD_INPUT = {
         ["staleness.buffer_groups"],
     ),
     "unreachable ray": (["--ray-address", "127.0.0.1:1"], ["127.0.0.1:1"]),
+    "unknown task": (["--set", "task.name=sort"], ["task.name", "sort", "reverse"]),
+    "unimportable task plugin": (
+        ["--set", 'task.name="no_such_pkg.tasks:Sort"'], ["task.name", "no_such_pkg"],
+    ),
+    "hf model without a directory": (
+        ["--set", "model.kind=hf", "--set", 'model.path="/nonexistent/model"'],
+        ["model.path", "/nonexistent/model"],
+    ),
+    "missing dataset": (["--set", 'task.dataset="/nonexistent/prompts.jsonl"'], ["task.dataset"]),
+    "prompt too long for the model": (["--set", "model.context_len=4"], ["context"]),
 }
 
 
@@ -134,3 +146,40 @@ def test_resume_of_a_missing_run_is_refused(data_dir, trained):
     assert_one_line_error(proc, "no-such-run")
     after = runs(data_dir)
     assert "no-such-run" not in after and after[RUN_ID] == trained
+
+
+def test_bad_dataset_line_is_one_line_naming_file_and_line(data_dir, trained, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abc>", "answer": "cba"}\n{"prompt": "abd>", "answer": \n')
+    before = runs(data_dir)
+    proc = cli("run", "--steps", "1", "--run-id", "bad-dataset", "--no-progress",
+               "--data-dir", str(data_dir), "--set", f'task.dataset="{prompts}"', timeout_s=60)
+    assert_one_line_error(proc, "task.dataset", f"{prompts}:2", "not valid JSON")
+    assert runs(data_dir) == before
+
+
+@pytest.mark.parametrize("run_id", ["bad id{x}", "a/b", ".."])
+def test_bad_run_id_is_one_line_and_writes_nothing(data_dir, trained, run_id):
+    before = runs(data_dir)
+    proc = cli("run", "--steps", "1", "--run-id", run_id, "--no-progress",
+               "--data-dir", str(data_dir), timeout_s=60)
+    assert_one_line_error(proc, "--run-id")
+    assert runs(data_dir) == before
+
+
+def test_resume_with_changed_config_is_refused_before_any_write(data_dir, trained):
+    before = runs(data_dir)
+    proc = cli("run", "--resume", "--run-id", RUN_ID, "--set", "train.lr=1e-3", "--no-progress",
+               "--data-dir", str(data_dir), timeout_s=60)
+    assert_one_line_error(proc, "recorded", "--set")
+    assert runs(data_dir) == before  # no ControllerStarted: same events, same epoch, finished
+
+
+def test_resume_of_a_finished_run_answers_without_starting_anything(data_dir, trained):
+    before = runs(data_dir)
+    proc = cli("run", "--resume", "--run-id", RUN_ID, "--no-progress",
+               "--data-dir", str(data_dir), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "finished at trainer_version 3" in proc.stdout and "--steps" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert runs(data_dir) == before

@@ -1,0 +1,47 @@
+"""Follow-up commands printed for people, written so they can be pasted as they are.
+
+The executable is the one that is running (``.venv/bin/rl-controller`` when started
+that way, ``rl-controller`` when found on PATH); ``--data-dir`` is repeated when it is
+not the default; ``--redis-url`` when it was given on the command line (the password
+replaced by ``***``: paste yours in, or export ``RLC_REDIS_URL`` instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+
+from controller.cli_common import DEFAULT_DATA_DIR, ENV_REDIS_URL
+from events.redis_store import redact_url
+
+
+def executable() -> str:
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == "rl-controller":
+        found = shutil.which("rl-controller")
+        if found and os.path.realpath(found) == os.path.realpath(argv0):
+            return "rl-controller"
+        return argv0
+    return f"{shlex.quote(sys.executable)} -m controller.cli"
+
+
+def store_flags(args: argparse.Namespace) -> str:
+    """The flags that point another command at the same log."""
+    flags = []
+    url = getattr(args, "redis_url", "") or ""
+    if url and url != os.environ.get(ENV_REDIS_URL, ""):
+        flags.append(f"--redis-url {shlex.quote(redact_url(url))}")
+    elif not url:
+        data_dir = getattr(args, "data_dir", DEFAULT_DATA_DIR)
+        if os.path.normpath(data_dir) != os.path.normpath(DEFAULT_DATA_DIR):
+            flags.append(f"--data-dir {shlex.quote(data_dir)}")
+    return " ".join(flags)
+
+
+def command(args: argparse.Namespace, *words: str) -> str:
+    """``rl-controller WORDS... [store flags]``, ready to paste."""
+    tail = store_flags(args)
+    return " ".join([executable(), *(shlex.quote(w) for w in words), *([tail] if tail else [])])

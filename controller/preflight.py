@@ -1,0 +1,130 @@
+"""Checks a run's input before anything is written or started.
+
+``rl-controller run`` calls these before the first append to the log and before Ray
+or any worker starts, so a mistake costs one line and a non-zero exit, never a
+half-created run or a traceback from inside a Ray actor half a minute later:
+
+* the run id (the store's rules, and it names a directory under ``runs/``);
+* the task (a built-in name, or a ``module:Class`` plugin that imports and builds);
+* the model (``model.kind = "hf"``: a local directory holding ``config.json``);
+* the prompts (every line of ``task.dataset``, or the generated set; with the tiny
+  model every prompt is also encoded and checked to fit ``model.context_len``).
+
+Every failure is a :class:`controller.cli_common.CliError` naming the key or file.
+Only pure-python pieces of ``workers`` are imported here (no torch, no Ray).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from controller.cli_common import CliError
+from controller.config import Config
+from events.store import check_run_id
+
+
+def check_new_run_id(run_id: str) -> None:
+    """The store's rules, plus: usable as one directory name under ``runs/``."""
+    try:
+        check_run_id(run_id)
+    except ValueError as err:
+        raise CliError(f"--run-id: {err}") from None
+    if "/" in run_id or "\\" in run_id or run_id in (".", "..") or run_id.startswith("-"):
+        raise CliError(
+            f"--run-id {run_id!r}: it names a directory under runs/, so no '/', '\\', "
+            "leading '-', '.' or '..'"
+        )
+
+
+def check_config(cfg: Config) -> None:
+    """Task, model and prompts of a validated config (see the module docstring)."""
+    task = _check_task(cfg)
+    _check_model(cfg)
+    _check_prompts(cfg, task)
+
+
+def _check_task(cfg: Config):
+    from workers.tasks import UnknownTaskError, make_task
+
+    try:
+        return make_task(cfg.task.name)
+    except UnknownTaskError as err:
+        raise CliError(f"config: task.name: {err}") from None
+    except Exception as err:  # a plugin whose constructor fails
+        raise CliError(
+            f"config: task.name = {cfg.task.name!r} cannot be built: {type(err).__name__}: {err}"
+        ) from None
+
+
+def _check_model(cfg: Config) -> None:
+    if cfg.model.kind != "hf":
+        return
+    path = Path(cfg.model.path).expanduser()
+    if not path.is_dir():
+        raise CliError(
+            f"config: model.path = {cfg.model.path!r} is not a directory (model.kind = \"hf\" "
+            "loads a local save_pretrained directory; nothing is downloaded)"
+        )
+    if not (path / "config.json").is_file():
+        raise CliError(
+            f"config: model.path = {cfg.model.path!r} has no config.json "
+            "(expected a directory written by save_pretrained)"
+        )
+
+
+def _check_prompts(cfg: Config, task) -> None:
+    from workers.tasks import DatasetError, PromptTooLongError, prompt_set
+
+    dataset = cfg.task.dataset or None
+    if dataset is not None and not Path(dataset).is_file():
+        raise CliError(f"config: task.dataset = {dataset!r} is not a file")
+    encode = context_len = None
+    if cfg.model.kind == "tiny":  # the tokenizer is known without loading a model
+        from workers.models.tokenizer import CharTokenizer
+
+        encode, context_len = CharTokenizer().encode, cfg.model.context_len
+    try:
+        prompt_set(
+            task, cfg.task.num_prompts, cfg.run.seed, dataset,
+            encode=encode, context_len=context_len,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+        )
+    except (DatasetError, PromptTooLongError) as err:
+        if dataset:
+            raise CliError(f"config: task.dataset: {err}") from None
+        raise CliError(
+            f"config: task {cfg.task.name!r} with model.context_len = {context_len} and "
+            f"sampling.max_new_tokens = {cfg.sampling.max_new_tokens}: {err}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CliError(f"config: task.dataset = {dataset!r} cannot be read: {err}") from None
+
+
+def check_durability(store, cfg: Config, url: str) -> None:
+    """Warn once (or refuse, with ``store.require_fsync_always``) when an external
+    Redis would not keep every acknowledged event through a crash of the server."""
+    from events.redis_store import redact_url
+
+    got = store.durability()
+    where = f"Redis at {redact_url(url)}"
+    if got is None:
+        msg = (f"{where} does not allow CONFIG GET, so its durability is unknown; it "
+               "must run with appendonly yes and appendfsync always to lose nothing in a crash")
+    else:
+        appendonly, fsync = got
+        if appendonly == "yes" and fsync == "always":
+            return
+        if appendonly != "yes":
+            lost = "every event since its last RDB snapshot"
+        elif fsync == "everysec":
+            lost = "about the last second of acknowledged events"
+        else:
+            lost = "acknowledged events the OS had not yet flushed (up to ~30 s)"
+        msg = (f"{where} runs with appendonly {appendonly}, appendfsync {fsync}: a crash "
+               f"of that server or its machine can lose {lost} (a crash of this "
+               "controller loses nothing)")
+    if cfg.store.require_fsync_always:
+        raise CliError(f"{msg}; store.require_fsync_always = true refuses it")
+    print(f"rl-controller: warning: {msg}; set store.require_fsync_always = true to refuse "
+          "such a server", file=sys.stderr)

@@ -1,0 +1,57 @@
+"""``run --redis-url`` against an external Redis that does not fsync every append.
+
+A real redis-server with ``appendfsync everysec`` and a password: the run warns once,
+plainly, what a crash of that server can lose (password never printed) and goes on;
+with ``store.require_fsync_always = true`` it refuses before writing anything.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.test_run_cli import assert_one_line_error, cli
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "s3cret-pw"
+#: one in-process step with small groups: enough to see the run go on after the warning
+QUICK = ["--steps", "1", "--no-progress", "--local-workers", "--set", "dataplane.kind=memory",
+         "--set", "train.groups_per_step=2", "--set", "train.groups_per_microbatch=2",
+         "--set", "rollout.samples_per_group=4", "--set", "rollout.groups_per_call=2"]
+
+
+@pytest.fixture()
+def everysec(tmp_path):
+    server = RedisServer(tmp_path / "redis", appendfsync="everysec", password=PASSWORD).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _runs(url: str) -> dict:
+    proc = cli("runs", "--json", "--redis-url", url)
+    assert proc.returncode == 0, proc.stderr
+    return {row["run_id"]: row for row in json.loads(proc.stdout)}
+
+
+def test_require_fsync_always_refuses_before_any_write(everysec, tmp_path):
+    proc = cli("run", "--run-id", "strict", "--redis-url", everysec.url, "--data-dir",
+               str(tmp_path), *QUICK, "--set", "store.require_fsync_always=true", timeout_s=120)
+    assert_one_line_error(proc, "appendfsync everysec", "store.require_fsync_always")
+    assert PASSWORD not in proc.stderr + proc.stdout
+    assert _runs(everysec.url) == {}
+
+
+def test_weaker_durability_is_a_single_plain_warning(everysec, tmp_path):
+    proc = cli("run", "--run-id", "warned", "--redis-url", everysec.url, "--data-dir",
+               str(tmp_path), *QUICK, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("rl-controller: warning:")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "appendfsync everysec" in warnings[0] and "last second" in warnings[0]
+    assert PASSWORD not in proc.stderr + proc.stdout
+    assert _runs(everysec.url)["warned"]["finished"] is True
