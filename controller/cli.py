@@ -7,8 +7,10 @@
     rl-controller staleness  lag analysis, plots and policy what-if
     rl-controller audit      trainer_version history and invariant check
     rl-controller simulate   a recorded run re-run in virtual time (timing what-if)
+    rl-controller delete     delete a run (log and run directory)
+    rl-controller stop-server  stop the embedded redis-server
 
-Everything but ``run`` only reads the log; nothing but ``run`` appends to it.
+Everything but ``run`` and ``delete`` only reads the log; nothing but ``run`` appends.
 """
 
 from __future__ import annotations
@@ -27,19 +29,25 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'rl-controller COMMAND --help' for a command's options and an example.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from controller import run_cmd
+    from controller import manage_cmd, run_cmd
     from replay import cli as replay_cli
     from sim import cli as sim_cli
 
     run_cmd.register(sub)
     replay_cli.register(sub)
     sim_cli.register(sub)
+    manage_cmd.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a typo'd flag: show the usage of the subcommand it was given to
+        subparsers = next(
+            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        )
+        subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return run_command(args.func, args)
 
 

@@ -1,0 +1,121 @@
+"""``rl-controller delete`` and ``rl-controller stop-server``: housekeeping.
+
+    rl-controller delete --run exp1          # asks first; --yes to skip the question
+    rl-controller stop-server                # the embedded redis-server of ./rlc-data
+
+``delete`` removes everything a run left: its stream, meta and snapshot in Redis and
+its run directory (metrics, TensorBoard, logs, checkpoints, payload spill). It refuses
+while a controller may still hold the run: an unfinished run whose last controller is
+alive on this host, or ran on another host (``--force`` once you know it is gone).
+``stop-server`` stops only the embedded server of ``--data-dir``; it never touches an
+external Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from controller import followup
+from controller.cli_common import (
+    DEFAULT_DATA_DIR,
+    CliError,
+    add_store_args,
+    open_store,
+    require_run,
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "delete", help="delete a run: its log in Redis and its run directory",
+        description="Delete a run: its stream, meta and snapshot in Redis and its run "
+        "directory (metrics, TensorBoard, logs, checkpoints, spill).",
+        epilog="example:\n  rl-controller delete --run exp1 --yes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run", required=True, help="run id (see 'rl-controller runs')")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--force", action="store_true",
+                   help="delete an unfinished run whose last controller ran on another host")
+    add_store_args(p)
+    p.set_defaults(func=cmd_delete)
+
+    s = sub.add_parser(
+        "stop-server", help="stop the embedded redis-server of --data-dir",
+        description="Stop the embedded redis-server of --data-dir (later commands start "
+        "it again when they need it). An external Redis is never touched.",
+    )
+    s.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
+                   help="run directory of the embedded default (default: %(default)s)")
+    s.set_defaults(func=cmd_stop_server)
+
+
+def _last_controller(store, run_id: str, last: int) -> tuple[bool, str | None, int | None]:
+    """(finished, host, pid) of the run's newest controller, from the log's tail."""
+    from events.codec import decode
+
+    tail = store.read_raw(run_id, max(1, last - 499), last) if last else []
+    finished = bool(tail) and tail[-1].event_type == "RunFinished"
+    for entry in reversed(tail):
+        if entry.event_type == "ControllerStarted":
+            event = decode(entry.data, entry.position)
+            return finished, event.host, event.pid  # type: ignore[union-attr]
+    return finished, None, None
+
+
+def _check_not_held(args: argparse.Namespace, store, run_id: str) -> int:
+    from events.embedded import pid_alive
+
+    info = next(r for r in store.list_runs() if r.run_id == run_id)
+    finished, host, pid = _last_controller(store, run_id, info.last_position)
+    if finished or host is None:
+        return info.last_position
+    if host == socket.gethostname():
+        if pid is not None and pid_alive(pid):
+            raise CliError(
+                f"run {run_id} is held by a running controller (pid {pid} on this host); "
+                "stop it first (Ctrl-C in its terminal)"
+            )
+    elif not args.force:
+        raise CliError(
+            f"run {run_id} is not finished and its last controller ran on host {host} "
+            f"(pid {pid}); if that controller is gone, pass --force"
+        )
+    return info.last_position
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    run_id = args.run
+    run_dir = Path(args.data_dir) / "runs" / run_id
+    with open_store(args) as store:
+        require_run(store, run_id)
+        events = _check_not_held(args, store, run_id)
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise CliError(f"delete asks for confirmation: pass --yes to delete run {run_id}")
+            where = f" and {run_dir}" if run_dir.exists() else ""
+            answer = input(f"delete run {run_id} ({events} events){where}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing deleted")
+                return 1
+        store.delete_run(run_id)
+    removed = run_dir.exists()
+    if removed:
+        shutil.rmtree(run_dir)
+    print(f"deleted run {run_id}: {events} events" + (f" and {run_dir}" if removed else ""))
+    print(f"  runs left: {followup.command(args, 'runs')}")
+    return 0
+
+
+def cmd_stop_server(args: argparse.Namespace) -> int:
+    from events.embedded import stop_embedded_redis
+
+    if stop_embedded_redis(Path(args.data_dir)):
+        print(f"stopped the embedded redis-server of {args.data_dir}")
+    else:
+        print(f"no embedded redis-server is running for {args.data_dir}")
+    return 0
