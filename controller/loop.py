@@ -41,7 +41,7 @@ built with exactly what it needs and they share one ``controller.journal.Journal
 ==============================  =====================================================
 
 Every decision is appended to the log *before* the side effect it announces (intent)
-or *after* the side effect returned (fact) -- see DESIGN.md, write-ahead protocol. The
+or *after* the side effect returned (fact) -- see docs/DESIGN.md, write-ahead protocol. The
 loop owns no state of its own beyond timers: everything it decides on is
 ``journal.state``, the fold of what the log acknowledged.
 

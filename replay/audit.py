@@ -1,4 +1,4 @@
-"""Audit of a run: the trainer_version history and every invariant of DESIGN.md, checked.
+"""Audit of a run: the trainer_version history and every invariant of docs/DESIGN.md, checked.
 
 The check is the reducer itself: folding the log raises ``InvariantViolation`` at the
 first event that breaks a rule (one open step at a time; trainer_version moves only

@@ -84,8 +84,10 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def point_tables(p: dict[str, Any]) -> list[Table]:
+    at_step = p.get("at_step")
     head = Table(title=f"run {p['run_id']} at position {p['position']}"
-                 + (f" of {p['log_end']}" if p.get("log_end") else ""), show_header=False)
+                 + (f" of {p['log_end']}" if p.get("log_end") else "")
+                 + (f"\n{at_step['text']}" if at_step else ""), show_header=False)
     head.add_column("field")
     head.add_column("value")
     for key in ("ts", "epoch", "trainer_version", "weight_version", "window_versions",

@@ -84,6 +84,12 @@ def test_replay_at_and_step(capsys, redis_url, run):
     assert code == 0
     point = json.loads(out)
     assert point["position"] == step.ended_position
+    # steps count from 0 and versions from 1: the output says which is which
+    at_step = point.pop("at_step")
+    assert (at_step["step"], at_step["trainer_version"]) == (5, step.trainer_version)
+    assert f"after step 5" in at_step["text"] and f"-> {step.trainer_version}" in at_step["text"]
+    code, out, _ = cli(capsys, redis_url, "replay", "--run", run.run_id, "--step", "5")
+    assert code == 0 and "after step 5, which finished" in out
     code, out, _ = cli(capsys, redis_url, "replay", "--run", run.run_id, "--at", str(step.ended_position), "--json")
     assert json.loads(out) == point
     code, out, _ = cli(capsys, redis_url, "replay", "--run", run.run_id, "--until", "40")

@@ -1,7 +1,7 @@
 """Durable spill: a data plane wrapper that writes every put through to disk.
 
 Payload rows must outlive a full restart until a checkpoint covers the step that
-consumed them (DESIGN.md, "Recovery"). This wrapper implements the data plane
+consumed them (docs/DESIGN.md, "Recovery"). This wrapper implements the data plane
 protocol over any inner plane and writes each ``put`` (a generator writes one group's
 samples per put) as ONE memory-mapped ``TensorDict`` (``TensorDict.memmap``)::
 
