@@ -1,37 +1,150 @@
 """Staleness plots (matplotlib, Agg backend: no display needed).
 
-Three panels: lag per step (mean and max), buffer occupancy over time (live and
-buffered groups against capacity), and mean reward per group against its lag.
-:func:`plot_data` builds the series (tests count its points); :func:`write_plot`
-draws them into a PNG.
+Three panels, each meant to be read at a glance, for a 3-step run or a 3000-step one:
+
+* lag per step: the window as a shaded band (the allowed region) under the lines, so
+  a max lag sitting exactly on the window stays visible; max lag as a step line with
+  markers on top, mean lag under it;
+* buffer occupancy over time: binned into at most ``OCCUPANCY_BINS`` intervals, the
+  mean as a line and the min..max of each bin as a band (a point per event would draw
+  a solid block), against the capacity;
+* reward vs lag: lags are integers, so every group sits on a few vertical stripes;
+  the groups are jittered sideways, and the per-lag mean (with the interquartile
+  range and the number of groups) is drawn over them.
+
+:func:`plot_data` builds the series (tests check them); :func:`write_plot` draws them.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 from replay.staleness import StalenessReport
 
+#: at most this many time bins in the buffer panel
+OCCUPANCY_BINS = 120
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def reward_by_lag(pairs: list[tuple[int, float]]) -> dict[str, list[Any]]:
+    """Per lag: the mean reward, its interquartile range and the number of groups."""
+    groups: dict[int, list[float]] = defaultdict(list)
+    for lag, reward in pairs:
+        groups[lag].append(reward)
+    lags = sorted(groups)
+    out: dict[str, list[Any]] = {"lag": lags, "mean": [], "q25": [], "q75": [], "count": []}
+    for lag in lags:
+        values = sorted(groups[lag])
+        out["mean"].append(mean(values))
+        out["q25"].append(_quantile(values, 0.25))
+        out["q75"].append(_quantile(values, 0.75))
+        out["count"].append(len(values))
+    return out
+
+
+def bin_occupancy(
+    t_s: list[float], live: list[int], buffered: list[int], bins: int = OCCUPANCY_BINS
+) -> dict[str, list[float]]:
+    """Samples grouped into at most ``bins`` equal time intervals (empty ones skipped)."""
+    out: dict[str, list[float]] = {k: [] for k in ("t_s", "live_mean", "live_min", "live_max",
+                                                    "buffered_mean")}
+    if not t_s:
+        return out
+    t0, t1 = t_s[0], t_s[-1]
+    width = (t1 - t0) / bins if t1 > t0 else 1.0
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(t_s):
+        members[min(bins - 1, int((t - t0) / width))].append(i)
+    for b in sorted(members):
+        idx = members[b]
+        out["t_s"].append(t0 + (b + 0.5) * width if t1 > t0 else t0)
+        out["live_mean"].append(mean(live[i] for i in idx))
+        out["live_min"].append(min(live[i] for i in idx))
+        out["live_max"].append(max(live[i] for i in idx))
+        out["buffered_mean"].append(mean(buffered[i] for i in idx))
+    return out
+
 
 def plot_data(report: StalenessReport) -> dict[str, dict[str, list[Any]]]:
-    """The series of each panel: one point per finished step / occupancy sample / group."""
+    """The series of each panel: raw (one point per step / sample / group) and summarised."""
+    occupancy = {
+        "t_s": [p[0] for p in report.occupancy],
+        "live": [p[1] for p in report.occupancy],
+        "buffered": [p[2] for p in report.occupancy],
+    }
+    pairs = [(int(p[0]), float(p[1])) for p in report.reward_vs_lag]
     return {
         "lag_per_step": {
             "step": [r.step for r in report.steps],
             "lag_mean": [r.lag_mean for r in report.steps],
             "lag_max": [r.lag_max for r in report.steps],
         },
-        "occupancy": {
-            "t_s": [p[0] for p in report.occupancy],
-            "live": [p[1] for p in report.occupancy],
-            "buffered": [p[2] for p in report.occupancy],
-        },
-        "reward_vs_lag": {
-            "lag": [p[0] for p in report.reward_vs_lag],
-            "reward_mean": [p[1] for p in report.reward_vs_lag],
-        },
+        "occupancy": occupancy,
+        "occupancy_binned": bin_occupancy(occupancy["t_s"], occupancy["live"], occupancy["buffered"]),
+        "reward_vs_lag": {"lag": [p[0] for p in pairs], "reward_mean": [p[1] for p in pairs]},
+        "reward_by_lag": reward_by_lag(pairs),
     }
+
+
+def _lag_panel(ax: Any, data: dict[str, list[Any]], window: int) -> None:
+    steps = data["step"]
+    from matplotlib.ticker import MaxNLocator
+
+    ax.axhspan(-0.5, window, color="tab:green", alpha=0.08, zorder=0,
+               label=f"within window ({window})")
+    ax.axhline(window, color="tab:red", ls="--", lw=1, zorder=1, label=f"window {window}")
+    ax.plot(steps, data["lag_mean"], color="tab:blue", lw=1.2, zorder=2, label="mean lag")
+    ax.step(steps, data["lag_max"], where="mid", color="black", lw=1.6, zorder=3,
+            marker="o" if len(steps) <= 60 else None, ms=3, label="max lag")
+    top = max([window, *data["lag_max"]] or [1])
+    ax.set_ylim(-0.3, top + 0.8)
+    ax.set_yticks(range(0, top + 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="step", ylabel="lag (versions)", title="lag per step")
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
+
+
+def _buffer_panel(ax: Any, occ: dict[str, list[float]], capacity: int) -> None:
+    t = occ["t_s"]
+    ax.fill_between(t, occ["live_min"], occ["live_max"], color="tab:blue", alpha=0.2, lw=0,
+                    step="mid", label="live, min..max per bin")
+    ax.step(t, occ["live_mean"], where="mid", color="tab:blue", lw=1.2,
+            label="live (in flight + buffered + claimed), mean")
+    ax.step(t, occ["buffered_mean"], where="mid", color="tab:orange", lw=1.2,
+            label="buffered (committed, waiting), mean")
+    ax.axhline(capacity, color="tab:red", ls="--", lw=1, label=f"capacity {capacity}")
+    ax.set_ylim(0, capacity * 1.25 + 1)
+    ax.set(xlabel="seconds since first event", ylabel="groups", title="buffer occupancy")
+    ax.legend(loc="upper left", fontsize=7)
+
+
+def _reward_panel(ax: Any, raw: dict[str, list[Any]], by_lag: dict[str, list[Any]]) -> None:
+    import random
+
+    rng = random.Random(0)  # jitter only: the same picture every time
+    x = [lag + rng.uniform(-0.18, 0.18) for lag in raw["lag"]]
+    ax.scatter(x, raw["reward_mean"], s=5, alpha=0.25, color="tab:gray", label="one group")
+    lags, means = by_lag["lag"], by_lag["mean"]
+    err = [[m - lo for m, lo in zip(means, by_lag["q25"])],
+           [hi - m for m, hi in zip(means, by_lag["q75"])]]
+    ax.errorbar(lags, means, yerr=err, color="tab:red", marker="D", ms=6, lw=1, ls=":", capsize=5,
+                label="mean per lag (bar: 25-75%)", zorder=3)
+    for lag, m, n in zip(lags, means, by_lag["count"]):
+        ax.annotate(f"n={n}", (lag, m), textcoords="offset points", xytext=(8, 6), fontsize=8)
+    ax.set_xticks(lags or [0])
+    ax.set_xlim(min(lags or [0]) - 0.6, max(lags or [0]) + 0.6)
+    ax.set(xlabel="lag at consumption (versions)", ylabel="mean reward of the group",
+           title="reward vs lag")
+    ax.legend(loc="lower left", fontsize=8)
 
 
 def write_plot(report: StalenessReport, path: str | Path) -> Path:
@@ -41,23 +154,12 @@ def write_plot(report: StalenessReport, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     data = plot_data(report)
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
-    lag = data["lag_per_step"]
-    ax1.plot(lag["step"], lag["lag_mean"], label="mean lag", lw=1)
-    ax1.plot(lag["step"], lag["lag_max"], label="max lag", lw=0.8, alpha=0.7)
-    ax1.axhline(report.window, color="red", ls="--", lw=0.8, label=f"window {report.window}")
-    ax1.set(xlabel="step", ylabel="lag (versions)", title="lag per step")
-    ax1.legend(loc="upper left", fontsize=8)
-    occ = data["occupancy"]
-    ax2.plot(occ["t_s"], occ["live"], label="live (in flight + buffered + claimed)", lw=0.8)
-    ax2.plot(occ["t_s"], occ["buffered"], label="buffered", lw=0.8)
-    ax2.axhline(report.capacity, color="red", ls="--", lw=0.8, label=f"capacity {report.capacity}")
-    ax2.set(xlabel="seconds since first event", ylabel="groups", title="buffer occupancy")
-    ax2.legend(loc="upper left", fontsize=8)
-    rvl = data["reward_vs_lag"]
-    ax3.scatter(rvl["lag"], rvl["reward_mean"], s=6, alpha=0.4)
-    ax3.set(xlabel="lag at consumption", ylabel="mean reward of the group", title="reward vs lag")
-    fig.suptitle(f"staleness of run {report.run_id}")
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.8))
+    _lag_panel(ax1, data["lag_per_step"], report.window)
+    _buffer_panel(ax2, data["occupancy_binned"], report.capacity)
+    _reward_panel(ax3, data["reward_vs_lag"], data["reward_by_lag"])
+    fig.suptitle(f"staleness of run {report.run_id}: {len(report.steps)} steps, "
+                 f"window {report.window}, capacity {report.capacity}")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

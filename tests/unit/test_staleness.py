@@ -111,3 +111,22 @@ def test_report_is_json_ready():
     data = msgspec.json.decode(msgspec.json.encode(report.to_dict()))
     assert data["summary"]["lag_max"] == 1
     assert data["lag_histogram"] == {"0": 3, "1": 1}
+
+
+def test_plot_summaries_per_lag_mean_and_bounded_occupancy_bins():
+    from replay.plots import OCCUPANCY_BINS, bin_occupancy, reward_by_lag
+
+    by_lag = reward_by_lag([(0, 0.2), (1, 1.0), (0, 0.4), (1, 0.0), (1, 0.5)])
+    assert by_lag["lag"] == [0, 1] and by_lag["count"] == [2, 3]
+    assert by_lag["mean"] == pytest.approx([0.3, 0.5])
+    assert by_lag["q25"][1] == pytest.approx(0.25) and by_lag["q75"][1] == pytest.approx(0.75)
+    t = [i * 0.01 for i in range(10_000)]
+    live = [i % 7 for i in range(10_000)]
+    binned = bin_occupancy(t, live, [0] * 10_000)
+    assert 0 < len(binned["t_s"]) <= OCCUPANCY_BINS
+    assert min(binned["live_min"]) == 0 and max(binned["live_max"]) == 6
+    assert bin_occupancy([5.0], [3], [1])["live_mean"] == [3]
+    report = analyze(random_run(4, 200))
+    data = plot_data(report)
+    assert len(data["occupancy_binned"]["t_s"]) <= OCCUPANCY_BINS
+    assert sum(data["reward_by_lag"]["count"]) == len(data["reward_vs_lag"]["lag"])
