@@ -1,0 +1,38 @@
+"""Follow-up commands printed for people can be pasted as they are (password masked)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from controller import followup
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"redis_url": "", "data_dir": "./rlc-data", **kw})
+
+
+def test_default_data_dir_is_not_repeated_and_others_are(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/opt/venv/bin/rl-controller", "run"])
+    monkeypatch.delenv("RLC_REDIS_URL", raising=False)
+    assert followup.command(_args(), "audit", "--run", "r1") == (
+        "/opt/venv/bin/rl-controller audit --run r1"
+    )
+    assert followup.command(_args(data_dir="/data/my runs"), "runs") == (
+        "/opt/venv/bin/rl-controller runs --data-dir '/data/my runs'"
+    )
+
+
+def test_redis_url_is_repeated_with_the_password_masked(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["rl-controller"])
+    monkeypatch.delenv("RLC_REDIS_URL", raising=False)
+    out = followup.command(_args(redis_url="redis://:hunter2@db:6380/1"), "runs")
+    assert "hunter2" not in out and "--redis-url 'redis://:***@db:6380/1'" in out
+    # from the environment: the same environment makes the command work as printed
+    monkeypatch.setenv("RLC_REDIS_URL", "redis://:hunter2@db:6380/1")
+    assert "--redis-url" not in followup.command(_args(redis_url="redis://:hunter2@db:6380/1"), "runs")
+
+
+def test_run_as_a_module_prints_the_module_invocation(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/x/controller/cli.py"])
+    assert followup.executable().endswith(" -m controller.cli")
