@@ -136,20 +136,6 @@ def replay_point(args: argparse.Namespace, store: Any) -> Any:
     return result
 
 
-def _step_summary(rec: Any) -> dict[str, Any]:
-    """What ``--step K`` landed on, in words: steps count from 0, versions from 1."""
-    if rec.trainer_version is not None:
-        text = (f"after step {rec.step}, which finished: trainer_version "
-                f"{rec.base_trainer_version} -> {rec.trainer_version} (steps count from 0, "
-                f"trainer_version from 1, so step K makes version K + 1 when none aborted)")
-    else:
-        text = (f"after step {rec.step}, which was aborted ({rec.abort_reason}): "
-                f"trainer_version stays {rec.base_trainer_version}")
-    return {"step": rec.step, "status": rec.status.value,
-            "base_trainer_version": rec.base_trainer_version,
-            "trainer_version": rec.trainer_version, "text": text}
-
-
 def _ranges(values: list[int]) -> str:
     if not values:
         return ""
@@ -167,7 +153,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _cmd_retrain(args, result.state)
     point = state_at(result.state, result.last_ts, log_end=result.log_end)
     if args.step is not None:
-        point["at_step"] = _step_summary(result.state.steps[args.step])
+        point["at_step"] = render.step_summary(result.state.steps[args.step])
     if args.json:
         render.write_json(point)
     else:

@@ -83,6 +83,20 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
 # -- replay ------------------------------------------------------------------------------
 
 
+def step_summary(rec: Any) -> dict[str, Any]:
+    """What ``--step K`` landed on, in words: steps count from 0, versions from 1."""
+    if rec.trainer_version is not None:
+        text = (f"after step {rec.step}, which finished: trainer_version "
+                f"{rec.base_trainer_version} -> {rec.trainer_version} (steps count from 0, "
+                f"trainer_version from 1, so step K makes version K + 1 when none aborted)")
+    else:
+        text = (f"after step {rec.step}, which was aborted ({rec.abort_reason}): "
+                f"trainer_version stays {rec.base_trainer_version}")
+    return {"step": rec.step, "status": rec.status.value,
+            "base_trainer_version": rec.base_trainer_version,
+            "trainer_version": rec.trainer_version, "text": text}
+
+
 def point_tables(p: dict[str, Any]) -> list[Table]:
     at_step = p.get("at_step")
     head = Table(title=f"run {p['run_id']} at position {p['position']}"
