@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 
 #: loggers whose console handlers are replaced by the run's file
@@ -47,8 +46,7 @@ def route_to_file(log_file: Path) -> None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         _handler = logging.FileHandler(log_file)
         _handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logging.captureWarnings(True)
-        warnings.simplefilter("default")
+        logging.captureWarnings(True)  # the default filters stay (ResourceWarning ignored)
         root = logging.getLogger()
         root.addHandler(_handler)
         if root.level > logging.WARNING or root.level == logging.NOTSET:

@@ -139,7 +139,21 @@ def _code_version() -> str:
         return "rl-controller (source)"
 
 
+#: seconds since this process started, at each start-up milestone (logged at step 1)
+_PHASES: dict[str, float] = {}
+
+
+def _mark(phase: str) -> None:
+    try:
+        import psutil
+
+        _PHASES[phase] = time.time() - psutil.Process().create_time()
+    except Exception:  # psutil is Ray's dependency; the milestones are only a log line
+        pass
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _mark("cli_ready")
     # Everything that can be checked without the store is checked before it is opened
     # (an embedded server is not even started for a bad command line).
     if args.resume and not args.run_id:
@@ -179,6 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             _start_ray(args, cfg, run_id)
+            _mark("ray_ready")
             writer = resume_run(store, run_id)
             store.replication = cfg.store  # the run's own setting, from its log
         else:
@@ -188,6 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             _start_ray(args, cfg, run_id)
+            _mark("ray_ready")
             try:
                 writer = create_run(
                     store, run_id,
@@ -218,6 +234,7 @@ def _train(args, cfg: Config, writer, store) -> int:
 
     try:
         workers = start_workers(cfg, worker_spec(cfg, writer.run_id, run_dir), local=args.local_workers)
+        _mark("workers_ready")
     except WorkerStartError as err:
         raise CliError(str(err)) from None
     started = time.monotonic()
@@ -229,7 +246,12 @@ def _train(args, cfg: Config, writer, store) -> int:
                 rewind=args.rewind_to_checkpoint,
             ))
 
+            _mark("reconciled")
+
             def on_step(step: int, version: int, metrics: dict[str, float]) -> None:
+                if "first_step" not in _PHASES:
+                    _mark("first_step")
+                    log.info("startup", **{f"{k}_s": round(v, 2) for k, v in _PHASES.items()})
                 sink.write(step, version, metrics)
                 progress.step(step, version, metrics, len(writer.state.buffer), len(writer.state.admitted))
                 structlog.contextvars.bind_contextvars(step=step, trainer_version=version)

@@ -220,7 +220,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
             )
     started: set[str] = set()
 
-    def factory(role: str, name: str) -> RayHandle:
+    def create(role: str, name: str) -> tuple[Any, Any]:
         if role == "trainer":
             where = _on_node(cfg.train.node_resource)
             actor = ray.remote(TrainerWorker).options(num_cpus=1, **where).remote(spec)
@@ -235,6 +235,9 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
             ).remote(spec, name)
             probe = actor.weight_version.remote()
         started.add(name)
+        return actor, probe
+
+    def ready(role: str, name: str, actor: Any, probe: Any) -> RayHandle:
         try:  # surface constructor errors now, with the worker's name
             ray.get(probe, timeout=cfg.ray.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -250,7 +253,30 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
             raise WorkerStartError(f"{role} {name} failed to start: {first or err!r}") from None
         return RayHandle(actor, name=name, role=role)
 
-    return _assemble(cfg, spec, plane, factory)
+    def factory(role: str, name: str) -> RayHandle:
+        return ready(role, name, *create(role, name))
+
+    # Start-up: every actor is created at once (their processes start and import in
+    # parallel), then each is awaited; a restart later builds one at a time.
+    wanted = [("trainer", "trainer")] + [
+        ("generator", f"generator-{i}") for i in range(cfg.rollout.num_generators)
+    ]
+    pending = {name: (role, *create(role, name)) for role, name in wanted}
+    built: dict[str, RayHandle] = {}
+    try:
+        for name, (role, actor, probe) in pending.items():
+            built[name] = ready(role, name, actor, probe)
+    except WorkerStartError:
+        for name, (_role, actor, _probe) in pending.items():
+            ray.kill(actor)
+        raise
+
+    def first_start(role: str, name: str) -> RayHandle:
+        return built.pop(name) if name in built else factory(role, name)
+
+    workers = _assemble(cfg, spec, plane, first_start)
+    workers.factory = factory
+    return workers
 
 
 def _on_node(resource: str) -> dict[str, Any]:

@@ -61,7 +61,12 @@ def trained(data_dir: Path) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the human summary goes to stderr (the console), like the progress display
     assert f"run {RUN_ID} finished: trainer_version 3" in proc.stdout + proc.stderr
+    OUTPUT["run"] = proc
     return runs(data_dir)[RUN_ID]
+
+
+#: what the module's one good run printed
+OUTPUT: dict[str, subprocess.CompletedProcess[str]] = {}
 
 
 def runs(data_dir: Path) -> dict[str, dict]:
@@ -77,6 +82,21 @@ def test_run_three_steps_then_audit(data_dir, trained):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     metrics = data_dir / "runs" / RUN_ID / "metrics.jsonl"
     assert [json.loads(line)["trainer_version"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_the_terminal_gets_no_third_party_noise_and_pasteable_commands(data_dir, trained):
+    said = OUTPUT["run"].stdout + OUTPUT["run"].stderr
+    for noise in ("target_num_threads", "Token authentication", "Warning", "INFO worker.py"):
+        assert noise not in said, noise
+    assert (data_dir / "runs" / RUN_ID / "third_party.log").exists()
+    # --no-progress lines are never cut at 80 columns, even piped
+    assert any(len(line) > 80 and "groups/s=" in line for line in said.splitlines()), said[-2000:]
+    audit = next(line for line in said.splitlines() if line.strip().startswith("audit "))
+    command = audit.split(None, 1)[1].split()
+    assert command[0].endswith("rl-controller") and command[1:4] == ["audit", "--run", RUN_ID]
+    assert command[-2:] == ["--data-dir", str(data_dir)]
+    proc = cli(*command[1:])  # as printed (the executable is the one the test runs)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
