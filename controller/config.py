@@ -139,11 +139,13 @@ _POSITIVE = {
     "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
     "ray.placement_timeout_s", "dataplane.storage_units",
+    "rollout.refit_bucket_mib", "rollout.vllm.kv_cache_mib", "rollout.vllm.max_num_seqs",
 }
 _NON_NEGATIVE = {
     "staleness.window_versions", "staleness.buffer_groups", "train.lr",
     "train.weight_decay", "train.warmup_steps", "train.loss.kl_coef",
     "train.loss.clip_low", "train.loss.clip_high", "controller.step_retries",
+    "rollout.vllm.chunk_tokens",
 }
 
 
@@ -178,6 +180,11 @@ def validate(cfg: Config) -> Config:
         cfg.store.check()
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if cfg.rollout.backend == "vllm" and cfg.model.kind != "hf":
+        raise ConfigError(
+            "config: rollout.backend = \"vllm\" needs model.kind = \"hf\" (a local HF model "
+            "directory vLLM can load; write a small one with python -m workers.models.hf_tiny DIR)"
+        )
     need = cfg.train.groups_per_step * (cfg.staleness.window_versions + 1)
     if cfg.staleness.buffer_groups and cfg.staleness.buffer_groups < need:
         # A smaller buffer deadlocks: the admission gate would close before a step fills.

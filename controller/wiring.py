@@ -17,6 +17,7 @@ from typing import Any, Callable
 from controller import crashpoints
 from controller.config import Config
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.generator.vllm_config import MIB, VllmOptions
 from workers.handles import (
     GeneratorClientImpl,
     LocalHandle,
@@ -30,6 +31,7 @@ from workers.models.factory import ModelConfig
 from workers.models.sampling import SamplingConfig
 from workers.service import GeneratorWorker, TrainerWorker, WorkerSpec
 from workers.trainer import TrainerConfig
+from workers.weight_transport import BucketTransport
 from workers.trainer.config import OptimizerConfig, SchedulerConfig
 
 
@@ -166,6 +168,15 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
         data_parallel=cfg.train.data_parallel,
         tensor_parallel=cfg.train.tensor_parallel,
         trainer_backend=cfg.train.backend,
+        generator_backend=cfg.rollout.backend,
+        vllm=VllmOptions(
+            engine_mode=cfg.rollout.vllm.engine_mode,
+            kv_cache_bytes=cfg.rollout.vllm.kv_cache_mib * MIB,
+            max_num_seqs=cfg.rollout.vllm.max_num_seqs,
+            chunk_tokens=cfg.rollout.vllm.chunk_tokens or None,
+            seed=cfg.run.seed,
+        ),
+        refit_bucket_bytes=max(1, int(cfg.rollout.refit_bucket_mib * MIB)),
     )
 
 
@@ -296,7 +307,7 @@ def _assemble(cfg: Config, spec: WorkerSpec, plane: DataPlane, factory) -> Worke
     workers = Workers(
         trainer=trainer,
         generators=gens,
-        publisher=Publisher(trainer, gens),
+        publisher=Publisher(trainer, gens, BucketTransport(spec.refit_bucket_bytes)),
         payloads=PayloadStoreImpl(plane, spec.run_id),
         dataplane=plane,
         handles=[trainer.handle, *(g.handle for g in gens)],

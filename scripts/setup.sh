@@ -2,8 +2,16 @@
 # Set up everything rl-controller needs on a fresh machine: redis-server (apt),
 # a virtual environment in .venv, the pinned CPU torch first (so no CUDA build is
 # pulled), then the project with its test extras. Safe to re-run.
+#   --vllm   also install vLLM's CPU build (scripts/setup_vllm.sh), for rollout.backend = "vllm"
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    *) echo "[setup] unknown option $arg (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
 
 # redis-sentinel: the failover tests run three sentinels; deployments use it too.
 missing=()
@@ -50,4 +58,5 @@ if [[ ",${EXTRAS}," == *",dev,"* ]] && [ ! -x .tools/bin/docker-compose ]; then
   .tools/bin/pip install -q --no-warn-conflicts "PyYAML>=6" docopt "jsonschema<4" texttable requests \
     "websocket-client<1" "docker>=5,<7" "python-dotenv<1" distro dockerpty
 fi
+if [ "$WITH_VLLM" = 1 ]; then bash scripts/setup_vllm.sh; fi
 echo "[setup] done: .venv/bin/rl-controller --help"

@@ -29,6 +29,7 @@ from workers.api import (
     WorkerLostError,
 )
 from workers.dataplane import DataPlane
+from workers.weight_transport import BucketTransport, WeightTransport
 
 
 class LocalHandle:
@@ -61,6 +62,9 @@ class LocalHandle:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        stop = getattr(self.obj, "close", None)
+        if stop is not None and self._lost is None:
+            stop()  # e.g. a vLLM engine: free it now, not at interpreter exit
 
 
 class RayHandle:
@@ -102,9 +106,15 @@ class RayHandle:
     def ref(self, method: str, *args: Any) -> Any:
         return getattr(self.actor, method).remote(*args)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the worker to free what it started (engine processes), then kill it."""
         import ray
 
+        if self.role == "generator":
+            try:
+                ray.get(self.actor.close.remote(), timeout=timeout_s)
+            except Exception:
+                pass  # dead or hung: the kill below is all that is left
         ray.kill(self.actor, no_restart=True)
 
 
@@ -158,23 +168,26 @@ class GeneratorClientImpl:
 
 
 class Publisher:
-    """``workers.api.WeightPublisher``: trainer weights -> every generator."""
+    """``workers.api.WeightPublisher``: trainer weights -> every generator.
 
-    def __init__(self, trainer: TrainerClientImpl, generators: list[GeneratorClientImpl]) -> None:
+    The weights travel through ``transport`` (``workers.weight_transport``): bucket by
+    bucket, the last bucket acknowledged with the version by each generator.
+    """
+
+    def __init__(
+        self,
+        trainer: TrainerClientImpl,
+        generators: list[GeneratorClientImpl],
+        transport: WeightTransport | None = None,
+    ) -> None:
         self.trainer = trainer  # the client, not its handle: a restart swaps the handle
         self.generators = generators
+        self.transport = transport if transport is not None else BucketTransport()
 
     async def publish(self, version: int, only: list[str] | None = None) -> list[str]:
         """Send the trainer's weights to every generator (or those named in ``only``)."""
-        handle = self.trainer.handle
-        if isinstance(handle, RayHandle):
-            weights = handle.ref("export_weights")  # stays in the object store
-        else:
-            weights = await handle.call("export_weights")
-        targets = [g for g in self.generators if only is None or g.name in only]
-        acks = await asyncio.gather(
-            *(g.handle.call("update_weights", version, weights) for g in targets)
-        )
+        targets = [g.handle for g in self.generators if only is None or g.name in only]
+        acks = await self.transport.send(version, self.trainer.handle, targets)
         return [ack.generator for ack in acks]
 
 

@@ -32,6 +32,7 @@ from workers.backends import TrainerBackend, make_trainer
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
 from workers.generator.generator import Generator
+from workers.generator.vllm_config import VllmOptions
 from workers.loss import LossConfig
 from workers.models.factory import ModelConfig, build_model
 from workers.models.sampling import SamplingConfig
@@ -40,6 +41,7 @@ from workers.trainer import TorchTrainer, TrainerConfig
 from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
 from workers.trainer.config import BuiltModelFactory
 from workers.weight_sync import WeightsAck
+from workers.weight_transport import DEFAULT_BUCKET_BYTES, RefitSource
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class WorkerSpec:
     trainer_backend: TrainerBackend = "torch"
     #: fsdp2 only: tensor-parallel ranks per data-parallel rank
     tensor_parallel: int = 1
+    #: "torch" (the built-in sampler) or "vllm" (``workers.generator.vllm_backend``)
+    generator_backend: str = "torch"
+    vllm: VllmOptions = field(default_factory=VllmOptions)
+    #: weight refit bucket size (``workers.weight_transport``)
+    refit_bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 class TrainerWorker:
@@ -73,6 +80,8 @@ class TrainerWorker:
         self.spec = spec
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         self.trainer: Any = self._build()
+        # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
+        self._refit = RefitSource(lambda: self.trainer.export_weights())
 
     def _build(self) -> Any:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
@@ -162,6 +171,13 @@ class TrainerWorker:
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.export_weights()
 
+    def prepare_weight_buckets(self, version: int, bucket_bytes: int) -> int:
+        """Export the weights for a refit and plan their buckets (``workers.weight_transport``)."""
+        return self._refit.prepare_weight_buckets(version, bucket_bytes)
+
+    def weight_bucket(self, version: int, index: int) -> bytes:
+        return self._refit.weight_bucket(version, index)
+
     def pid(self) -> int:
         """This worker's process id (chaos tests kill -9 it)."""
         return os.getpid()
@@ -174,11 +190,22 @@ class GeneratorWorker:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.name = name
-        model, tokenizer = build_model(spec.model)
         task = make_task(spec.task, **dict(spec.task_options))
         self.prompts = prompt_set(task, spec.num_prompts, spec.prompt_seed, spec.dataset)
         plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
-        self.generator = Generator(model, tokenizer, task, plane, spec.run_id, name=name)
+        self.generator: Any
+        if spec.generator_backend == "vllm":
+            from workers.backends import make_generator
+            from workers.models.hf import load_hf_tokenizer
+
+            assert spec.model.path is not None, "the vLLM generator needs an HF model directory"
+            self.generator = make_generator(
+                "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
+                task=task, dataplane=plane, run_id=spec.run_id, name=name, options=spec.vllm,
+            )
+        else:
+            model, tokenizer = build_model(spec.model)
+            self.generator = Generator(model, tokenizer, task, plane, spec.run_id, name=name)
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
         example = self.prompts[req.prompt_index % len(self.prompts)]
@@ -199,6 +226,18 @@ class GeneratorWorker:
 
     def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
         return self.generator.update_weights(version, state_dict)
+
+    def receive_weight_bucket(
+        self, version: int, index: int, count: int, bucket: bytes
+    ) -> WeightsAck | None:
+        """One refit bucket (``workers.weight_transport``); the last one returns the ack."""
+        return self.generator.receive_weight_bucket(version, index, count, bucket)
+
+    def close(self) -> None:
+        """Stop generating and free the engine (a vLLM engine's processes included)."""
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
 
     def weight_version(self) -> int:
         return self.generator.weight_version

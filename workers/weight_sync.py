@@ -19,11 +19,13 @@ one object, whose ref every generator actor gets and Ray resolves in the actor).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from workers.weight_buckets import unpack_buckets
 
 
 class StaleWeightsError(ValueError):
@@ -41,6 +43,28 @@ class WeightsAck:
 StateDict = Mapping[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class WeightStream:
+    """One version's weights as the buckets that carried them (``workers.weight_buckets``).
+
+    A load target with ``load_weight_stream(stream)`` takes it bucket by bucket (the
+    vLLM generator forwards each bucket to its engine); a plain ``nn.Module`` gets the
+    reassembled state dict.
+    """
+
+    buckets: tuple[bytes, ...]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return unpack_buckets(self.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.buckets)
+
+
+Weights = StateDict | WeightStream
+
+
 class VersionedWeights:
     """A model's weights tagged with a version, updated only between token steps."""
 
@@ -50,13 +74,13 @@ class VersionedWeights:
         self._version = version
         self._lock = threading.Lock()
         self._generating_thread: int | None = None
-        self._pending: tuple[int, StateDict, threading.Event] | None = None
+        self._pending: tuple[int, Weights, threading.Event] | None = None
 
     @property
     def version(self) -> int:
         return self._version
 
-    def update(self, version: int, state_dict: StateDict) -> WeightsAck:
+    def update(self, version: int, state_dict: Weights) -> WeightsAck:
         """Load ``state_dict`` as ``version`` (now, or at the next step boundary)."""
         with self._lock:
             self._check(version)
@@ -99,6 +123,11 @@ class VersionedWeights:
             self._apply_pending()
             return end
 
+    def check(self, version: int) -> None:
+        """Raise :class:`StaleWeightsError` if ``version`` is older than held or pending."""
+        with self._lock:
+            self._check(version)
+
     def _check(self, version: int) -> None:
         held = self._version if self._pending is None else max(self._version, self._pending[0])
         if version < held:
@@ -116,10 +145,49 @@ class VersionedWeights:
             self._load(version, state_dict)
         loaded.set()
 
-    def _load(self, version: int, state_dict: StateDict) -> None:
+    def _load(self, version: int, weights: Weights) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(dict(state_dict), strict=True)
+            stream_loader = getattr(self.model, "load_weight_stream", None)
+            if isinstance(weights, WeightStream) and stream_loader is not None:
+                stream_loader(weights)
+            elif isinstance(weights, WeightStream):
+                self.model.load_state_dict(dict(weights.tensors()), strict=True)
+            else:
+                self.model.load_state_dict(dict(weights), strict=True)
         self._version = version
+
+
+@dataclass
+class BucketReceiver:
+    """Collects one version's buckets, then hands them to :class:`VersionedWeights`.
+
+    ``receive(version, index, count, bucket)`` is called once per bucket in order; the
+    call carrying the last bucket blocks until the version is loaded (at the next
+    boundary if a group is generating) and returns the ack; earlier calls return None.
+    A bucket of a newer version drops a half-received older one (its publisher died).
+    """
+
+    weights: VersionedWeights
+    _version: int | None = None
+    _buckets: list[bytes] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def receive(self, version: int, index: int, count: int, bucket: bytes) -> WeightsAck | None:
+        with self._lock:
+            if index == 0:
+                self.weights.check(version)
+                self._version, self._buckets = version, []
+            if version != self._version or index != len(self._buckets):
+                raise ValueError(
+                    f"generator {self.weights.name}: weight bucket {index}/{count} of version "
+                    f"{version} out of order (holding {len(self._buckets)} of {self._version})"
+                )
+            self._buckets.append(bytes(bucket))
+            if index + 1 < count:
+                return None
+            stream = WeightStream(tuple(self._buckets))
+            self._version, self._buckets = None, []
+        return self.weights.update(version, stream)
 
 
 def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from workers.models.factory import Tokenizer, context_len
 from workers.models.sampling import Completion, SamplingConfig, sample
 from workers.tasks.base import Example, Task
 from workers.tasks.dataset import check_prompts_fit
-from workers.weight_sync import VersionedWeights, WeightsAck
+from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck
 
 
 class GroupResult(msgspec.Struct, frozen=True):
@@ -92,6 +92,7 @@ class Generator:
         #: test hook, called at every token-step boundary with the step index
         self.on_step = on_step
         self.weights = VersionedWeights(self.model, name, weight_version)
+        self.receiver = BucketReceiver(self.weights)
 
     @property
     def weight_version(self) -> int:
@@ -100,6 +101,12 @@ class Generator:
     def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
         """Load weights ``version`` (refuses older ones; see ``workers.weight_sync``)."""
         return self.weights.update(version, state_dict)
+
+    def receive_weight_bucket(
+        self, version: int, index: int, count: int, bucket: bytes
+    ) -> WeightsAck | None:
+        """Refit bucket by bucket (``workers.weight_transport``); the last one acks."""
+        return self.receiver.receive(version, index, count, bucket)
 
     def generate_group(
         self,

