@@ -203,6 +203,12 @@ def start_workers(cfg: Config, spec: WorkerSpec, *, local: bool) -> Workers:
 
 
 def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
+    if spec.generator_backend == "vllm" and cfg.rollout.num_generators > 1:
+        # vLLM's parallel state is process-global: one engine per process
+        raise WorkerStartError(
+            "rollout.backend = \"vllm\" with --local-workers runs one generator "
+            f"(rollout.num_generators = {cfg.rollout.num_generators}); use Ray workers for more"
+        )
     plane = make_dataplane(spec.dataplane)
 
     def factory(role: str, name: str) -> LocalHandle:

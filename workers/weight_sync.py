@@ -1,9 +1,9 @@
 """Versioned weight sync: trainer -> generators.
 
-The trainer publishes ``(version, state_dict)``; every generator loads it and
-acknowledges with a :class:`WeightsAck`. With Ray the weights go through the object
-store once (``workers.handles.Publisher``: the trainer actor's exported weights stay
-one object, whose ref every generator actor gets and Ray resolves in the actor).
+The trainer publishes ``(version, weights)``; every generator loads it and
+acknowledges with a :class:`WeightsAck`. The weights travel in bounded buckets
+(``workers.weight_transport``); :class:`BucketReceiver` collects one version's buckets
+and hands them over as a :class:`WeightStream`.
 
 :class:`VersionedWeights` is the generator's side (plain, no Ray):
 

@@ -167,6 +167,15 @@ def test_refit_landing_mid_group_is_tagged_and_applies_from_the_next_chunk(gen, 
             assert (got[p + 2 :] - want_new[p + 2 :]).abs().max() < ATOL
 
 
+def test_inprocess_engine_starts_no_process(gen):
+    res = gen.generate_group("i0", PROMPT, 2, SAMPLING, seed=9)
+    assert len(res.keys) == 2
+    assert child_pids() - gen.children_before == set()
+
+
+# Last: vLLM's parallel state is process-global, so an in-process engine does not survive
+# another engine being built and shut down in the same process (each generator actor
+# has a process of its own, so `run` never does that).
 def test_multiprocess_engine_refits_and_leaves_no_process_after_close(hf_dir):
     before = child_pids()
     gen = _make(hf_dir, mode="multiprocess")
@@ -184,9 +193,3 @@ def test_multiprocess_engine_refits_and_leaves_no_process_after_close(hf_dir):
     assert child_pids() - before == set(), "engine processes left after close()"
     with pytest.raises(GeneratorClosedError):
         gen.generate_group("p1", PROMPT, 4, SAMPLING, seed=7)
-
-
-def test_inprocess_engine_starts_no_process(gen):
-    res = gen.generate_group("i0", PROMPT, 2, SAMPLING, seed=9)
-    assert len(res.keys) == 2
-    assert child_pids() - gen.children_before == set()

@@ -145,7 +145,9 @@ def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path
     assert left == [], f"after kill -9 of the run's process group: {left}"
 
     mark2 = uuid.uuid4().hex
-    resumed = _start([*args, "--resume"], mark2, tmp_path / "resume.txt")
+    resume = ["run", "--run-id", "k", "--steps", "5", "--resume", "--no-progress",
+              "--data-dir", str(data_dir)]  # a resumed run keeps its logged config
+    resumed = _start(resume, mark2, tmp_path / "resume.txt")
     assert resumed.wait(timeout=900) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
     assert _left_behind(mark2) == []
     audit = _cli("audit", "--run", "k", "--json", "--data-dir", str(data_dir))
