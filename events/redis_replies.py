@@ -31,17 +31,17 @@ def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
     ms, _, seq = text.partition("-")
     if ms != "0" or not seq.isdigit():
         raise EventDecodeError(None, f"stream entry id {text!r} is not a log position (0-N)")
-    fields = {_text(k): v for k, v in fields.items()}
+    fields = {as_text(k): v for k, v in fields.items()}
     data = fields.get("data", b"")
     return RawEntry(
         position=int(seq),
-        event_type=_text(fields.get("type", b"")),
-        event_id=_text(fields.get("id", b"")),
+        event_type=as_text(fields.get("type", b"")),
+        event_id=as_text(fields.get("id", b"")),
         data=data.encode() if isinstance(data, str) else bytes(data),
     )
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 

@@ -37,7 +37,7 @@ from events.redis_layout import (
     meta_key,
     snapshot_key,
 )
-from events.redis_replies import raw_entry, scripted_page, trusted_page, xrange_page
+from events.redis_replies import as_text, raw_entry, scripted_page, trusted_page, xrange_page
 from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
 from events.store import (
@@ -326,7 +326,7 @@ class RedisEventStore:
                 reply = self._client.config_get("append*")
         except rex.ResponseError:  # managed Redis often disables CONFIG
             return None
-        values = {_text(k): _text(v) for k, v in reply.items()}
+        values = {as_text(k): as_text(v) for k, v in reply.items()}
         return values.get("appendonly", "?"), values.get("appendfsync", "?")
 
     def delete_run(self, run_id: str) -> None:

@@ -18,6 +18,8 @@ import pytest
 
 from controller.crashpoints import CRASH_POINTS
 from tests.chaos.harness import EXIT_CRASH, Chaos
+from workers.dataplane.memory import MemoryDataPlane
+from workers.dataplane.spill import SpillDataPlane
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -97,14 +99,13 @@ def test_crash_during_recovery(chaos: Chaos, name: str) -> None:
 def test_orphan_rows_are_deleted(chaos: Chaos) -> None:
     """Rows a generator wrote before its GroupCommitted landed are gone after a restart."""
     chaos.run("r", steps=N, resume=False, crash="before_group_committed:g000003", expect=EXIT_CRASH)
-    spill = chaos.run_dir("r") / "spill" / "r"
-    assert any("g000003" in p.name and "a1" in p.name for p in spill.iterdir())
+    assert any("/g000003/" in k and "/a1/" in k for k in _spilled_keys(chaos, "r"))
     chaos.run("r", steps=N, resume=True, expect=0)
     state = chaos.check("r", N)["state"]
     keep = {k for g in state.groups.values() for k in g.payload_keys}
-    for path in spill.iterdir():
-        if "g000003" in path.name and "%2Fa1%2F" in path.name:
-            assert any("/a1/" in k and "g000003" in k for k in keep), path
+    for key in _spilled_keys(chaos, "r"):
+        if "/g000003/" in key and "/a1/" in key:
+            assert key in keep, key
 
 
 def test_corrupt_checkpoint_is_rejected(chaos: Chaos) -> None:
@@ -165,12 +166,24 @@ def test_every_crash_point_is_covered() -> None:
     assert not missing, f"crash points without a scenario: {sorted(missing)}"
 
 
+def _spill(chaos: Chaos, run_id: str) -> SpillDataPlane:
+    """The run's spill directory read through the spill itself (its on-disk format is its own)."""
+    spill = SpillDataPlane(MemoryDataPlane(), chaos.run_dir(run_id) / "spill")
+    spill.reload(run_id)
+    return spill
+
+
+def _spilled_keys(chaos: Chaos, run_id: str) -> list[str]:
+    return _spill(chaos, run_id).list(run_id)
+
+
 def _wipe_group(chaos: Chaos, run_id: str, group_id: str) -> None:
-    spill = chaos.run_dir(run_id) / "spill" / run_id
-    doomed = [p for p in spill.iterdir() if f"%2F{group_id}%2F" in p.name]
+    """Lose a group's rows from disk, as a lost or wiped spill volume would."""
+    spill = _spill(chaos, run_id)
+    doomed = [k for k in spill.list(run_id) if f"/{group_id}/" in k]
     assert doomed, f"no spilled rows of {group_id}"
-    for path in doomed:
-        path.unlink()
+    spill.clear(run_id, doomed)
+    assert not set(doomed) & set(_spilled_keys(chaos, run_id))
 
 
 def _resume_output(chaos: Chaos) -> tuple[int, str]:
