@@ -17,13 +17,20 @@ value, its gradient is grad(lp), and clipping is inert (it would only act on a s
 update of the same batch, which never happens). Staleness and the generator/trainer
 numeric mismatch are corrected separately by a truncated importance weight
 
-    w = min(exp(old - g), C)          (detached; C = ``is_truncation_cap``; None = no
-                                        correction, w = 1)
+    w = min(exp(old - g), C)          (detached; C = ``is_truncation_cap``)
 
 which reweights samples drawn from mu towards pi_old without the variance blow-up of an
-unbounded ratio. The per-token policy loss is the decoupled clipped surrogate
+unbounded ratio: a token whose ratio exceeds C is weighted C (truncated, neither dropped
+nor reset to 1). Only ``is_truncation_cap=None`` turns the correction off (w = 1). The
+per-token policy loss is the decoupled clipped surrogate
 
     pg_t = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A),   r = exp(lp - old)
+
+The log-ratio is clamped at ``LOG_RATIO_MAX`` before ``exp``: with explicit old logprobs
+lp - old can exceed 88, where exp overflows float32 and the backward pass computes
+0 * inf = nan even for a clipped token whose true gradient is 0. A ratio of e^20 is far
+beyond any clip bound, so clipped terms keep their value; an unclipped A < 0 term is
+bounded there (like dual-clip PPO) and carries no gradient past it.
 
 With ``OldPolicy.GENERATOR`` the generator is taken as pi_old (old = g): r = pi_theta/mu
 is clipped asymmetrically and w = exp(g - g) = 1, i.e. classic PPO against the behaviour
@@ -58,6 +65,9 @@ from enum import Enum
 import torch
 
 from workers.batch import TrainBatch
+
+#: the importance log-ratio lp - old is clamped here before exp (see the module docstring)
+LOG_RATIO_MAX = 20.0
 
 
 class Aggregation(str, Enum):
@@ -113,7 +123,8 @@ class LossConfig:
     aggregation: Aggregation = Aggregation.TOKEN
     #: weight of the k3 KL penalty to the frozen reference model; 0 disables it
     kl_coef: float = 0.0
-    #: cap C of the truncated IS weight min(pi_old/mu, C); None disables the correction
+    #: cap C of the truncated IS weight min(pi_old/mu, C): a larger ratio is weighted C;
+    #: None disables the correction (every weight 1)
     is_truncation_cap: float | None = 2.0
     #: sampling temperature; the trainer scales logits by 1/temperature like the generator
     temperature: float = 1.0
@@ -231,7 +242,7 @@ def grpo_loss(
         old = lp.detach()
 
     adv = batch.advantages.to(lp.dtype).unsqueeze(1)
-    ratio = torch.exp(lp - old)
+    ratio = torch.exp((lp - old).clamp(max=LOG_RATIO_MAX))
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     raw_w = torch.exp(old - gen).detach()
     cap = cfg.is_truncation_cap

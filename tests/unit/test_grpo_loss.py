@@ -9,6 +9,7 @@ import torch
 
 from workers.batch import TrainBatch
 from workers.loss import (
+    LOG_RATIO_MAX,
     Aggregation,
     LossConfig,
     MetricKind,
@@ -139,6 +140,23 @@ def test_trainer_old_policy_makes_clipping_inert():
     close(grad, [[0.0, -a] for a in CLIP_ADV])
     assert metric(out, "clip_high_frac") == 0.0 and metric(out, "clip_low_frac") == 0.0
     assert metric(out, "ratio_min") == metric(out, "ratio_max") == 1.0
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_overflowing_importance_ratio_keeps_gradients_finite(adv):
+    # lp - old = 100 > 88: exp overflows float32. For A > 0 the token is clipped high
+    # (value -1.28 * A, true gradient 0); for A < 0 the ratio is bounded at e^LOG_RATIO_MAX.
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_truncation_cap=2.0)
+    batch = batch_of([[False, True]], [[0.0, -1.0]], [adv])
+    out, grad = run([[0.0, 99.0]], batch, cfg, old_logprobs=torch.tensor([[0.0, -1.0]]))
+    assert torch.isfinite(grad).all()
+    close(grad, [[0.0, 0.0]])
+    assert math.isfinite(float(out.loss_sum))
+    if adv > 0:
+        assert float(out.loss_sum) == pytest.approx(-1.28)
+    else:
+        assert float(out.loss_sum) == pytest.approx(math.exp(LOG_RATIO_MAX), rel=1e-5)
+    assert all(math.isfinite(float(m.value)) for m in out.metrics.values())
 
 
 def test_kl_k3_penalty():
