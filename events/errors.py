@@ -87,3 +87,14 @@ class ReplicationTimeoutError(StoreUnavailableError):
             f"Redis at {where}: only {confirmed} of {wanted} replicas confirmed the append "
             f"within {timeout_s:g}s; its outcome is in doubt (the retry resolves it)"
         )
+
+
+class ChainError(EventStoreError):
+    """The log's hash chain does not hold: an entry, the head or a snapshot was altered."""
+
+    def __init__(self, run_id: str, position: int | None, reason: str) -> None:
+        self.run_id = run_id
+        self.position = position
+        self.reason = reason
+        where = "" if position is None else f" at position {position}"
+        super().__init__(f"run {run_id!r}: hash chain broken{where}: {reason}")

@@ -3,12 +3,13 @@
 Keys per run (the braces are a Redis Cluster hash tag, so the append script's two keys
 always live in one slot)::
 
-    rlc:{<run_id>}:events     stream; entry id 0-<position>, fields type / id / data
-    rlc:{<run_id>}:meta       hash; epoch (the fencing token)
-    rlc:{<run_id>}:snapshot   hash; position, data (newest snapshot only)
+    rlc:{<run_id>}:events     stream; entry id 0-<position>, fields type / id / data / h
+    rlc:{<run_id>}:meta       hash; epoch (the fencing token), chain_head, chain_len
+    rlc:{<run_id>}:snapshot   hash; position, data, chain (newest snapshot only)
     rlc:runs                  set of run ids
 
-``data`` is the event's JSON (``events.codec``), so ``redis-cli XRANGE`` shows the log.
+``data`` is the event's JSON (``events.codec``), so ``redis-cli XRANGE`` shows the log;
+``h`` is the entry's hash-chain link (``events.chain``).
 The stream is never trimmed: it is the source of truth.
 
 An append is ONE server-side Lua script (EVALSHA, EVAL when the server lost it), so a
@@ -31,8 +32,10 @@ import redis
 import redis.asyncio
 from redis import exceptions as rex
 
+from events.chain import HASH_FIELD, ChainHead, ChainWriter
 from events.codec import encode
 from events.errors import (
+    ChainError,
     ConcurrencyError,
     EpochNotClaimedError,
     EventDecodeError,
@@ -44,6 +47,7 @@ from events.errors import (
 from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
 from events.store import (
+    CHAIN_REFUSED,
     READ_PAGE_SIZE,
     RawEntry,
     RunInfo,
@@ -51,13 +55,17 @@ from events.store import (
     check_range,
     check_run_id,
     check_snapshot_position,
+    check_snapshot_link,
     decode_entries,
 )
 
 RUNS_KEY = "rlc:runs"
 
-# KEYS: stream, meta. ARGV: epoch, expected position, n, then (type, id, data) * n.
-# Replies {appended(1)|replayed(0), first position} or an error "RLC_<KIND> <n>".
+# KEYS: stream, meta. ARGV: epoch, expected position, n, previous chain hash ('' for
+# the first entry or a log without a chain), chain algorithm (recorded with the first
+# chained entry), then (type, id, data, h) * n; h is '' when
+# the log has no chain. Replies {appended(1)|replayed(0), first position} or an error
+# "RLC_<KIND> <n>". The chain check sits with the epoch and position checks: one script.
 _APPEND_LUA = """
 local epoch = tonumber(ARGV[1])
 local expected = tonumber(ARGV[2])
@@ -67,10 +75,23 @@ if epoch < current then return redis.error_reply('RLC_FENCED ' .. current) end
 if epoch > current then return redis.error_reply('RLC_UNCLAIMED ' .. current) end
 local len = redis.call('XLEN', KEYS[1])
 if len == expected then
+  local head = redis.call('HGET', KEYS[2], 'chain_head') or ''
+  if ARGV[4] ~= head then return redis.error_reply('RLC_CHAIN ' .. len) end
+  local h = ''
   for i = 1, n do
-    local b = 3 + (i - 1) * 3
-    redis.call('XADD', KEYS[1], '0-' .. (expected + i),
-               'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3])
+    local b = 5 + (i - 1) * 4
+    h = ARGV[b + 4]
+    if h == '' then
+      redis.call('XADD', KEYS[1], '0-' .. (expected + i),
+                 'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3])
+    else
+      redis.call('XADD', KEYS[1], '0-' .. (expected + i),
+                 'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3], 'h', h)
+    end
+  end
+  if h ~= '' then
+    redis.call('HSET', KEYS[2], 'chain_head', h, 'chain_len', expected + n)
+    if ARGV[4] == '' then redis.call('HSET', KEYS[2], 'chain_alg', ARGV[5]) end
   end
   return {1, expected + 1}
 end
@@ -79,22 +100,31 @@ local entries = redis.call('XRANGE', KEYS[1], '0-' .. (expected + 1), '0-' .. (e
 if #entries < n then return redis.error_reply('RLC_PARTIAL ' .. len) end
 for i = 1, n do
   local fields = entries[i][2]
-  local stored = false
+  local stored, h = false, ''
   for j = 1, #fields, 2 do
     if fields[j] == 'id' then stored = fields[j + 1] end
+    if fields[j] == 'h' then h = fields[j + 1] end
   end
-  if stored ~= ARGV[3 + (i - 1) * 3 + 2] then
+  if stored ~= ARGV[5 + (i - 1) * 4 + 2] then
     return redis.error_reply('RLC_MISMATCH ' .. len .. ' ' .. (expected + i))
   end
+  if h ~= ARGV[5 + i * 4] then return redis.error_reply('RLC_CHAIN ' .. len) end
 end
 return {0, expected + 1}
 """
 
-# KEYS: snapshot hash. ARGV: position, data. Keeps the newest snapshot only.
+# KEYS: snapshot hash, stream. ARGV: position, data. Keeps the newest snapshot only,
+# with the chain hash of the entry at its position ('' when none).
 _SNAPSHOT_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'position')
 if cur and tonumber(cur) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2])
+local h = ''
+local e = redis.call('XRANGE', KEYS[2], '0-' .. ARGV[1], '0-' .. ARGV[1])
+if #e == 1 then
+  local f = e[1][2]
+  for j = 1, #f, 2 do if f[j] == 'h' then h = f[j + 1] end end
+end
+redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2], 'chain', h)
 return 1
 """
 
@@ -262,10 +292,12 @@ class RedisEventStore:
         replication: StoreConfig | None = None,
         pin_client: bool = False,
         retry_window_s: float = 0.0,
+        chain_key: bytes | None = None,
     ) -> None:
         self.url = url
         #: appends wait for this many replicas (``events.replication``)
         self.replication = (replication or StoreConfig()).check()
+        self._chain = ChainWriter(chain_key)
         self._safe_url = redact_url(url)
         self._connect_timeout_s = connect_timeout_s
         self._async_factory = async_client_factory or self._default_async_client
@@ -350,9 +382,14 @@ class RedisEventStore:
     ) -> list[int]:
         check_run_id(run_id)
         check_append_args(events, expected_position, epoch)
-        args: list[Any] = [epoch, expected_position, len(events)]
-        for event in events:
-            args += (type(event).__name__, event.event_id, encode(event))
+        entries = [(type(e).__name__, e.event_id, encode(e)) for e in events]
+        prev, hashes = self._chain.batch(
+            run_id, expected_position, entries, lambda p: self._hash_at(run_id, p)
+        )
+        alg = self._chain.algorithm
+        args: list[Any] = [epoch, expected_position, len(events), prev, alg]
+        for entry, link in zip(entries, hashes):
+            args += (*entry, link)
         keys = (events_key(run_id), meta_key(run_id))
         try:
             with self._translate():
@@ -364,8 +401,26 @@ class RedisEventStore:
                 else:
                     _, first = _APPEND(self._hot, keys, args)
         except rex.ResponseError as err:
+            self._chain.forget(run_id)
             raise _append_error(run_id, epoch, expected_position, str(err)) from None
+        self._chain.appended(run_id, expected_position + len(events), hashes[-1])
         return list(range(int(first), int(first) + len(events)))
+
+    def _hash_at(self, run_id: str, position: int) -> str:
+        """The chain hash stored with the entry at ``position`` ("" when it has none)."""
+        entries = self.read_raw(run_id, position, position, 1)
+        return entries[0].chain if entries else ""
+
+    def chain_head(self, run_id: str) -> ChainHead | None:
+        """The chain head in the run's meta; None for a run without a chain."""
+        self._require_run(run_id)
+        with self._translate():
+            head, length, alg = self._client.hmget(
+                meta_key(run_id), ["chain_head", "chain_len", "chain_alg"]
+            )
+        if head is None:
+            return None
+        return ChainHead(_text(head), int(length or 0), _text(alg or b""))
 
     def append_raw(
         self, run_id: str, data: bytes, *, event_type: str = "?", event_id: str = ""
@@ -379,7 +434,8 @@ class RedisEventStore:
     def save_snapshot(self, run_id: str, position: int, data: bytes) -> bool:
         check_snapshot_position(run_id, position, self.last_position(run_id))
         with self._translate():
-            return bool(_SNAPSHOT(self._client, [snapshot_key(run_id)], [position, data]))
+            keys = [snapshot_key(run_id), events_key(run_id)]
+            return bool(_SNAPSHOT(self._client, keys, [position, data]))
 
     # -- reads ---------------------------------------------------------------------
 
@@ -451,9 +507,15 @@ class RedisEventStore:
     def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
         self._require_run(run_id)
         with self._translate():
-            position, data = self._client.hmget(snapshot_key(run_id), ["position", "data"])
+            position, data, link = self._client.hmget(
+                snapshot_key(run_id), ["position", "data", "chain"]
+            )
         if position is None or data is None:
             return None
+        if link:  # the snapshot vouches for the log up to its position: check it still does
+            check_snapshot_link(
+                run_id, int(position), _text(link), lambda p: self._hash_at(run_id, p)
+            )
         return int(position), bytes(data)
 
     async def follow(
@@ -500,6 +562,7 @@ def _raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
         event_type=_text(fields.get("type", b"")),
         event_id=_text(fields.get("id", b"")),
         data=data.encode() if isinstance(data, str) else bytes(data),
+        chain=_text(fields.get(HASH_FIELD, b"")),
     )
 
 
@@ -522,6 +585,8 @@ def _append_error(run_id: str, epoch: int, expected: int, message: str) -> Event
         return ConcurrencyError(
             run_id, expected, number, "log moved by fewer entries than the batch (partial overlap)"
         )
+    if kind == "RLC_CHAIN":
+        return ChainError(run_id, expected + 1, CHAIN_REFUSED)
     if kind == "RLC_MISMATCH":
         where = words[2] if len(words) > 2 else "?"
         return ConcurrencyError(

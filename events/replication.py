@@ -34,6 +34,9 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Replicas that must confirm each append (``WAIT N``). 0: the primary's own AOF only."""
     wait_timeout_s: float = 5.0
     """How long an append waits for its replicas; past it the append fails as in doubt."""
+    chain_key_file: str = ""
+    """File with the HMAC key of the log's hash chain (>= 16 bytes; never sent to Redis).
+    Empty = plain SHA-256 chain (``events.chain``)."""
 
     def check(self) -> StoreConfig:
         if self.replicas < 0:

@@ -224,8 +224,9 @@ def _xrange_page(
     if not batch:
         return b"", b"", []
     fields = list(map(_entry_fields, batch))
-    if set(map(len, fields)) == {6} and list(map(_field_4, fields)).count(b"data") == len(fields):
-        data = list(map(_field_5, fields))  # type, id, data: how the store writes
+    shape = set(map(len, fields))
+    if (shape == {6} or shape == {8}) and list(map(_field_4, fields)).count(b"data") == len(fields):
+        data = list(map(_field_5, fields))  # type, id, data[, h]: how the store writes
     else:
         data = [_data_field(f) for f in fields]
     return batch[0][0], batch[-1][0], data

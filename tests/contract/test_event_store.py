@@ -15,7 +15,9 @@ import pytest
 
 import events.redis_store
 import events.store
+from events.codec import encode
 from events.errors import (
+    ChainError,
     ConcurrencyError,
     EpochNotClaimedError,
     EventDecodeError,
@@ -284,7 +286,10 @@ def test_malformed_entry_raises_decode_error_at_its_position(store: EventStore) 
     store.append(RUN, batch(1, 2), expected_position=0, epoch=epoch)
     inject = store.append_raw  # type: ignore[attr-defined]  # test-only, not in the protocol
     assert inject(RUN, b"{not json", event_type="?", event_id="junk") == 3
-    store.append(RUN, batch(4, 1), expected_position=3, epoch=epoch)
+    # the raw entry has no chain hash: the writer's chain refuses to build on it
+    with pytest.raises(ChainError, match="position 4.*chain head"):
+        store.append(RUN, batch(4, 1), expected_position=3, epoch=epoch)
+    inject(RUN, encode(failed(4)), event_type="GroupFailed", event_id=failed(4).event_id)
     with pytest.raises(EventDecodeError) as info:
         store.read(RUN)
     assert info.value.position == 3
@@ -294,3 +299,19 @@ def test_malformed_entry_raises_decode_error_at_its_position(store: EventStore) 
     raw = store.read_raw(RUN)
     assert [r.position for r in raw] == [1, 2, 3, 4]
     assert raw[2] == RawEntry(3, b"{not json", "?", "junk")
+
+
+def test_appends_form_a_hash_chain_that_audit_verifies(store: EventStore) -> None:
+    from replay.chain_audit import audit_chain
+
+    epoch = store.claim_epoch(RUN)
+    store.append(RUN, batch(1, 2), expected_position=0, epoch=epoch)
+    store.append(RUN, batch(3, 3), expected_position=2, epoch=epoch)
+    assert store.append(RUN, batch(3, 3), expected_position=2, epoch=epoch) == [3, 4, 5]
+    raw = store.read_raw(RUN)
+    assert all(len(e.chain) == 64 for e in raw)
+    head = store.chain_head(RUN)
+    assert head is not None and (head.hash, head.position) == (raw[-1].chain, 5)
+    report = audit_chain(store, RUN, None)
+    assert (report.status, report.head) == ("ok", raw[-1].chain)
+    assert store.save_snapshot(RUN, 4, b"state") and store.load_snapshot(RUN) == (4, b"state")
