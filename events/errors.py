@@ -55,6 +55,10 @@ class StoreUnavailableError(EventStoreError):
     """The backing store cannot be reached or refused us (auth, TLS, network)."""
 
 
+class StorePermissionError(StoreUnavailableError):
+    """The store refused a command this user may not run (a read-only Redis user, say)."""
+
+
 class EpochNotClaimedError(EventStoreError):
     """The writer's epoch is newer than any claimed for the run: it never called claim_epoch."""
 

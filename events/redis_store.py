@@ -42,6 +42,7 @@ from events.errors import (
     EventStoreError,
     FencedError,
     RunNotFoundError,
+    StorePermissionError,
     StoreUnavailableError,
 )
 from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
@@ -335,15 +336,25 @@ class RedisEventStore:
                 f"Redis at {self._safe_url} is a read-only replica (after a failover the "
                 f"primary is elsewhere; --redis-sentinel follows it): {err}"
             ) from err
+        except rex.NoPermissionError as err:
+            raise StorePermissionError(
+                f"Redis at {self._safe_url} refused a command: {_one_line(err)} (this Redis "
+                "user may not do that; 'run' needs the controller user, see docs/security.md)"
+            ) from err
         except rex.ResponseError as err:
             if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
                 raise self._unavailable(err) from err
             raise
 
     def _unavailable(self, err: Exception) -> StoreUnavailableError:
-        reason = " ".join(str(err).split()) or type(err).__name__
+        reason = _one_line(err)
         if isinstance(err, (rex.AuthenticationError, rex.ResponseError)):
             reason = f"authentication failed (check the password in the URL): {reason}"
+        elif "CERTIFICATE_VERIFY_FAILED" in reason:
+            reason = (
+                "TLS certificate verification failed: the server's certificate is not signed "
+                "by the CA given (ssl_ca_certs in the URL) or does not name this host"
+            )
         elif self._safe_url.startswith("rediss://"):
             reason = f"{reason} (TLS: does the server accept TLS on this port?)"
         return StoreUnavailableError(f"Redis at {self._safe_url} is unavailable: {reason}")
@@ -564,6 +575,10 @@ def _raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
         data=data.encode() if isinstance(data, str) else bytes(data),
         chain=_text(fields.get(HASH_FIELD, b"")),
     )
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _text(value: bytes | str) -> str:
