@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from events.errors import ChainError
+
 #: stream field holding an entry's chain hash (hex)
 HASH_FIELD = "h"
 #: meta fields: hash and position of the newest chained entry
@@ -242,3 +244,23 @@ class ChainWriter:
 
     def forget(self, run_id: str) -> None:
         self._heads.pop(run_id, None)
+
+
+#: why an append whose previous hash is not the stored head is refused
+CHAIN_REFUSED = (
+    "append refused: the previous hash is not the stored chain head "
+    "(the log or its head was changed outside the controller)"
+)
+
+
+def check_snapshot_link(
+    run_id: str, position: int, link: str, hash_at: Callable[[int], str]
+) -> None:
+    """The entry at a snapshot's position must still carry the hash the snapshot recorded."""
+    found = hash_at(position)
+    if found != link:
+        raise ChainError(
+            run_id, position,
+            f"the snapshot there recorded chain hash {link[:16]}..., the entry now carries "
+            f"{(found or 'none')[:16]}...: the log was altered after the snapshot",
+        )

@@ -32,7 +32,7 @@ import redis
 import redis.asyncio
 from redis import exceptions as rex
 
-from events.chain import HASH_FIELD, ChainHead, ChainWriter
+from events.chain import CHAIN_REFUSED, HASH_FIELD, ChainHead, ChainWriter, check_snapshot_link
 from events.codec import encode
 from events.errors import (
     ChainError,
@@ -48,7 +48,6 @@ from events.errors import (
 from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
 from events.store import (
-    CHAIN_REFUSED,
     READ_PAGE_SIZE,
     RawEntry,
     RunInfo,
@@ -56,7 +55,6 @@ from events.store import (
     check_range,
     check_run_id,
     check_snapshot_position,
-    check_snapshot_link,
     decode_entries,
 )
 

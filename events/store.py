@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
-from events.chain import ChainHead, ChainWriter
+from events.chain import CHAIN_REFUSED, ChainHead, ChainWriter, check_snapshot_link
 from events.codec import decode, encode
 from events.errors import (
     ChainError,
@@ -387,22 +387,3 @@ def check_snapshot_position(run_id: str, position: int, last: int) -> None:
             f"run {run_id!r}: snapshot position {position} outside the log (0..{last})"
         )
 
-
-#: why an append whose previous hash is not the stored head is refused
-CHAIN_REFUSED = (
-    "append refused: the previous hash is not the stored chain head "
-    "(the log or its head was changed outside the controller)"
-)
-
-
-def check_snapshot_link(
-    run_id: str, position: int, link: str, hash_at: Callable[[int], str]
-) -> None:
-    """The entry at a snapshot's position must still carry the hash the snapshot recorded."""
-    found = hash_at(position)
-    if found != link:
-        raise ChainError(
-            run_id, position,
-            f"the snapshot there recorded chain hash {link[:16]}..., the entry now carries "
-            f"{(found or 'none')[:16]}...: the log was altered after the snapshot",
-        )

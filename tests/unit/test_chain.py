@@ -137,3 +137,19 @@ def test_snapshot_records_the_hash_and_load_checks_it() -> None:
     run.entries[1] = run.entries[1]._replace(chain="00" * 32)
     with pytest.raises(ChainError, match="position 2.*altered after the snapshot"):
         store.load_snapshot(RUN)
+
+
+def test_a_log_from_before_chains_reads_resumes_unchained_and_audits_as_absent() -> None:
+    from events.codec import encode
+    from replay.chain_audit import audit_chain
+
+    store = MemoryEventStore()
+    epoch = store.claim_epoch(RUN)
+    for n in (1, 2):  # how an old controller wrote: no h field
+        store.append_raw(RUN, encode(failed(n)), event_type="GroupFailed",
+                         event_id=failed(n).event_id)
+    store.append(RUN, [failed(3)], expected_position=2, epoch=epoch)  # a resumed run
+    assert [e.chain for e in store.read_raw(RUN)] == ["", "", ""]
+    assert store.chain_head(RUN) is None
+    assert [s.event for s in store.read(RUN)] == [failed(1), failed(2), failed(3)]
+    assert audit_chain(store, RUN, None).describe().startswith("chain: absent")
