@@ -214,8 +214,9 @@ def test_recomputing_the_chain_without_the_key_is_caught(capsys, server, raw, ke
     assert code == 1 and f"at position {e[0]}:" in err
 
 
-def test_replay_from_a_snapshot_checks_the_hash_there(capsys, server, raw):
+def test_replay_from_a_snapshot_checks_the_hash_there(capsys, server, raw, tmp_path):
     """A consistent recomputed plain chain passes the chain walk; the snapshot does not."""
+    data_dir = tmp_path / "data"
     snap_at = int(raw.hget(snapshot_key("plain"), "position"))
     entries = read(raw, "plain")
     e = first(entries, "GroupCommitted", 0)
@@ -237,3 +238,12 @@ def test_replay_from_a_snapshot_checks_the_hash_there(capsys, server, raw):
     assert code == 1 and f"position {snap_at}" in err and "Traceback" not in err
     code, _, err = audit(capsys, server.url, "plain")
     assert code == 1 and f"at position {snap_at}:" in err
+    # recovery starts from the snapshot too: the resume stops, in one line
+    try:
+        code = main(["run", "--resume", "--run-id", "plain", "--redis-url", server.url,
+                     "--data-dir", str(data_dir), "--local-workers", "--no-progress"])
+    except SystemExit as exc:
+        code = exc.code
+    _, err = capsys.readouterr()
+    assert code == 1 and f"hash chain broken at position {snap_at}" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
