@@ -99,9 +99,13 @@ class Chain:
             return hashlib.sha256(message).hexdigest()
         return hmac.new(self.key, message, hashlib.sha256).hexdigest()
 
-    def link(self, prev: str, position: int, event_type: str, event_id: str, data: bytes) -> str:
+    def link(
+        self, prev: str, position: int, event_type: str | bytes, event_id: str | bytes,
+        data: bytes,
+    ) -> str:
         """h_n for the entry at ``position`` after ``prev`` = h_{n-1} (hex)."""
-        t, i = event_type.encode(), event_id.encode()
+        t = event_type if isinstance(event_type, bytes) else event_type.encode()
+        i = event_id if isinstance(event_id, bytes) else event_id.encode()
         frame = _FRAME.pack(position, len(t), len(i))
         return self._digest(bytes.fromhex(prev) + frame + t + i + data)
 
@@ -131,7 +135,7 @@ class ChainReport:
 
 def verify(
     chain: Chain,
-    entries: Iterable[tuple[int, str, str, bytes, str]],
+    entries: Iterable[tuple[int, str | bytes, str | bytes, bytes, str]],
     *,
     stored_head: str | None,
     stored_len: int | None,
