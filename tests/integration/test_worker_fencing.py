@@ -1,6 +1,6 @@
 """Fencing at the workers: the race the controller-side check cannot close, made exact.
 
-Controller A passes its epoch check (``Controller._ensure_owner``, against the real
+Controller A passes its epoch check (``Journal.ensure_owner``, against the real
 log) and is "paused" right there -- the test simply does not make A's call yet.
 Controller B claims the run and makes its first call to the same worker objects
 (its own handles, its own epoch). Then A makes the call it had checked for. The
@@ -165,7 +165,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_zombie_call_after_its_check_is_refused_by_the_worker(race: Race, case: str) -> None:
     a_call = _prepare(race, case)
-    race.controller_a._ensure_owner()  # A's check passes: epoch 1 is still current
+    race.controller_a.journal.ensure_owner()  # A's check passes: epoch 1 is still current
     # ---- A is paused here, between its check and its call ----
     issued_before = len(race.a.calls.calls)
     epoch_b = race.b_claims_and_contacts()
