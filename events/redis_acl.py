@@ -29,7 +29,8 @@ CONTROLLER_COMMANDS = (
     "xadd", "xrange", "xread", "xlen",                      # the stream
     "hget", "hmget", "hset", "hincrby",                     # meta and snapshot hashes
     "sadd", "smembers", "sismember",                        # the set of runs
-)
+    "wait", "set",                                          # store.replicas > 0: WAIT, and
+)                                                           # the replay barrier key
 
 KEY_PATTERN = "rlc:*"
 

@@ -84,7 +84,9 @@ def test_the_roles_are_what_the_docs_say(acl_server) -> None:
     with pytest.raises(redis.exceptions.NoPermissionError):
         controller.execute_command("FLUSHALL")
     with pytest.raises(redis.exceptions.NoPermissionError):
-        controller.set("rlc:{x}:other", 1)  # a command the store never sends
+        controller.delete(events_key("x"))  # the store never deletes: nor may its user
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        controller.execute_command("XTRIM", events_key("x"), "MAXLEN", 0)
     reader.close()
     controller.close()
 
