@@ -10,6 +10,11 @@ by side in one run (best of ``--repeat``):
   (c) reduce only  -- the reducer over already-decoded events (for attribution)
 
 and prints events/s and the ratio (b)/(a). Targets: (b) >= 300k events/s and >= 0.3x (a).
+
+Then the hash chain's cost on the read path: the first ``--redis-events`` entries are
+written to a real redis-server twice, as a chained log (an ``h`` field per entry) and
+an unchained one, and ``replay.reader.fold_log`` (what replay and audit fold with)
+reads and folds each, interleaved. Target: chained >= 0.9x unchained.
 The three are timed in turn within each repeat (not all (a) first), so a load change on
 a shared machine shows in all of them alike; the load average is printed too.
 
@@ -56,6 +61,8 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=400_000, help="approximate log length")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--redis-events", type=int, default=100_000,
+                        help="entries of the chained/unchained comparison (0 = skip)")
     args = parser.parse_args()
 
     t0 = time.perf_counter()
@@ -109,7 +116,53 @@ def main() -> None:
         print(f"{name:<20} {secs:>9.3f} {n / secs:>12,.0f}")
     ratio = t_raw / t_fold
     print(f"ratio (b)/(a) throughput: {ratio:.2f}x   (targets: (b) >= 300,000/s, ratio >= 0.30)")
+    if args.redis_events:
+        chain_cost(builder, entries[: args.redis_events], args.repeat)
     print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+
+
+def chain_cost(builder, entries, repeat: int) -> None:
+    """fold_log over a chained vs an unchained copy of ``entries`` in a real redis-server."""
+    import tempfile
+
+    from events.chain import Chain
+    from events.embedded import ensure_embedded_redis, stop_embedded_redis
+    from events.redis_store import RedisEventStore, events_key, meta_key
+    from replay.reader import fold_log
+
+    types = [type(s.event).__name__ for s in builder.events[: len(entries)]]
+    ids = [s.event.event_id for s in builder.events[: len(entries)]]
+    with tempfile.TemporaryDirectory(prefix="rlc-bench-fold-") as tmp:
+        server = ensure_embedded_redis(Path(tmp), appendfsync="everysec")
+        store = RedisEventStore(server.url)
+        try:
+            for run_id, chained in (("unchained", False), ("chained", True)):
+                chain = Chain(run_id)
+                hashes = chain.links(chain.genesis, 1, zip(types, ids, (d for _, d in entries)))
+                client = store.client
+                client.sadd("rlc:runs", run_id)
+                client.hset(meta_key(run_id), "epoch", 99)
+                for lo in range(0, len(entries), 5000):
+                    pipe = client.pipeline(transaction=False)
+                    for i in range(lo, min(lo + 5000, len(entries))):
+                        fields = {"type": types[i], "id": ids[i], "data": entries[i][1]}
+                        if chained:
+                            fields["h"] = hashes[i]
+                        pipe.xadd(events_key(run_id), fields, id=f"0-{i + 1}")
+                    pipe.execute()
+            t_plain, t_chain = _best_interleaved(
+                [lambda: fold_log(store, "unchained"), lambda: fold_log(store, "chained")],
+                repeat,
+            )
+        finally:
+            store.close()
+            stop_embedded_redis(Path(tmp))
+    n = len(entries)
+    print(f"fold_log from redis, {n} events: unchained {n / t_plain:,.0f}/s, "
+          f"chained {n / t_chain:,.0f}/s")
+    ratio = t_plain / t_chain
+    verdict = "met" if ratio >= 0.9 else "MISSED"
+    print(f"hash chain's cost on the fold: chained/unchained {ratio:.2f}x (target >= 0.90: {verdict})")
 
 
 if __name__ == "__main__":

@@ -78,9 +78,25 @@ def resolve_redis_url(args: argparse.Namespace, *, start: bool) -> str:
     return ensure_embedded_redis(data_dir).url
 
 
+def load_chain_key(path: str) -> bytes | None:
+    """The hash chain's HMAC key from ``path``; None when no file is configured."""
+    if not path:
+        return None
+    from events.chain import ChainKeyError, load_key
+
+    try:
+        return load_key(path)
+    except ChainKeyError as err:
+        raise CliError(str(err)) from None
+
+
 @contextmanager
 def open_store(
-    args: argparse.Namespace, *, start: bool = False, replication: StoreConfig | None = None
+    args: argparse.Namespace,
+    *,
+    start: bool = False,
+    replication: StoreConfig | None = None,
+    chain_key: bytes | None = None,
 ) -> Iterator[EventStore]:
     from events.redis_store import RedisEventStore
 
@@ -94,12 +110,14 @@ def open_store(
                 args.redis_sentinel, args.redis_master,
                 password=os.environ.get(ENV_PASSWORD) or None,
                 sentinel_password=os.environ.get(ENV_SENTINEL_PASSWORD) or None,
-                replication=replication,
+                replication=replication, chain_key=chain_key,
             )
         except ValueError as err:
             raise CliError(str(err)) from None
     else:
-        store = RedisEventStore(resolve_redis_url(args, start=start), replication=replication)
+        store = RedisEventStore(
+            resolve_redis_url(args, start=start), replication=replication, chain_key=chain_key
+        )
     try:
         yield store
     finally:
@@ -120,13 +138,13 @@ def run_command(func, args: argparse.Namespace) -> int:
     """Call a command; user errors become one line on stderr and a non-zero exit."""
     from controller.config import ConfigError
     from controller.core.errors import InvariantViolation
-    from events.errors import EventDecodeError
+    from events.errors import ChainError, EventDecodeError
 
     try:
         return int(func(args) or 0)
     except CliError as err:
         fail(str(err), err.code)
-    except (EventDecodeError, InvariantViolation) as err:
+    except (EventDecodeError, InvariantViolation, ChainError) as err:
         fail(str(err), 1)
     except (RunNotFoundError, ConfigError) as err:
         fail(str(err), 2)

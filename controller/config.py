@@ -70,7 +70,7 @@ class LossSection(_Section):
     clip_high: float = 0.28
     kl_coef: float = 0.0
     is_cap: float = 2.0
-    """Truncation of the generator/trainer importance weight."""
+    """Cap C of the generator/trainer importance weight min(ratio, C): a larger ratio is weighted C."""
 
 
 class TrainSection(_Section):

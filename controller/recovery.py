@@ -364,6 +364,9 @@ async def reconcile_workers(
     rewind: bool = False,
 ) -> None:
     """Steps 1-4 of the module docstring, in order."""
+    token = getattr(workers, "token", None)
+    if token is not None:  # from here on every worker call carries this epoch
+        token.value = writer.epoch
     reloaded = reload_spill(workers.dataplane, writer.run_id)
     crash_point("after_spill_reloaded", writer.epoch)
     removed = await clean_data_plane(writer.state, workers.payloads)

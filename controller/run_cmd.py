@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 
 from controller import followup, preflight, quiet, ray_cluster
-from controller.cli_common import CliError, add_store_args, open_store, require_run
+from controller.cli_common import CliError, add_store_args, load_chain_key, open_store, require_run
 from controller.core import policies
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, StallError, StepRetriesExhausted
@@ -31,6 +31,7 @@ from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import RecoveryError, reconcile_workers
 from controller.startup import RunExistsError, create_run, load_state, resume_run
 from events import schema as ev
+from events.chain import Chain
 from events.errors import FencedError
 
 log = structlog.get_logger("rl_controller.run")
@@ -177,7 +178,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             # leave no run behind.
             ray_cluster.check_local_capacity(cfg)
             check_ray_address(cfg.ray.address)
-    with open_store(args, start=True, replication=cfg.store if cfg else None) as store:
+    chain_key = _chain_key(args, cfg, run_id)
+    with open_store(args, start=True, replication=cfg.store if cfg else None,
+                    chain_key=chain_key) as store:
         if args.resume:
             # Read-only first: the recorded config is checked before a new epoch is
             # claimed, and a finished run answers without starting anything.
@@ -215,6 +218,30 @@ def cmd_run(args: argparse.Namespace) -> int:
             except RunExistsError as err:
                 raise CliError(str(err)) from None
         return _train(args, cfg, writer, store)
+
+
+def _chain_key(args: argparse.Namespace, cfg: Config | None, run_id: str) -> bytes | None:
+    """The hash chain's key: from the config of a new run, from the logged one on resume.
+
+    A resumed run must keep its chain's algorithm: an HMAC chain continued with plain
+    SHA-256 (or the other way round) would no longer verify, so that fails here, before
+    anything is written.
+    """
+    if cfg is not None:
+        return load_chain_key(cfg.store.chain_key_file)
+    with open_store(args, start=True) as store:
+        if not store.run_exists(run_id) or store.last_position(run_id) == 0:
+            return None  # resume_run says what is wrong
+        first = store.read(run_id, 1, 1)[0].event
+        logged = getattr(first, "config", {}) or {}
+        key = load_chain_key(str((logged.get("store") or {}).get("chain_key_file", "")))
+        head = store.chain_head(run_id)
+    if head is not None and head.algorithm and head.algorithm != Chain(run_id, key).algorithm:
+        raise CliError(
+            f"run {run_id!r} has a {head.algorithm} hash chain but the key file gives "
+            f"{'none' if key is None else 'a key'}; restore store.chain_key_file"
+        )
+    return key
 
 
 def _train(args, cfg: Config, writer, store) -> int:

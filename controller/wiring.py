@@ -10,13 +10,14 @@ is chosen explicitly, never as a fallback.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from controller import crashpoints
 from controller.config import Config
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.fencing import EpochToken
 from workers.generator.vllm_config import MIB, VllmOptions
 from workers.handles import (
     GeneratorClientImpl,
@@ -56,6 +57,9 @@ class Workers:
     handles: list[Any]
     #: builds a fresh handle: (role, name) -> handle
     factory: Callable[[str, str], Any] | None = None
+    #: this controller's epoch, stamped by every handle on every call (workers.fencing);
+    #: set when the controller reconciles the workers with the log
+    token: EpochToken = field(default_factory=EpochToken)
 
     async def restart_trainer(self) -> None:
         self.trainer.handle = await self._replace(self.trainer.handle, "trainer", "trainer")
@@ -84,6 +88,7 @@ class Workers:
                 if attempt == REPLACE_ATTEMPTS - 1:
                     raise
                 await asyncio.sleep(2.0 * (attempt + 1))
+        new.token = self.token
         self.handles = [new if h is old else h for h in self.handles]
         return new
 
@@ -314,10 +319,12 @@ def _assemble(cfg: Config, spec: WorkerSpec, plane: DataPlane, factory) -> Worke
         trainer=trainer,
         generators=gens,
         publisher=Publisher(trainer, gens, BucketTransport(spec.refit_bucket_bytes)),
-        payloads=PayloadStoreImpl(plane, spec.run_id),
+        payloads=PayloadStoreImpl(plane, spec.run_id, trainer),
         dataplane=plane,
         handles=[trainer.handle, *(g.handle for g in gens)],
         factory=factory,
     )
+    for handle in workers.handles:
+        handle.token = workers.token
     crashpoints.set_worker_killer(workers.kill_worker)
     return workers

@@ -55,6 +55,10 @@ class StoreUnavailableError(EventStoreError):
     """The backing store cannot be reached or refused us (auth, TLS, network)."""
 
 
+class StorePermissionError(StoreUnavailableError):
+    """The store refused a command this user may not run (a read-only Redis user, say)."""
+
+
 class EpochNotClaimedError(EventStoreError):
     """The writer's epoch is newer than any claimed for the run: it never called claim_epoch."""
 
@@ -87,3 +91,14 @@ class ReplicationTimeoutError(StoreUnavailableError):
             f"Redis at {where}: only {confirmed} of {wanted} replicas confirmed the append "
             f"within {timeout_s:g}s; its outcome is in doubt (the retry resolves it)"
         )
+
+
+class ChainError(EventStoreError):
+    """The log's hash chain does not hold: an entry, the head or a snapshot was altered."""
+
+    def __init__(self, run_id: str, position: int | None, reason: str) -> None:
+        self.run_id = run_id
+        self.position = position
+        self.reason = reason
+        where = "" if position is None else f" at position {position}"
+        super().__init__(f"run {run_id!r}: hash chain broken{where}: {reason}")

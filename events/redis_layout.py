@@ -4,9 +4,11 @@ Pure data (no ``redis`` import): ``events.redis_store`` runs these scripts and i
 only module that talks to a server. Keys per run (the braces are a Redis Cluster hash
 tag, so the append script's two keys always live in one slot)::
 
-    rlc:{<run_id>}:events     stream; entry id 0-<position>, fields type / id / data
-    rlc:{<run_id>}:meta       hash; epoch (the fencing token)
-    rlc:{<run_id>}:snapshot   hash; position, data (newest snapshot only)
+    rlc:{<run_id>}:events     stream; entry id 0-<position>, fields type / id / data / h
+    rlc:{<run_id>}:meta       hash; epoch (the fencing token), chain_head, chain_len, chain_alg
+    rlc:{<run_id>}:snapshot   hash; position, data, chain (newest snapshot only)
+
+``h`` is the entry's hash-chain link (``events.chain``).
     rlc:runs                  set of run ids
 
 An append is ONE script, so a batch is one round trip and one fsync under
@@ -19,7 +21,14 @@ from __future__ import annotations
 import hashlib
 from typing import NamedTuple
 
-from events.errors import ConcurrencyError, EpochNotClaimedError, EventStoreError, FencedError
+from events.chain import CHAIN_REFUSED
+from events.errors import (
+    ChainError,
+    ConcurrencyError,
+    EpochNotClaimedError,
+    EventStoreError,
+    FencedError,
+)
 
 
 class Script(NamedTuple):
@@ -35,8 +44,11 @@ def script(source: str) -> Script:
 
 RUNS_KEY = "rlc:runs"
 
-# KEYS: stream, meta. ARGV: epoch, expected position, n, then (type, id, data) * n.
+# KEYS: stream, meta. ARGV: epoch, expected position, n, previous chain hash ('' for
+# the first entry or a log without a chain), chain algorithm (recorded with the first
+# chained entry), then (type, id, data, h) * n; h is '' when the log has no chain.
 # Replies {appended(1)|replayed(0), first position} or an error "RLC_<KIND> <n>".
+# The chain check sits with the epoch and position checks: one script.
 APPEND_LUA = """
 local epoch = tonumber(ARGV[1])
 local expected = tonumber(ARGV[2])
@@ -46,10 +58,23 @@ if epoch < current then return redis.error_reply('RLC_FENCED ' .. current) end
 if epoch > current then return redis.error_reply('RLC_UNCLAIMED ' .. current) end
 local len = redis.call('XLEN', KEYS[1])
 if len == expected then
+  local head = redis.call('HGET', KEYS[2], 'chain_head') or ''
+  if ARGV[4] ~= head then return redis.error_reply('RLC_CHAIN ' .. len) end
+  local h = ''
   for i = 1, n do
-    local b = 3 + (i - 1) * 3
-    redis.call('XADD', KEYS[1], '0-' .. (expected + i),
-               'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3])
+    local b = 5 + (i - 1) * 4
+    h = ARGV[b + 4]
+    if h == '' then
+      redis.call('XADD', KEYS[1], '0-' .. (expected + i),
+                 'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3])
+    else
+      redis.call('XADD', KEYS[1], '0-' .. (expected + i),
+                 'type', ARGV[b + 1], 'id', ARGV[b + 2], 'data', ARGV[b + 3], 'h', h)
+    end
+  end
+  if h ~= '' then
+    redis.call('HSET', KEYS[2], 'chain_head', h, 'chain_len', expected + n)
+    if ARGV[4] == '' then redis.call('HSET', KEYS[2], 'chain_alg', ARGV[5]) end
   end
   return {1, expected + 1}
 end
@@ -58,22 +83,31 @@ local entries = redis.call('XRANGE', KEYS[1], '0-' .. (expected + 1), '0-' .. (e
 if #entries < n then return redis.error_reply('RLC_PARTIAL ' .. len) end
 for i = 1, n do
   local fields = entries[i][2]
-  local stored = false
+  local stored, h = false, ''
   for j = 1, #fields, 2 do
     if fields[j] == 'id' then stored = fields[j + 1] end
+    if fields[j] == 'h' then h = fields[j + 1] end
   end
-  if stored ~= ARGV[3 + (i - 1) * 3 + 2] then
+  if stored ~= ARGV[5 + (i - 1) * 4 + 2] then
     return redis.error_reply('RLC_MISMATCH ' .. len .. ' ' .. (expected + i))
   end
+  if h ~= ARGV[5 + i * 4] then return redis.error_reply('RLC_CHAIN ' .. len) end
 end
 return {0, expected + 1}
 """
 
-# KEYS: snapshot hash. ARGV: position, data. Keeps the newest snapshot only.
+# KEYS: snapshot hash, stream. ARGV: position, data. Keeps the newest snapshot only,
+# with the chain hash of the entry at its position ('' when none).
 SNAPSHOT_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'position')
 if cur and tonumber(cur) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2])
+local h = ''
+local e = redis.call('XRANGE', KEYS[2], '0-' .. ARGV[1], '0-' .. ARGV[1])
+if #e == 1 then
+  local f = e[1][2]
+  for j = 1, #f, 2 do if f[j] == 'h' then h = f[j + 1] end end
+end
+redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2], 'chain', h)
 return 1
 """
 
@@ -139,6 +173,8 @@ def append_error(run_id: str, epoch: int, expected: int, message: str) -> EventS
         return ConcurrencyError(
             run_id, expected, number, "log moved by fewer entries than the batch (partial overlap)"
         )
+    if kind == "RLC_CHAIN":
+        return ChainError(run_id, expected + 1, CHAIN_REFUSED)
     if kind == "RLC_MISMATCH":
         where = words[2] if len(words) > 2 else "?"
         return ConcurrencyError(

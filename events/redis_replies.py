@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from events.chain import HASH_FIELD
 from events.errors import EventDecodeError
 from events.store import EncodedPage, RawEntry
 
@@ -38,6 +39,7 @@ def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
         event_type=as_text(fields.get("type", b"")),
         event_id=as_text(fields.get("id", b"")),
         data=data.encode() if isinstance(data, str) else bytes(data),
+        chain=as_text(fields.get(HASH_FIELD, b"")),
     )
 
 
@@ -54,7 +56,8 @@ def xrange_page(batch: Sequence[Any] | None) -> PageReply:
     if not batch:
         return b"", b"", []
     fields = list(map(_entry_fields, batch))
-    if set(map(len, fields)) == {6} and list(map(_field_4, fields)).count(b"data") == len(fields):
+    shape = set(map(len, fields))
+    if (shape == {6} or shape == {8}) and list(map(_field_4, fields)).count(b"data") == len(fields):
         data = list(map(_field_5, fields))
     else:
         data = [_data_field(f) for f in fields]

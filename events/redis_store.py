@@ -22,8 +22,9 @@ import redis
 import redis.asyncio
 from redis import exceptions as rex
 
+from events.chain import ChainHead, ChainWriter, check_snapshot_link
 from events.codec import encode
-from events.errors import RunNotFoundError, StoreUnavailableError
+from events.errors import RunNotFoundError, StorePermissionError, StoreUnavailableError
 from events.redis_connection import PinnedConnection, Sequential, redact_url
 from events.redis_layout import (
     APPEND,
@@ -91,10 +92,12 @@ class RedisEventStore:
         pin_client: bool = False,
         retry_window_s: float = 0.0,
         page_reads: PageReads = "auto",
+        chain_key: bytes | None = None,
     ) -> None:
         self.url = url
         #: appends wait for this many replicas (``events.replication``)
         self.replication = (replication or StoreConfig()).check()
+        self._chain = ChainWriter(chain_key)
         self._safe_url = redact_url(url)
         self._connect_timeout_s = connect_timeout_s
         self._async_factory = async_client_factory or self._default_async_client
@@ -138,15 +141,25 @@ class RedisEventStore:
                 f"Redis at {self._safe_url} is a read-only replica (after a failover the "
                 f"primary is elsewhere; --redis-sentinel follows it): {err}"
             ) from err
+        except rex.NoPermissionError as err:
+            raise StorePermissionError(
+                f"Redis at {self._safe_url} refused a command: {_one_line(err)} (this Redis "
+                "user may not do that; 'run' needs the controller user, see docs/security.md)"
+            ) from err
         except rex.ResponseError as err:
             if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
                 raise self._unavailable(err) from err
             raise
 
     def _unavailable(self, err: Exception) -> StoreUnavailableError:
-        reason = " ".join(str(err).split()) or type(err).__name__
+        reason = _one_line(err)
         if isinstance(err, (rex.AuthenticationError, rex.ResponseError)):
             reason = f"authentication failed (check the password in the URL): {reason}"
+        elif "CERTIFICATE_VERIFY_FAILED" in reason:
+            reason = (
+                "TLS certificate verification failed: the server's certificate is not signed "
+                "by the CA given (ssl_ca_certs in the URL) or does not name this host"
+            )
         elif self._safe_url.startswith("rediss://"):
             reason = f"{reason} (TLS: does the server accept TLS on this port?)"
         return StoreUnavailableError(f"Redis at {self._safe_url} is unavailable: {reason}")
@@ -185,9 +198,13 @@ class RedisEventStore:
     ) -> list[int]:
         check_run_id(run_id)
         check_append_args(events, expected_position, epoch)
-        args: list[Any] = [epoch, expected_position, len(events)]
-        for event in events:
-            args += (type(event).__name__, event.event_id, encode(event))
+        entries = [(type(e).__name__, e.event_id, encode(e)) for e in events]
+        prev, hashes = self._chain.batch(
+            run_id, expected_position, entries, lambda p: self._hash_at(run_id, p)
+        )
+        args: list[Any] = [epoch, expected_position, len(events), prev, self._chain.algorithm]
+        for entry, link in zip(entries, hashes):
+            args += (*entry, link)
         keys = (events_key(run_id), meta_key(run_id))
         try:
             with self._translate():
@@ -199,8 +216,26 @@ class RedisEventStore:
                 else:
                     _, first = _run_script(self._hot, APPEND, keys, args)
         except rex.ResponseError as err:
+            self._chain.forget(run_id)
             raise append_error(run_id, epoch, expected_position, str(err)) from None
+        self._chain.appended(run_id, expected_position + len(events), hashes[-1])
         return list(range(int(first), int(first) + len(events)))
+
+    def _hash_at(self, run_id: str, position: int) -> str:
+        """The chain hash stored with the entry at ``position`` ("" when it has none)."""
+        entries = self.read_raw(run_id, position, position, 1)
+        return entries[0].chain if entries else ""
+
+    def chain_head(self, run_id: str) -> ChainHead | None:
+        """The chain head in the run's meta; None for a run without a chain."""
+        self._require_run(run_id)
+        with self._translate():
+            head, length, alg = self._client.hmget(
+                meta_key(run_id), ["chain_head", "chain_len", "chain_alg"]
+            )
+        if head is None:
+            return None
+        return ChainHead(as_text(head), int(length or 0), as_text(alg or b""))
 
     def append_raw(
         self, run_id: str, data: bytes, *, event_type: str = "?", event_id: str = ""
@@ -215,7 +250,8 @@ class RedisEventStore:
     def save_snapshot(self, run_id: str, position: int, data: bytes) -> bool:
         check_snapshot_position(run_id, position, self.last_position(run_id))
         with self._translate():
-            return bool(_run_script(self._client, SNAPSHOT, [snapshot_key(run_id)], [position, data]))
+            keys = [snapshot_key(run_id), events_key(run_id)]
+            return bool(_run_script(self._client, SNAPSHOT, keys, [position, data]))
 
     # -- reads ---------------------------------------------------------------------
 
@@ -341,9 +377,15 @@ class RedisEventStore:
     def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
         self._require_run(run_id)
         with self._translate():
-            position, data = self._client.hmget(snapshot_key(run_id), ["position", "data"])
+            position, data, link = self._client.hmget(
+                snapshot_key(run_id), ["position", "data", "chain"]
+            )
         if position is None or data is None:
             return None
+        if link:  # the snapshot vouches for the log up to its position: check it still does
+            check_snapshot_link(
+                run_id, int(position), as_text(link), lambda p: self._hash_at(run_id, p)
+            )
         return int(position), bytes(data)
 
     async def follow(
@@ -399,3 +441,7 @@ def answers_ping(url: str, timeout_s: float = 2.0) -> bool:
         return False
     finally:
         client.close()
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__

@@ -37,6 +37,9 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     require_fsync_always: bool = False
     """Refuse an external Redis whose AOF is off or whose appendfsync is not "always"
     (by default such a server is used with a warning saying what a crash can lose)."""
+    chain_key_file: str = ""
+    """File with the HMAC key of the log's hash chain (>= 16 bytes; never sent to Redis).
+    Empty = plain SHA-256 chain (``events.chain``)."""
 
     def check(self) -> StoreConfig:
         if self.replicas < 0:

@@ -53,6 +53,7 @@ def open_sentinel_store(
     password: str | None = None,
     sentinel_password: str | None = None,
     replication: StoreConfig | None = None,
+    chain_key: bytes | None = None,
     failover_window_s: float = 30.0,
     connect_timeout_s: float = 2.0,
     command_timeout_s: float = 30.0,
@@ -82,4 +83,5 @@ def open_sentinel_store(
         replication=replication,
         pin_client=True,
         retry_window_s=failover_window_s,
+        chain_key=chain_key,
     )

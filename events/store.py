@@ -28,8 +28,15 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
+from events.chain import CHAIN_REFUSED, ChainHead, ChainWriter, check_snapshot_link
 from events.codec import decode, encode
-from events.errors import ConcurrencyError, EpochNotClaimedError, FencedError, RunNotFoundError
+from events.errors import (
+    ChainError,
+    ConcurrencyError,
+    EpochNotClaimedError,
+    FencedError,
+    RunNotFoundError,
+)
 from events.schema import Event, StoredEvent
 
 #: Run ids become part of storage keys: no whitespace, braces or control characters.
@@ -59,6 +66,8 @@ class RawEntry(NamedTuple):
     #: the ``type`` and ``id`` stream fields (readable without decoding ``data``)
     event_type: str = ""
     event_id: str = ""
+    #: the entry's hash-chain link (``events.chain``); "" in a log from before chains
+    chain: str = ""
 
 
 class EncodedPage(NamedTuple):
@@ -150,7 +159,13 @@ class EventStore(Protocol):
         """Store folded state as of ``position``; kept only if not older than the newest."""
         ...
 
-    def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None: ...
+    def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
+        """The newest snapshot; raises ``ChainError`` if the log under it was altered."""
+        ...
+
+    def chain_head(self, run_id: str) -> ChainHead | None:
+        """The run's chain head as its meta records it; None for a log without a chain."""
+        ...
 
     def close(self) -> None: ...
 
@@ -191,12 +206,15 @@ def decode_entries(entries: Sequence[RawEntry]) -> list[StoredEvent]:
 
 
 class _MemoryRun:
-    __slots__ = ("entries", "epoch", "snapshot")
+    __slots__ = ("entries", "epoch", "snapshot", "head")
 
     def __init__(self) -> None:
         self.entries: list[RawEntry] = []
         self.epoch = 0
-        self.snapshot: tuple[int, bytes] | None = None
+        #: (position, data, chain hash of the entry at position)
+        self.snapshot: tuple[int, bytes, str] | None = None
+        #: the newest chained entry
+        self.head: ChainHead | None = None
 
 
 class MemoryEventStore:
@@ -206,7 +224,8 @@ class MemoryEventStore:
     thread (``call_soon_threadsafe``), and re-checks every ``block_ms`` regardless.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, chain_key: bytes | None = None) -> None:
+        self._chain = ChainWriter(chain_key)
         self._runs: dict[str, _MemoryRun] = {}
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -241,9 +260,23 @@ class MemoryEventStore:
     ) -> list[int]:
         check_run_id(run_id)
         check_append_args(events, expected_position, epoch)
-        encoded = [
-            RawEntry(0, encode(e), type(e).__name__, e.event_id) for e in events
-        ]  # encode outside the lock
+        entries = [(type(e).__name__, e.event_id, encode(e)) for e in events]
+        prev, hashes = self._chain.batch(  # encode and hash outside the lock
+            run_id, expected_position, entries, lambda p: self._hash_at(run_id, p)
+        )
+        encoded = [RawEntry(0, d, t, i, h) for (t, i, d), h in zip(entries, hashes)]
+        try:
+            positions = self._append_locked(run_id, encoded, expected_position, epoch, prev)
+        except Exception:
+            self._chain.forget(run_id)
+            raise
+        self._chain.appended(run_id, positions[-1], hashes[-1])
+        self._wake_followers()
+        return positions
+
+    def _append_locked(
+        self, run_id: str, encoded: list[RawEntry], expected_position: int, epoch: int, prev: str
+    ) -> list[int]:
         with self._lock:
             run = self._runs.get(run_id)
             current = 0 if run is None else run.epoch
@@ -252,17 +285,31 @@ class MemoryEventStore:
             if run is None or epoch > current:
                 raise EpochNotClaimedError(run_id, epoch, current)
             length = len(run.entries)
-            positions = list(range(expected_position + 1, expected_position + 1 + len(events)))
+            positions = list(range(expected_position + 1, expected_position + 1 + len(encoded)))
             if length == expected_position:
+                if prev != ("" if run.head is None else run.head.hash):
+                    raise ChainError(run_id, expected_position + 1, CHAIN_REFUSED)
                 run.entries.extend(e._replace(position=p) for p, e in zip(positions, encoded))
+                if encoded[-1].chain:
+                    alg = run.head.algorithm if run.head else self._chain.algorithm
+                    run.head = ChainHead(encoded[-1].chain, positions[-1], alg)
             elif length < expected_position:
                 raise ConcurrencyError(run_id, expected_position, length, "log is behind")
             else:
-                stored = [e.event_id for e in run.entries[expected_position : positions[-1]]]
+                stored = run.entries[expected_position : positions[-1]]
                 mine = [e.event_id for e in encoded]
-                check_retry(run_id, expected_position, length, stored, mine)
-        self._wake_followers()
-        return positions
+                check_retry(run_id, expected_position, length, [e.event_id for e in stored], mine)
+                if [e.chain for e in stored] != [e.chain for e in encoded]:
+                    raise ChainError(run_id, expected_position + 1, CHAIN_REFUSED)
+            return positions
+
+    def _hash_at(self, run_id: str, position: int) -> str:
+        entries = self.read_raw(run_id, position, position, 1)
+        return entries[0].chain if entries else ""
+
+    def chain_head(self, run_id: str) -> ChainHead | None:
+        with self._lock:
+            return self._run(run_id).head
 
     def append_raw(
         self, run_id: str, data: bytes, *, event_type: str = "?", event_id: str = ""
@@ -282,7 +329,8 @@ class MemoryEventStore:
             check_snapshot_position(run_id, position, len(run.entries))
             if run.snapshot is not None and run.snapshot[0] > position:
                 return False
-            run.snapshot = (position, bytes(data))
+            link = run.entries[position - 1].chain if position else ""
+            run.snapshot = (position, bytes(data), link)
             return True
 
     # -- reads ---------------------------------------------------------------------
@@ -335,7 +383,12 @@ class MemoryEventStore:
 
     def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
         with self._lock:
-            return self._run(run_id).snapshot
+            snap = self._run(run_id).snapshot
+        if snap is None:
+            return None
+        if snap[2]:
+            check_snapshot_link(run_id, snap[0], snap[2], lambda p: self._hash_at(run_id, p))
+        return snap[0], snap[1]
 
     async def follow(
         self, run_id: str, from_position: int = 0, *, block_ms: int = 1000
@@ -387,3 +440,4 @@ def check_snapshot_position(run_id: str, position: int, last: int) -> None:
         raise ValueError(
             f"run {run_id!r}: snapshot position {position} outside the log (0..{last})"
         )
+

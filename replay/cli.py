@@ -9,6 +9,7 @@ named by position), 2 a usage or store error (one line on stderr), 130 interrupt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -265,18 +266,25 @@ def _register_audit(subparsers: Any) -> None:
     out.add_argument("--csv", metavar="FILE", help="write one row per trainer_version to FILE")
     p.add_argument("--last", type=int, default=50, metavar="N",
                    help="rows shown per table (0 = all; JSON/CSV have all)")
+    p.add_argument("--chain-key-file", metavar="FILE",
+                   default=os.environ.get("RLC_CHAIN_KEY_FILE", ""),
+                   help="HMAC key of the run's hash chain (default: $RLC_CHAIN_KEY_FILE)")
     p.set_defaults(func=cmd_audit)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    from controller.cli_common import load_chain_key
     from replay.audit import build_report, write_csv
+    from replay.chain_audit import audit_chain
     from replay.reader import fold_log
 
+    key = load_chain_key(args.chain_key_file)
     with open_store(args) as store:
         require_run(store, args.run)
+        chain = audit_chain(store, args.run, key)
         report = build_report(fold_log(store, args.run))
     if args.json:
-        render.write_json(report.to_dict())
+        render.write_json({**report.to_dict(), "chain": chain.to_dict()})
     else:
         if args.csv:
             with open(args.csv, "w", newline="") as fh:
@@ -284,6 +292,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
         con = render.console()
         for table in render.audit_tables(report.to_dict(), args.last):
             con.print(table)
+        con.print(chain.describe(), markup=False, highlight=False)
+    if chain.status == "broken" and (
+        report.problem is None or (chain.position or 0) <= report.problem["position"]
+    ):
+        print(f"rl-controller: audit failed: chain at position {chain.position}: "
+              f"{chain.reason}", file=sys.stderr)
+        return 1
     if report.problem is not None:
         p = report.problem
         print(f"rl-controller: audit failed: {p['kind']} at position {p['position']}: {p['reason']}",

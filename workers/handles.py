@@ -9,6 +9,10 @@ A worker that dies mid-call surfaces as :class:`workers.api.WorkerLostError`
 (Ray's actor-died errors are translated here), so the controller can record
 ``WorkerLost``, have the worker replaced behind the same client object (the clients
 hold a handle that ``controller.wiring`` swaps) and reconcile the new one.
+
+Every call carries the controller's epoch (``token``, shared by all handles of one
+controller): the handle calls the worker's ``fenced(epoch, method, ...)`` entry point
+and the worker refuses a stale epoch (``workers.fencing``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from workers.api import (
     WorkerLostError,
 )
 from workers.dataplane import DataPlane
+from workers.fencing import EpochToken
 from workers.weight_transport import BucketTransport, WeightTransport
+
+
+def _stamped(token: EpochToken | None, method: str, args: tuple[Any, ...]) -> tuple[str, tuple]:
+    """(method, args) as sent: through ``fenced`` with the epoch once the token has one."""
+    if token is None or token.value <= 0:
+        return method, args
+    return "fenced", (token.value, method, *args)
 
 
 class LocalHandle:
@@ -41,6 +53,8 @@ class LocalHandle:
         self.role = role
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._lost: str | None = None
+        #: the controller's epoch, stamped on every call (set by ``controller.wiring``)
+        self.token: EpochToken | None = None
 
     def submit(self, method: str, *args: Any) -> asyncio.Future:
         """Issue the call now (a worker thread picks it up); await the result later."""
@@ -51,6 +65,7 @@ class LocalHandle:
             failed = loop.create_future()
             failed.set_exception(err)
             return failed
+        method, args = _stamped(self.token, method, args)
         return loop.run_in_executor(self._pool, functools.partial(getattr(self.obj, method), *args))
 
     async def call(self, method: str, *args: Any) -> Any:
@@ -74,9 +89,11 @@ class RayHandle:
         self.actor = actor
         self.name = name
         self.role = role
+        self.token: EpochToken | None = None
 
     def submit(self, method: str, *args: Any) -> asyncio.Future:
         """Issue the call now (the task is submitted to the actor); await the result later."""
+        method, args = _stamped(self.token, method, args)
         try:
             ref = getattr(self.actor, method).remote(*args)
         except Exception as err:  # submitting to a dead actor may raise right here
@@ -104,6 +121,7 @@ class RayHandle:
         return lost
 
     def ref(self, method: str, *args: Any) -> Any:
+        method, args = _stamped(self.token, method, args)
         return getattr(self.actor, method).remote(*args)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -192,13 +210,23 @@ class Publisher:
 
 
 class PayloadStoreImpl:
-    """``workers.api.PayloadStore`` over the controller's data plane client."""
+    """``workers.api.PayloadStore`` over the controller's data plane client.
 
-    def __init__(self, dataplane: DataPlane, partition: str) -> None:
+    With ``trainer``, deletes go through the trainer worker (``clear_payloads``), so they
+    carry the controller's epoch and pass the worker's fence; reads stay local.
+    """
+
+    def __init__(
+        self, dataplane: DataPlane, partition: str, trainer: TrainerClientImpl | None = None
+    ) -> None:
         self.dataplane = dataplane
         self.partition = partition
+        self.trainer = trainer  # the client, not its handle: a restart swaps the handle
 
     async def delete(self, keys: list[str]) -> None:
+        if self.trainer is not None:
+            await self.trainer.handle.call("clear_payloads", list(keys))
+            return
         await asyncio.to_thread(self.dataplane.clear, self.partition, keys)
 
     async def keys(self) -> list[str]:

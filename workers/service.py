@@ -6,7 +6,8 @@ with the advantages the controller computed and runs the split-API step.
 ``GeneratorWorker`` maps a prompt index to a prompt of the task and runs
 ``generate_group``. Both are built from a picklable :class:`WorkerSpec`, so the same
 class runs in-process (tests, single-process runs) or as a Ray actor
-(``workers.handles``).
+(``workers.handles``). Both are fenced (``workers.fencing``): a controller's handles
+call ``fenced(epoch, method, ...)`` and a stale epoch is refused here, at the worker.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from workers.api import (
 from workers.backends import TrainerBackend, make_trainer
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.fencing import EpochFence, Fenced
 from workers.generator.generator import Generator
 from workers.generator.vllm_config import VllmOptions
 from workers.loss import LossConfig
@@ -72,12 +74,17 @@ class WorkerSpec:
     refit_bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
-class TrainerWorker:
-    """The trainer behind the controller's ``TrainerClient`` protocol."""
+class TrainerWorker(Fenced):
+    """The trainer behind the controller's ``TrainerClient`` protocol.
+
+    Also deletes data-plane rows for the controller (:meth:`clear_payloads`), so those
+    deletes pass the same fence as the trainer calls.
+    """
 
     def __init__(self, spec: WorkerSpec, dataplane: DataPlane | None = None) -> None:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
+        self.fence = EpochFence(spec.run_id, "trainer")
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         self.trainer: Any = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
@@ -178,21 +185,31 @@ class TrainerWorker:
     def weight_bucket(self, version: int, index: int) -> bytes:
         return self._refit.weight_bucket(version, index)
 
+    def clear_payloads(self, keys: list[str]) -> None:
+        """Delete rows of this run from the data plane, on the controller's behalf."""
+        self.dataplane.clear(self.spec.run_id, keys)
+
     def pid(self) -> int:
         """This worker's process id (chaos tests kill -9 it)."""
         return os.getpid()
 
 
-class GeneratorWorker:
-    """A generator behind the controller's ``GeneratorClient`` protocol."""
+class GeneratorWorker(Fenced):
+    """A generator behind the controller's ``GeneratorClient`` protocol.
+
+    It serves two calls at once (a weight update may arrive mid-generation), so its
+    writes -- the rows of a group, a weight update -- re-check the fence as they land.
+    """
 
     def __init__(self, spec: WorkerSpec, name: str, dataplane: DataPlane | None = None) -> None:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.name = name
+        self.fence = EpochFence(spec.run_id, name)
         task = make_task(spec.task, **dict(spec.task_options))
         self.prompts = prompt_set(task, spec.num_prompts, spec.prompt_seed, spec.dataset)
         plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
+        fenced_plane: Any = _FencedWrites(plane, self.fence)
         self.generator: Any
         if spec.generator_backend == "vllm":
             from workers.backends import make_generator
@@ -201,11 +218,12 @@ class GeneratorWorker:
             assert spec.model.path is not None, "the vLLM generator needs an HF model directory"
             self.generator = make_generator(
                 "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
-                task=task, dataplane=plane, run_id=spec.run_id, name=name, options=spec.vllm,
+                task=task, dataplane=fenced_plane, run_id=spec.run_id, name=name,
+                options=spec.vllm,
             )
         else:
             model, tokenizer = build_model(spec.model)
-            self.generator = Generator(model, tokenizer, task, plane, spec.run_id, name=name)
+            self.generator = Generator(model, tokenizer, task, fenced_plane, spec.run_id, name=name)
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
         example = self.prompts[req.prompt_index % len(self.prompts)]
@@ -225,13 +243,15 @@ class GeneratorWorker:
         return [self.generate(req) for req in reqs]
 
     def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:
-        return self.generator.update_weights(version, state_dict)
+        with self.fence.guard():
+            return self.generator.update_weights(version, state_dict)
 
     def receive_weight_bucket(
         self, version: int, index: int, count: int, bucket: bytes
     ) -> WeightsAck | None:
         """One refit bucket (``workers.weight_transport``); the last one returns the ack."""
-        return self.generator.receive_weight_bucket(version, index, count, bucket)
+        with self.fence.guard():
+            return self.generator.receive_weight_bucket(version, index, count, bucket)
 
     def close(self) -> None:
         """Stop generating and free the engine (a vLLM engine's processes included)."""
@@ -244,3 +264,18 @@ class GeneratorWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+class _FencedWrites:
+    """The generator's data plane: a ``put`` lands only if the fence still admits the call."""
+
+    def __init__(self, plane: DataPlane, fence: EpochFence) -> None:
+        self._plane = plane
+        self._fence = fence
+
+    def put(self, *args: Any, **kwargs: Any) -> None:
+        with self._fence.guard():
+            self._plane.put(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plane, name)

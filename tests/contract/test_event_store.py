@@ -16,7 +16,9 @@ import pytest
 
 import events.redis_store
 import events.store
+from events.codec import encode
 from events.errors import (
+    ChainError,
     ConcurrencyError,
     EpochNotClaimedError,
     EventDecodeError,
@@ -70,7 +72,7 @@ def test_implements_the_protocol_with_its_signatures(store: EventStore) -> None:
     # parameters (names, kinds, defaults, annotations) must match the protocol's too.
     assert isinstance(store, EventStore)
     methods = [n for n, v in vars(EventStore).items() if callable(v) and not n.startswith("_")]
-    assert "read_page" in methods and len(methods) == 13
+    assert {"read_page", "chain_head"} <= set(methods) and len(methods) == 14
     for name in methods:
         want = inspect.signature(getattr(EventStore, name))
         got = inspect.signature(getattr(type(store), name))
@@ -305,7 +307,10 @@ def test_malformed_entry_raises_decode_error_at_its_position(store: EventStore) 
     store.append(RUN, batch(1, 2), expected_position=0, epoch=epoch)
     inject = store.append_raw  # type: ignore[attr-defined]  # test-only, not in the protocol
     assert inject(RUN, b"{not json", event_type="?", event_id="junk") == 3
-    store.append(RUN, batch(4, 1), expected_position=3, epoch=epoch)
+    # the raw entry has no chain hash: the writer's chain refuses to build on it
+    with pytest.raises(ChainError, match="position 4.*chain head"):
+        store.append(RUN, batch(4, 1), expected_position=3, epoch=epoch)
+    inject(RUN, encode(failed(4)), event_type="GroupFailed", event_id=failed(4).event_id)
     with pytest.raises(EventDecodeError) as info:
         store.read(RUN)
     assert info.value.position == 3
@@ -346,7 +351,10 @@ def test_read_page_hands_over_malformed_entries_undecoded(store: EventStore) -> 
     inject = store.append_raw  # type: ignore[attr-defined]  # test-only, not in the protocol
     inject(RUN, b"{not json", event_type="?", event_id="junk")
     inject(RUN, b"\xff\xfe not utf-8", event_type="?", event_id="binary")
-    store.append(RUN, batch(5, 1), expected_position=4, epoch=epoch)
+    # a well-formed entry after them, written raw too: the hash chain refuses a checked
+    # append after unchained injections (test_chain_tamper covers that refusal)
+    (good,) = batch(5, 1)
+    inject(RUN, encode(good), event_type=type(good).__name__, event_id=good.event_id)
     got = page_entries(store, 1, 10)
     assert [p for p, _ in got] == [1, 2, 3, 4, 5]
     assert got[2] == (3, b"{not json") and got[3] == (4, b"\xff\xfe not utf-8")
@@ -359,3 +367,19 @@ def test_read_page_rejects_bad_ranges(store: EventStore) -> None:
         store.read_page(RUN, 0, 5)
     with pytest.raises(ValueError):
         store.read_page(RUN, 1, -1)
+
+
+def test_appends_form_a_hash_chain_that_audit_verifies(store: EventStore) -> None:
+    from replay.chain_audit import audit_chain
+
+    epoch = store.claim_epoch(RUN)
+    store.append(RUN, batch(1, 2), expected_position=0, epoch=epoch)
+    store.append(RUN, batch(3, 3), expected_position=2, epoch=epoch)
+    assert store.append(RUN, batch(3, 3), expected_position=2, epoch=epoch) == [3, 4, 5]
+    raw = store.read_raw(RUN)
+    assert all(len(e.chain) == 64 for e in raw)
+    head = store.chain_head(RUN)
+    assert head is not None and (head.hash, head.position) == (raw[-1].chain, 5)
+    report = audit_chain(store, RUN, None)
+    assert (report.status, report.head) == ("ok", raw[-1].chain)
+    assert store.save_snapshot(RUN, 4, b"state") and store.load_snapshot(RUN) == (4, b"state")

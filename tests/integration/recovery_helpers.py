@@ -70,8 +70,8 @@ class CountingHandle(LocalHandle):
 
 
 class CountingPayloads(PayloadStoreImpl):
-    def __init__(self, plane: Any, partition: str, calls: CallLog) -> None:
-        super().__init__(plane, partition)
+    def __init__(self, plane: Any, partition: str, calls: CallLog, trainer: Any = None) -> None:
+        super().__init__(plane, partition, trainer)
         self.calls = calls
 
     async def delete(self, keys: list[str]) -> None:
@@ -108,7 +108,7 @@ def start_local(cfg: Config, run_id: str, run_dir: Path) -> LocalRun:
                               threads=1 if role == "trainer" else 2)
 
     workers = _assemble(cfg, spec, plane, factory)
-    workers.payloads = CountingPayloads(plane, run_id, calls)
+    workers.payloads = CountingPayloads(plane, run_id, calls, workers.trainer)
     return LocalRun(cfg, run_dir, workers, calls, hooks)
 
 
