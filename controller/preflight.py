@@ -106,6 +106,9 @@ def check_durability(store, cfg: Config, url: str) -> None:
     Redis would not keep every acknowledged event through a crash of the server."""
     from events.redis_store import redact_url
 
+    writable = getattr(store, "require_writable", None)
+    if writable is not None:  # a read-only user fails here, not after Ray has started
+        writable()
     got = store.durability()
     where = f"Redis at {redact_url(url)}"
     if got is None:

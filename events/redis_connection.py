@@ -1,15 +1,22 @@
-"""The Redis store's connection helpers: the pinned hot-path connection and URL redaction."""
+"""The Redis store's connection helpers: the pinned hot-path connection, URL redaction,
+script calls, and the translation of redis-py's errors into the store's own."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from redis import exceptions as rex
+
+from events.errors import StorePermissionError, StoreUnavailableError
+
+if TYPE_CHECKING:
+    from events.redis_layout import Script
 
 
 def redact_url(url: str) -> str:
@@ -113,3 +120,76 @@ class Sequential:
 
     def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
         return [self._client.execute_command(*c) for c in commands]
+
+
+def run_script(client: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """EVALSHA, falling back to EVAL when the server lacks the script (restart, flush)."""
+    try:
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except rex.NoScriptError:
+        return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+
+
+@contextlib.contextmanager
+def translate_errors(safe_url: str) -> Iterator[None]:
+    """redis-py's connection, replica, permission and auth errors as the store's own."""
+    try:
+        yield
+    except (rex.ConnectionError, rex.TimeoutError) as err:
+        raise unavailable(safe_url, err) from err
+    except rex.ReadOnlyError as err:  # a demoted primary: writes go elsewhere now
+        raise StoreUnavailableError(
+            f"Redis at {safe_url} is a read-only replica (after a failover the "
+            f"primary is elsewhere; --redis-sentinel follows it): {err}"
+        ) from err
+    except rex.NoPermissionError as err:
+        raise StorePermissionError(
+            f"Redis at {safe_url} refused a command: {one_line(err)} (this Redis "
+            "user may not do that; 'run' needs the controller user, see docs/security.md)"
+        ) from err
+    except rex.ResponseError as err:
+        if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            raise unavailable(safe_url, err) from err
+        raise
+
+
+def unavailable(safe_url: str, err: Exception) -> StoreUnavailableError:
+    """The error for a server that cannot be reached or refused us, with the likely why."""
+    reason = one_line(err)
+    if isinstance(err, (rex.AuthenticationError, rex.ResponseError)):
+        reason = f"authentication failed (check the password in the URL): {reason}"
+    elif "CERTIFICATE_VERIFY_FAILED" in reason:
+        reason = (
+            "TLS certificate verification failed: the server's certificate is not signed "
+            "by the CA given (ssl_ca_certs in the URL) or does not name this host"
+        )
+    elif safe_url.startswith("rediss://"):
+        reason = f"{reason} (TLS: does the server accept TLS on this port?)"
+    return StoreUnavailableError(f"Redis at {safe_url} is unavailable: {reason}")
+
+
+def compiled_parser(client: Any) -> bool:
+    """True when ``client`` is redis-py's own and parses replies with ``hiredis``."""
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:  # pragma: no cover - very old redis-py
+        return False
+    return bool(HIREDIS_AVAILABLE) and type(client).__module__.startswith("redis.")
+
+
+def answers_ping(url: str, timeout_s: float = 2.0) -> bool:
+    """True when a server at ``url`` answers PING (False while loading, or unreachable).
+
+    The embedded-server manager asks this instead of speaking the protocol itself.
+    """
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except rex.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__

@@ -15,7 +15,7 @@ check, the position check, the idempotent-retry comparison and the XADDs are ato
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 import redis
@@ -24,15 +24,22 @@ from redis import exceptions as rex
 
 from events.chain import ChainHead, ChainWriter, check_snapshot_link
 from events.codec import encode
-from events.errors import RunNotFoundError, StorePermissionError, StoreUnavailableError
-from events.redis_connection import PinnedConnection, Sequential, redact_url
+from events.errors import RunNotFoundError, StorePermissionError
+from events.redis_connection import (
+    PinnedConnection,
+    Sequential,
+    compiled_parser,
+    redact_url,
+    run_script,
+    translate_errors,
+    unavailable,
+)
 from events.redis_layout import (
     APPEND,
     PAGE,
     RAW_APPEND,
     RUNS_KEY,
     SNAPSHOT,
-    Script,
     append_error,
     events_key,
     meta_key,
@@ -54,14 +61,6 @@ from events.store import (
     decode_entries,
     page_of,
 )
-
-def _run_script(client: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-    """EVALSHA, falling back to EVAL when the server lacks the script (restart, flush)."""
-    try:
-        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-    except rex.NoScriptError:
-        return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
-
 
 #: How :meth:`RedisEventStore.read_page` reads: plain XRANGE parsed in C (needs
 #: ``hiredis``), one packed page from a read-only script, or ``read_raw``; "auto" picks
@@ -101,7 +100,7 @@ class RedisEventStore:
         self._safe_url = redact_url(url)
         self._connect_timeout_s = connect_timeout_s
         self._async_factory = async_client_factory or self._default_async_client
-        with self._translate():
+        with translate_errors(self._safe_url):
             if client is None:
                 client = redis.Redis.from_url(
                     url,
@@ -118,7 +117,7 @@ class RedisEventStore:
             self._client.ping()  # fail fast: bad host, password or TLS setup
         # How read_page fetches a page; None once the server refused the fast read.
         if page_reads == "auto":
-            page_reads = "xrange" if _compiled_parser(client) else "script"
+            page_reads = "xrange" if compiled_parser(client) else "script"
         self._page_read: Callable[[str, int, int], Any] | None = {
             "xrange": self._xrange_page, "script": self._scripted_page, "raw": None
         }[page_reads]
@@ -129,40 +128,6 @@ class RedisEventStore:
         return self._client
 
     # -- errors --------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _translate(self) -> Iterator[None]:
-        try:
-            yield
-        except (rex.ConnectionError, rex.TimeoutError) as err:
-            raise self._unavailable(err) from err
-        except rex.ReadOnlyError as err:  # a demoted primary: writes go elsewhere now
-            raise StoreUnavailableError(
-                f"Redis at {self._safe_url} is a read-only replica (after a failover the "
-                f"primary is elsewhere; --redis-sentinel follows it): {err}"
-            ) from err
-        except rex.NoPermissionError as err:
-            raise StorePermissionError(
-                f"Redis at {self._safe_url} refused a command: {_one_line(err)} (this Redis "
-                "user may not do that; 'run' needs the controller user, see docs/security.md)"
-            ) from err
-        except rex.ResponseError as err:
-            if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-                raise self._unavailable(err) from err
-            raise
-
-    def _unavailable(self, err: Exception) -> StoreUnavailableError:
-        reason = _one_line(err)
-        if isinstance(err, (rex.AuthenticationError, rex.ResponseError)):
-            reason = f"authentication failed (check the password in the URL): {reason}"
-        elif "CERTIFICATE_VERIFY_FAILED" in reason:
-            reason = (
-                "TLS certificate verification failed: the server's certificate is not signed "
-                "by the CA given (ssl_ca_certs in the URL) or does not name this host"
-            )
-        elif self._safe_url.startswith("rediss://"):
-            reason = f"{reason} (TLS: does the server accept TLS on this port?)"
-        return StoreUnavailableError(f"Redis at {self._safe_url} is unavailable: {reason}")
 
     def _default_async_client(self) -> Any:
         return redis.asyncio.Redis.from_url(
@@ -175,14 +140,14 @@ class RedisEventStore:
             raise RunNotFoundError(run_id, self._run_ids())
 
     def _run_ids(self) -> list[str]:
-        with self._translate():
+        with translate_errors(self._safe_url):
             return sorted(m.decode() for m in self._client.smembers(RUNS_KEY))
 
     # -- writes --------------------------------------------------------------------
 
     def claim_epoch(self, run_id: str) -> int:
         check_run_id(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             pipe = self._client.pipeline(transaction=False)
             pipe.hincrby(meta_key(run_id), "epoch", 1)
             pipe.sadd(RUNS_KEY, run_id)
@@ -207,14 +172,14 @@ class RedisEventStore:
             args += (*entry, link)
         keys = (events_key(run_id), meta_key(run_id))
         try:
-            with self._translate():
+            with translate_errors(self._safe_url):
                 if self.replication.replicas:
                     _, first = replicated_append(
                         self._hot, APPEND, keys, args, self.replication,
                         run_id=run_id, where=self._safe_url,
                     )
                 else:
-                    _, first = _run_script(self._hot, APPEND, keys, args)
+                    _, first = run_script(self._hot, APPEND, keys, args)
         except rex.ResponseError as err:
             self._chain.forget(run_id)
             raise append_error(run_id, epoch, expected_position, str(err)) from None
@@ -229,7 +194,7 @@ class RedisEventStore:
     def chain_head(self, run_id: str) -> ChainHead | None:
         """The chain head in the run's meta; None for a run without a chain."""
         self._require_run(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             head, length, alg = self._client.hmget(
                 meta_key(run_id), ["chain_head", "chain_len", "chain_alg"]
             )
@@ -242,16 +207,16 @@ class RedisEventStore:
     ) -> int:
         """Append bytes as they are, unchecked and unfenced. For tests and repair tools only."""
         check_run_id(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             self._client.sadd(RUNS_KEY, run_id)
             keys = [events_key(run_id)]
-            return int(_run_script(self._client, RAW_APPEND, keys, [event_type, event_id, data]))
+            return int(run_script(self._client, RAW_APPEND, keys, [event_type, event_id, data]))
 
     def save_snapshot(self, run_id: str, position: int, data: bytes) -> bool:
         check_snapshot_position(run_id, position, self.last_position(run_id))
-        with self._translate():
+        with translate_errors(self._safe_url):
             keys = [snapshot_key(run_id), events_key(run_id)]
-            return bool(_run_script(self._client, SNAPSHOT, keys, [position, data]))
+            return bool(run_script(self._client, SNAPSHOT, keys, [position, data]))
 
     # -- reads ---------------------------------------------------------------------
 
@@ -262,7 +227,7 @@ class RedisEventStore:
         self._require_run(run_id)
         out: list[RawEntry] = []
         lo, hi = start, "+" if end is None else f"0-{end}"
-        with self._translate():
+        with translate_errors(self._safe_url):
             while count is None or len(out) < count:
                 page = READ_PAGE_SIZE if count is None else min(READ_PAGE_SIZE, count - len(out))
                 if page == 0:
@@ -294,7 +259,7 @@ class RedisEventStore:
             return EncodedPage(start, [])
         if self._page_read is not None:
             try:
-                with self._translate():
+                with translate_errors(self._safe_url):
                     page = trusted_page(self._page_read(events_key(run_id), start, count), start)
             except rex.ResponseError:  # scripts disabled, an ACL, an old server
                 self._page_read, page = None, None
@@ -316,12 +281,12 @@ class RedisEventStore:
 
     def last_position(self, run_id: str) -> int:
         self._require_run(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             return int(self._client.xlen(events_key(run_id)))
 
     def current_epoch(self, run_id: str) -> int:
         check_run_id(run_id)
-        with self._translate():  # the controller asks before side effects: one round trip
+        with translate_errors(self._safe_url):  # the controller asks before side effects: one round trip
             epoch = self._hot.execute_command("HGET", meta_key(run_id), "epoch")
         if epoch is None:
             self._require_run(run_id)
@@ -330,12 +295,12 @@ class RedisEventStore:
 
     def run_exists(self, run_id: str) -> bool:
         check_run_id(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             return bool(self._client.sismember(RUNS_KEY, run_id))
 
     def list_runs(self) -> list[RunInfo]:
         run_ids = self._run_ids()
-        with self._translate():
+        with translate_errors(self._safe_url):
             pipe = self._client.pipeline(transaction=False)
             for run_id in run_ids:
                 pipe.xlen(events_key(run_id))
@@ -355,12 +320,19 @@ class RedisEventStore:
             )
         return infos
 
+    def require_writable(self) -> None:
+        """Refuse now, before anything is started, when this Redis user may not write the
+        log (a reader user, see ``events.redis_acl``): one expiring ``SET`` under the
+        run keys' prefix, a command the controller role has."""
+        with translate_errors(self._safe_url):
+            self._client.set(f"{RUNS_KEY}:write-probe", b"1", px=1000)
+
     def durability(self) -> tuple[str, str] | None:
         """The server's (appendonly, appendfsync); None when CONFIG is not allowed."""
         try:
-            with self._translate():
+            with translate_errors(self._safe_url):
                 reply = self._client.config_get("append*")
-        except rex.ResponseError:  # managed Redis often disables CONFIG
+        except (rex.ResponseError, StorePermissionError):  # managed Redis, ACL users
             return None
         values = {as_text(k): as_text(v) for k, v in reply.items()}
         return values.get("appendonly", "?"), values.get("appendfsync", "?")
@@ -368,7 +340,7 @@ class RedisEventStore:
     def delete_run(self, run_id: str) -> None:
         """Remove the run's stream, meta and snapshot and its entry in the run list."""
         self._require_run(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(events_key(run_id), meta_key(run_id), snapshot_key(run_id))
             pipe.srem(RUNS_KEY, run_id)
@@ -376,7 +348,7 @@ class RedisEventStore:
 
     def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
         self._require_run(run_id)
-        with self._translate():
+        with translate_errors(self._safe_url):
             position, data, link = self._client.hmget(
                 snapshot_key(run_id), ["position", "data", "chain"]
             )
@@ -405,7 +377,7 @@ class RedisEventStore:
                         {key: f"0-{last}"}, count=READ_PAGE_SIZE, block=block_ms
                     )
                 except (rex.ConnectionError, rex.TimeoutError) as err:
-                    raise self._unavailable(err) from err
+                    raise unavailable(self._safe_url, err) from err
                 for _stream, entries in reply or ():
                     for stored in decode_entries([raw_entry(i, f) for i, f in entries]):
                         last = stored.position
@@ -418,30 +390,3 @@ class RedisEventStore:
             if isinstance(self._hot, PinnedConnection):
                 self._hot.close()
             self._client.close()
-
-
-def _compiled_parser(client: Any) -> bool:
-    """True when ``client`` is redis-py's own and parses replies with ``hiredis``."""
-    try:
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:  # pragma: no cover - very old redis-py
-        return False
-    return bool(HIREDIS_AVAILABLE) and type(client).__module__.startswith("redis.")
-
-
-def answers_ping(url: str, timeout_s: float = 2.0) -> bool:
-    """True when a server at ``url`` answers PING (False while loading, or unreachable).
-
-    The embedded-server manager asks this instead of speaking the protocol itself.
-    """
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-    try:
-        return bool(client.ping())
-    except rex.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
