@@ -2,7 +2,7 @@
 
 Where the log is: ``--redis-sentinel`` + ``--redis-master`` (the primary the sentinels
 name, followed across a failover; passwords from ``RLC_REDIS_PASSWORD`` and
-``RLC_SENTINEL_PASSWORD``), else ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the
+``RLC_SENTINEL_PASSWORD``, an ACL user on the data nodes from ``RLC_REDIS_USERNAME``), else ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the
 embedded redis-server of ``--data-dir`` (default ``./rlc-data``), started if it is not
 running.
 Read-only commands never start a server for a directory that has none: they say so.
@@ -27,6 +27,7 @@ ENV_SENTINEL = "RLC_REDIS_SENTINEL"
 ENV_MASTER = "RLC_REDIS_MASTER"
 ENV_PASSWORD = "RLC_REDIS_PASSWORD"
 ENV_SENTINEL_PASSWORD = "RLC_SENTINEL_PASSWORD"
+ENV_USERNAME = "RLC_REDIS_USERNAME"
 
 
 class CliError(Exception):
@@ -48,7 +49,8 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(ENV_SENTINEL, ""),
         metavar="HOST:PORT,...",
         help=f"Sentinels to ask for the primary (default: ${ENV_SENTINEL}); the store "
-        f"follows a failover. Passwords: ${ENV_PASSWORD}, ${ENV_SENTINEL_PASSWORD}",
+        f"follows a failover. Passwords: ${ENV_PASSWORD}, ${ENV_SENTINEL_PASSWORD}; "
+        f"ACL user: ${ENV_USERNAME}",
     )
     parser.add_argument(
         "--redis-master",
@@ -109,6 +111,7 @@ def open_store(
             store = open_sentinel_store(
                 args.redis_sentinel, args.redis_master,
                 password=os.environ.get(ENV_PASSWORD) or None,
+                username=os.environ.get(ENV_USERNAME) or None,
                 sentinel_password=os.environ.get(ENV_SENTINEL_PASSWORD) or None,
                 replication=replication, chain_key=chain_key,
             )

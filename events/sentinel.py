@@ -7,7 +7,9 @@ a connection that finds its server demoted to a replica (``READONLY``) is droppe
 the next attempt asks the sentinels again. The store's hot-path connection retries for
 ``failover_window_s``, which must cover Sentinel's ``down-after-milliseconds`` plus
 the election (see docs/deploy.md). Passwords: ``password`` is the data nodes'
-``requirepass``; ``sentinel_password`` the sentinels' own (defaults to ``password``).
+``requirepass`` (or, with ``username``, that ACL user's password: create the user on
+every data node, since ACLs are not replicated, see docs/security.md);
+``sentinel_password`` the sentinels' own (defaults to ``password``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def open_sentinel_store(
     master: str,
     *,
     password: str | None = None,
+    username: str | None = None,
     sentinel_password: str | None = None,
     replication: StoreConfig | None = None,
     chain_key: bytes | None = None,
@@ -64,11 +67,13 @@ def open_sentinel_store(
         raise ValueError("--redis-sentinel needs --redis-master NAME (the monitored master)")
     sentinel_kwargs = {"socket_timeout": connect_timeout_s}
     if sentinel_password or password:
-        sentinel_kwargs["password"] = sentinel_password or password
+        sentinel_kwargs["password"] = sentinel_password or password  # the default user
+    node_auth = {"username": username} if username else {}
     node_kwargs: dict[str, Any] = {
         "socket_connect_timeout": connect_timeout_s,
         "socket_timeout": command_timeout_s,
         "password": password,
+        **node_auth,
     }
 
     def async_client() -> Any:
