@@ -28,26 +28,12 @@ from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient, WorkerLostError
 from workers.backends import GeneratorBackend
+from workers.generator.config import VllmSection
 
 log = structlog.get_logger("rl_controller.loop")
 
 #: concurrent calls per generator
 GENERATOR_SLOTS = 1
-
-
-class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[rollout.vllm]``: the vLLM generator (``workers.generator.vllm_config.VllmOptions``)."""
-
-    engine_mode: Literal["inprocess", "multiprocess"] = "inprocess"
-    """inprocess: the engine core in the generator's process (starts fast, dies with it);
-    multiprocess: vLLM's default, the engine core in a child process."""
-    kv_cache_mib: int = 64
-    """KV cache size, explicit (vLLM would otherwise reserve a share of the machine)."""
-    max_num_seqs: int = 64
-    """Sequences the engine schedules at once (a group of n samples needs n)."""
-    chunk_tokens: int = 0
-    """0: an update landing mid-group waits for the group's end; k: generate k tokens at
-    a time and apply an update between chunks (the group is tagged start != end)."""
 
 
 class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,5 +1,13 @@
 """Typed run configuration: one small Struct per component, validated at load.
 
+Each table's Struct lives next to the component it configures (``[model]`` and
+``[sampling]`` in ``workers.models.config``, ``[task]`` in ``workers.tasks.config``,
+``[train]`` in ``workers.trainer.config``, ``[dataplane]`` in
+``workers.dataplane.config``, ``[rollout]`` in ``controller.admission`` with its
+``[rollout.vllm]`` in ``workers.generator.config``, ``[staleness]`` in
+``controller.core.policies``, ...); ``Config`` only composes them, and the workers are
+handed the very Structs they own (``controller.wiring.worker_spec``).
+
 A config comes from defaults, then an optional TOML file, then ``--set key=value``
 overrides (dotted keys, TOML literals: ``--set train.lr=3e-4``,
 ``--set staleness.selection=oldest_first``). Every error names the offending key.
@@ -11,7 +19,7 @@ from __future__ import annotations
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -20,7 +28,10 @@ from controller.core.policies import StalenessSection
 from controller.loop import ControllerSection
 from controller.step_close import CheckpointSection
 from events.replication import StoreConfig
-from workers.backends import TrainerBackend
+from workers.dataplane.config import DataPlaneSection
+from workers.models.config import ModelSection, SamplingSection
+from workers.tasks.config import TaskSection
+from workers.trainer.config import TrainSection
 
 
 class ConfigError(ValueError):
@@ -36,71 +47,6 @@ class RunSection(_Section):
     """Seed for prompt order, sampling seeds and model init."""
     steps: int = 150
     """Optimizer steps to train (trainer_version to reach)."""
-
-
-class ModelSection(_Section):
-    kind: Literal["tiny", "hf"] = "tiny"
-    """Built-in tiny transformer, or a Hugging Face model from a local directory."""
-    path: str = ""
-    """Local directory of an HF model (kind = "hf"); never downloaded."""
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    context_len: int = 32
-    """Longest prompt + completion in tokens (tiny model)."""
-
-
-class TaskSection(_Section):
-    name: str = "reverse"
-    """Built-in task name or a plugin as ``module:Class``."""
-    dataset: str = ""
-    """Optional JSONL prompt file (``prompt``, ``answer``); empty = generated prompts."""
-    num_prompts: int = 4096
-
-
-class SamplingSection(_Section):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-
-
-class LossSection(_Section):
-    aggregation: Literal["token", "sequence"] = "token"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0
-    is_cap: float = 2.0
-    """Cap C of the generator/trainer importance weight min(ratio, C): a larger ratio is weighted C."""
-
-
-class TrainSection(_Section):
-    backend: TrainerBackend = "torch"
-    """torch: replicated ranks, one flat all-reduce; megatron: mcore DDP; fsdp2:
-    fully_shard over a (data_parallel, tensor_parallel) mesh (docs/backends.md)."""
-    groups_per_step: int = 16
-    groups_per_microbatch: int = 8
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    data_parallel: int = 1
-    node_resource: str = ""
-    """Ray custom resource the trainer's node must offer; empty = any node."""
-    tensor_parallel: int = 1
-    """Tensor-parallel ranks per data-parallel rank (fsdp2 backend, HF Llama/Qwen2 blocks)."""
-    loss: LossSection = msgspec.field(default_factory=LossSection)
-
-
-class DataPlaneSection(_Section):
-    kind: Literal["transferqueue", "memory"] = "transferqueue"
-    spill: bool = True
-    """Write payloads through to disk (memory-mapped TensorDicts) to survive a restart."""
-    storage_node_resource: str = ""
-    """TransferQueue storage units only on nodes offering this Ray resource; empty =
-    round-robin over every node. A unit dies with its node and TransferQueue keeps no
-    copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
-    storage_units: int = 2
-    """TransferQueue storage units (Ray actors holding payloads; one CPU each)."""
 
 
 class RayConfig(_Section):

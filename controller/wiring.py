@@ -16,9 +16,8 @@ from typing import Any, Callable
 
 from controller import crashpoints
 from controller.config import Config
-from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.dataplane import DataPlane, make_dataplane
 from workers.fencing import EpochToken
-from workers.generator.vllm_config import MIB, VllmOptions
 from workers.handles import (
     GeneratorClientImpl,
     LocalHandle,
@@ -27,13 +26,8 @@ from workers.handles import (
     RayHandle,
     TrainerClientImpl,
 )
-from workers.loss import Aggregation, LossConfig
-from workers.models.factory import ModelConfig
-from workers.models.sampling import SamplingConfig
 from workers.service import GeneratorWorker, TrainerWorker, WorkerSpec
-from workers.trainer import TrainerConfig
 from workers.weight_transport import BucketTransport
-from workers.trainer.config import OptimizerConfig, SchedulerConfig
 
 
 #: tries to start a replacement worker (2, 4, 6, 8 s apart: longer than Ray takes to
@@ -124,64 +118,22 @@ class Workers:
 
 
 def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
-    model = ModelConfig(
-        kind=cfg.model.kind,
-        context_len=cfg.model.context_len,
-        d_model=cfg.model.d_model,
-        n_layers=cfg.model.n_layers,
-        n_heads=cfg.model.n_heads,
-        init_seed=cfg.run.seed,
-        path=cfg.model.path or None,
-    )
-    loss = LossConfig(
-        clip_low=cfg.train.loss.clip_low,
-        clip_high=cfg.train.loss.clip_high,
-        aggregation=Aggregation(cfg.train.loss.aggregation),
-        kl_coef=cfg.train.loss.kl_coef,
-        is_truncation_cap=cfg.train.loss.is_cap,
-        temperature=cfg.sampling.temperature,
-    )
-    trainer = TrainerConfig(
-        optimizer=OptimizerConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay),
-        scheduler=SchedulerConfig(warmup_steps=cfg.train.warmup_steps),
-        max_grad_norm=cfg.train.grad_clip,
-        seed=cfg.run.seed,
-        keep_reference=cfg.train.loss.kl_coef > 0,
-    )
+    """The workers' part of ``cfg``: the tables they own are handed over as they are
+    (each worker derives its runtime config from its own table); only the data plane
+    is placed here, under ``run_dir`` on this run's Ray cluster."""
     return WorkerSpec(
         run_id=run_id,
-        model=model,
-        task=cfg.task.name,
-        sampling=SamplingConfig(
-            temperature=cfg.sampling.temperature,
-            top_p=None if cfg.sampling.top_p >= 1.0 else cfg.sampling.top_p,
-            max_new_tokens=cfg.sampling.max_new_tokens,
+        seed=cfg.run.seed,
+        model=cfg.model,
+        task=cfg.task,
+        sampling=cfg.sampling,
+        train=cfg.train,
+        dataplane=cfg.dataplane.dataplane_config(
+            run_dir=run_dir, ray_address=cfg.ray.address, ray_num_cpus=cfg.ray.num_cpus
         ),
-        dataplane=DataPlaneConfig(
-            kind=cfg.dataplane.kind,
-            spill_dir=str(run_dir / "spill") if cfg.dataplane.spill else None,
-            ray_address=cfg.ray.address or None,
-            ray_num_cpus=cfg.ray.num_cpus,
-            storage_node_resource=cfg.dataplane.storage_node_resource or None,
-            num_storage_units=cfg.dataplane.storage_units,
-        ),
-        trainer=trainer,
-        loss=loss,
-        num_prompts=cfg.task.num_prompts,
-        prompt_seed=cfg.run.seed,
-        dataset=cfg.task.dataset or None,
-        data_parallel=cfg.train.data_parallel,
-        tensor_parallel=cfg.train.tensor_parallel,
-        trainer_backend=cfg.train.backend,
         generator_backend=cfg.rollout.backend,
-        vllm=VllmOptions(
-            engine_mode=cfg.rollout.vllm.engine_mode,
-            kv_cache_bytes=cfg.rollout.vllm.kv_cache_mib * MIB,
-            max_num_seqs=cfg.rollout.vllm.max_num_seqs,
-            chunk_tokens=cfg.rollout.vllm.chunk_tokens or None,
-            seed=cfg.run.seed,
-        ),
-        refit_bucket_bytes=max(1, int(cfg.rollout.refit_bucket_mib * MIB)),
+        vllm=cfg.rollout.vllm,
+        refit_bucket_mib=cfg.rollout.refit_bucket_mib,
     )
 
 

@@ -21,6 +21,8 @@ from typing import Any, Final, NewType, Union
 
 import msgspec
 
+# Ids that mean something: the fields below are typed with them, so a step number is
+# not passed where a weight version belongs. On the wire they are the plain str / int.
 GroupId = NewType("GroupId", str)
 WeightVersion = NewType("WeightVersion", int)
 TrainerVersion = NewType("TrainerVersion", int)
@@ -35,7 +37,7 @@ class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=Tru
     """Fields every event carries. Never instantiated directly."""
 
     event_id: str
-    epoch: int
+    epoch: Epoch
     ts: float
     schema_version: int = CURRENT_SCHEMA_VERSION
 
@@ -63,12 +65,12 @@ class ControllerStarted(Event, frozen=True):
 class RolloutAdmitted(Event, frozen=True):
     """Intent: a prompt group is about to be dispatched to a generator."""
 
-    group_id: str
+    group_id: GroupId
     attempt: int
     prompt_index: int
     prompt_ref: str
     #: weight version the generator is expected to hold at dispatch
-    weight_version: int
+    weight_version: WeightVersion
     n_samples: int
     sample_seed: int
 
@@ -76,10 +78,10 @@ class RolloutAdmitted(Event, frozen=True):
 class GroupCommitted(Event, frozen=True):
     """Fact: every sample of the group is stored in the data plane."""
 
-    group_id: str
+    group_id: GroupId
     attempt: int
-    weight_version_start: int
-    weight_version_end: int
+    weight_version_start: WeightVersion
+    weight_version_end: WeightVersion
     payload_keys: list[str]
     rewards: list[float]
     #: completion lengths in tokens, one per sample
@@ -89,7 +91,7 @@ class GroupCommitted(Event, frozen=True):
 class GroupFailed(Event, frozen=True):
     """Generation of one attempt failed or was lost; the group may be re-admitted."""
 
-    group_id: str
+    group_id: GroupId
     attempt: int
     reason: str
 
@@ -97,7 +99,7 @@ class GroupFailed(Event, frozen=True):
 class GroupEvicted(Event, frozen=True):
     """The eviction policy dropped a committed group (e.g. lag past the window)."""
 
-    group_id: str
+    group_id: GroupId
     reason: str
     lag: int
 
@@ -106,7 +108,7 @@ class StepBegun(Event, frozen=True):
     """Intent: ``begin_train_step`` is about to be called."""
 
     step: int
-    base_trainer_version: int
+    base_trainer_version: TrainerVersion
 
 
 class MicrobatchTrained(Event, frozen=True):
@@ -114,7 +116,7 @@ class MicrobatchTrained(Event, frozen=True):
 
     step: int
     index: int
-    group_ids: list[str]
+    group_ids: list[GroupId]
     num_sequences: int
     num_tokens: int
 
@@ -123,7 +125,7 @@ class StepFinished(Event, frozen=True):
     """Fact: ``finish_train_step`` returned; the trainer is now at ``trainer_version``."""
 
     step: int
-    trainer_version: int
+    trainer_version: TrainerVersion
     metrics: dict[str, float]
     grad_norm: float
     weights_digest: str
@@ -139,14 +141,14 @@ class StepAborted(Event, frozen=True):
 class WeightsPublished(Event, frozen=True):
     """Generators acknowledged holding ``weight_version``."""
 
-    weight_version: int
+    weight_version: WeightVersion
     generators: list[str]
 
 
 class CheckpointSaved(Event, frozen=True):
     """A checkpoint of ``trainer_version`` is durable (fsynced and renamed) at ``uri``."""
 
-    trainer_version: int
+    trainer_version: TrainerVersion
     uri: str
     sha256: str
 
@@ -154,7 +156,7 @@ class CheckpointSaved(Event, frozen=True):
 class CheckpointRejected(Event, frozen=True):
     """A checkpoint failed verification on load and was not used."""
 
-    trainer_version: int
+    trainer_version: TrainerVersion
     uri: str
     reason: str
 
@@ -162,7 +164,7 @@ class CheckpointRejected(Event, frozen=True):
 class PayloadsReleased(Event, frozen=True):
     """Data-plane rows of these consumed groups were deleted (a checkpoint covers them)."""
 
-    group_ids: list[str]
+    group_ids: list[GroupId]
 
 
 class WorkerLost(Event, frozen=True):
@@ -180,9 +182,9 @@ class RunRewound(Event, frozen=True):
     are named here so ``audit`` can show exactly what was lost.
     """
 
-    to_trainer_version: int
+    to_trainer_version: TrainerVersion
     lost_steps: list[int]
-    lost_group_ids: list[str]
+    lost_group_ids: list[GroupId]
     reason: str
 
 
@@ -220,7 +222,7 @@ EVENT_TYPES: Final[dict[str, type[Event]]] = {
 class StoredEvent(msgspec.Struct, frozen=True):
     """An event together with its position (1-based, gapless) in the run's log."""
 
-    position: int
+    position: Position
     event: AnyEvent
 
 

@@ -32,11 +32,11 @@ from workers.availability import (
     cuda_available,
     package_available,
 )
+from workers.trainer.config import TrainerBackend
 
 if TYPE_CHECKING:
     from workers.trainer.api import Trainer
 
-TrainerBackend = Literal["torch", "megatron", "fsdp2"]
 GeneratorBackend = Literal["torch", "vllm"]
 
 __all__ = [

@@ -29,49 +29,51 @@ from workers.api import (
     MicrobatchRef,
     StepOutcome,
 )
-from workers.backends import TrainerBackend, make_trainer
+from workers.backends import GeneratorBackend, make_trainer
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
 from workers.fencing import EpochFence, Fenced
+from workers.generator.config import VllmSection
 from workers.generator.generator import Generator
-from workers.generator.vllm_config import VllmOptions
-from workers.loss import LossConfig
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig
+from workers.generator.vllm_config import MIB
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
 from workers.tasks import make_task, prompt_set
-from workers.trainer import TorchTrainer, TrainerConfig
+from workers.tasks.config import TaskSection
+from workers.trainer import TorchTrainer
 from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
-from workers.trainer.config import BuiltModelFactory
+from workers.trainer.config import BuiltModelFactory, TrainSection
 from workers.weight_sync import WeightsAck
 from workers.weight_transport import DEFAULT_BUCKET_BYTES, RefitSource
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to build itself in any process (picklable)."""
+    """Everything a worker needs to build itself in any process (picklable).
+
+    It carries the config tables the workers own -- the same Structs the run's
+    ``Config`` composes, not copies -- and each worker derives its runtime config from
+    its own table (``ModelSection.model_config``, ``TrainSection.trainer_config``, ...).
+    """
 
     run_id: str
-    model: ModelConfig
-    task: str
-    sampling: SamplingConfig
+    #: the run's seed: model init, prompt order, trainer and engine seeds
+    seed: int
+    model: ModelSection
+    task: TaskSection
+    sampling: SamplingSection
+    train: TrainSection
     dataplane: DataPlaneConfig
-    trainer: TrainerConfig
-    loss: LossConfig
-    num_prompts: int
-    prompt_seed: int
-    dataset: str | None = None
-    task_options: Mapping[str, Any] = field(default_factory=dict)
-    data_parallel: int = 1
-    torch_threads: int = 1
-    #: "torch", "megatron" (megatron-core DDP) or "fsdp2" (fully_shard, dp x tp mesh)
-    trainer_backend: TrainerBackend = "torch"
-    #: fsdp2 only: tensor-parallel ranks per data-parallel rank
-    tensor_parallel: int = 1
-    #: "torch" (the built-in sampler) or "vllm" (``workers.generator.vllm_backend``)
-    generator_backend: str = "torch"
-    vllm: VllmOptions = field(default_factory=VllmOptions)
+    generator_backend: GeneratorBackend = "torch"
+    vllm: VllmSection = field(default_factory=VllmSection)
     #: weight refit bucket size (``workers.weight_transport``)
-    refit_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    refit_bucket_mib: float = DEFAULT_BUCKET_BYTES / MIB
+    task_options: Mapping[str, Any] = field(default_factory=dict)
+    torch_threads: int = 1
+
+    @property
+    def refit_bucket_bytes(self) -> int:
+        return max(1, int(self.refit_bucket_mib * MIB))
 
 
 class TrainerWorker(Fenced):
@@ -86,30 +88,33 @@ class TrainerWorker(Fenced):
         self.spec = spec
         self.fence = EpochFence(spec.run_id, "trainer")
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
+        #: the loss compares logprobs under the generators' sampling temperature
+        self.loss = spec.train.loss.loss_config(spec.sampling.temperature)
         self.trainer: Any = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
 
     def _build(self) -> Any:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
-        spec = self.spec
-        factory = BuiltModelFactory(spec.model)
+        spec, train = self.spec, self.spec.train
+        factory = BuiltModelFactory(spec.model.model_config(spec.seed))
+        config = train.trainer_config(spec.seed)
         options = None
-        if spec.trainer_backend == "fsdp2":
+        if train.backend == "fsdp2":
             from workers.trainer.fsdp2_backend import Fsdp2Options
 
-            options = Fsdp2Options(tensor_parallel=spec.tensor_parallel)
-        world = spec.data_parallel * spec.tensor_parallel
+            options = Fsdp2Options(tensor_parallel=train.tensor_parallel)
+        world = train.data_parallel * train.tensor_parallel
         if world == 1:
-            if spec.trainer_backend == "torch":
-                return TorchTrainer(factory, spec.trainer)
+            if train.backend == "torch":
+                return TorchTrainer(factory, config)
             kwargs = {} if options is None else {"options": options}
-            return make_trainer(spec.trainer_backend, factory, spec.trainer, **kwargs)  # type: ignore[arg-type]
+            return make_trainer(train.backend, factory, config, **kwargs)  # type: ignore[arg-type]
         from workers.trainer.actor import TrainerGroup
 
         return TrainerGroup(
-            world, factory, spec.trainer, trainer_backend=spec.trainer_backend,
-            options=options, tensor_parallel=spec.tensor_parallel,
+            world, factory, config, trainer_backend=train.backend,
+            options=options, tensor_parallel=train.tensor_parallel,
         )
 
     def reset(self) -> None:
@@ -121,7 +126,7 @@ class TrainerWorker(Fenced):
         self.trainer = self._build()
 
     def begin_train_step(self, step: int) -> None:
-        self.trainer.begin_train_step(step, self.spec.loss)
+        self.trainer.begin_train_step(step, self.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
         rows = self.dataplane.get_batch(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
@@ -206,8 +211,9 @@ class GeneratorWorker(Fenced):
         self.spec = spec
         self.name = name
         self.fence = EpochFence(spec.run_id, name)
-        task = make_task(spec.task, **dict(spec.task_options))
-        self.prompts = prompt_set(task, spec.num_prompts, spec.prompt_seed, spec.dataset)
+        task = make_task(spec.task.name, **dict(spec.task_options))
+        self.prompts = prompt_set(task, spec.task.num_prompts, spec.seed, spec.task.dataset or None)
+        self.sampling = spec.sampling.sampling_config()
         plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         fenced_plane: Any = _FencedWrites(plane, self.fence)
         self.generator: Any
@@ -215,20 +221,20 @@ class GeneratorWorker(Fenced):
             from workers.backends import make_generator
             from workers.models.hf import load_hf_tokenizer
 
-            assert spec.model.path is not None, "the vLLM generator needs an HF model directory"
+            assert spec.model.path, "the vLLM generator needs an HF model directory"
             self.generator = make_generator(
                 "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
                 task=task, dataplane=fenced_plane, run_id=spec.run_id, name=name,
-                options=spec.vllm,
+                options=spec.vllm.options(spec.seed),
             )
         else:
-            model, tokenizer = build_model(spec.model)
+            model, tokenizer = build_model(spec.model.model_config(spec.seed))
             self.generator = Generator(model, tokenizer, task, fenced_plane, spec.run_id, name=name)
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
         example = self.prompts[req.prompt_index % len(self.prompts)]
         result = self.generator.generate_group(
-            req.group_id, example, req.n_samples, self.spec.sampling, req.seed, req.attempt
+            req.group_id, example, req.n_samples, self.sampling, req.seed, req.attempt
         )
         return GenerationOutcome(
             payload_keys=list(result.keys),

@@ -3,6 +3,8 @@
 * ``controller.core`` (state, reducer, policies, fold, step metrics) pulls in nothing
   with I/O, a clock, randomness or logging: importing it in a fresh interpreter must
   leave redis, ray, torch, asyncio and structlog out of ``sys.modules``.
+* loading a run's config (``controller.config``, which composes the Structs that live
+  next to the workers) imports no torch or tensordict, so the CLI stays quick to start;
 * ``workers/`` never imports ``controller/``: the contracts between them live in
   ``workers.api``, so the arrow between the two packages runs one way.
 """
@@ -46,6 +48,22 @@ def test_controller_core_imports_nothing_with_io_clock_or_logging():
         m for m in loaded if m.split(".")[0] in FORBIDDEN_IN_CORE
     )
     assert leaked == [], f"controller.core pulled in {leaked}"
+
+
+def test_loading_a_config_imports_no_torch():
+    code = (
+        "import json, sys\n"
+        "from controller.config import load_config\n"
+        "load_config(overrides=['train.backend=fsdp2', 'train.tensor_parallel=2'])\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    loaded = set(json.loads(out.stdout))
+    assert {"workers.trainer.config", "workers.dataplane.config"} <= loaded
+    leaked = sorted(m for m in loaded if m.split(".")[0] in ("torch", "tensordict"))
+    assert leaked == [], f"loading a config pulled in {leaked[:5]}"
 
 
 def test_core_modules_import_only_core_and_pure_events():

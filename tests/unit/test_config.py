@@ -59,3 +59,28 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def _leaves(data, prefix=""):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize("which", ["defaults", "custom"])
+def test_a_config_recorded_by_an_older_run_still_loads(which):
+    """``--resume`` reloads the config a run recorded in its ``RunStarted``: the dicts
+    in the fixture were written by ``config_to_dict`` before the config Structs moved
+    next to their components, and must load and record again key for key, in order."""
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "recorded_config.json"
+    recorded = json.loads(fixture.read_text())[which]
+    again = dict(_leaves(config_to_dict(config_from_dict(recorded))))
+    old = list(_leaves(recorded))
+    assert [(key, again[key]) for key, _ in old] == old
+    keys = list(again)
+    assert [keys.index(key) for key, _ in old] == sorted(keys.index(key) for key, _ in old)

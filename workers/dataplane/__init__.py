@@ -3,53 +3,55 @@
 ``make_dataplane(DataPlaneConfig(...))`` builds the configured implementation. The
 production kind (``"transferqueue"``) never falls back to memory: if TransferQueue
 cannot start, :class:`DataPlaneUnavailable` is raised.
+
+The names below are imported on first use, so that importing ``config`` (which the
+controller's ``Config`` composes) does not pull in torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from workers.dataplane.api import (
-    DataPlane,
-    DataPlaneError,
-    DataPlaneUnavailable,
-    MissingPayloadError,
-    Row,
-    Tags,
-)
-from workers.dataplane.memory import MemoryDataPlane
-from workers.dataplane.spill import SpillDataPlane
+from workers.dataplane.config import DataPlaneConfig, DataPlaneKind, DataPlaneSection
 
-DataPlaneKind = Literal["memory", "transferqueue"]
+if TYPE_CHECKING:
+    from workers.dataplane.api import (
+        DataPlane,
+        DataPlaneError,
+        DataPlaneUnavailable,
+        MissingPayloadError,
+        Row,
+        Tags,
+    )
+    from workers.dataplane.memory import MemoryDataPlane
+    from workers.dataplane.spill import SpillDataPlane
 
-
-@dataclass(frozen=True)
-class DataPlaneConfig:
-    """Which data plane a run uses."""
-
-    #: "transferqueue" in production; "memory" for tests and single-process runs
-    kind: DataPlaneKind = "transferqueue"
-    #: directory for the durable spill (None: no spill; payloads die with the process)
-    spill_dir: str | None = None
-    #: Ray address TransferQueue joins (None: the initialised Ray, else a local one)
-    ray_address: str | None = None
-    #: logical CPUs for a Ray started by the data plane (TransferQueue needs >= 4)
-    ray_num_cpus: int = 4
-    #: TransferQueue SimpleStorage units
-    num_storage_units: int = 2
-    #: Ray resource a storage unit's node must offer (None: round-robin over all nodes)
-    storage_node_resource: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("memory", "transferqueue"):
-            raise ValueError(
-                f"DataPlaneConfig.kind must be 'memory' or 'transferqueue', got {self.kind!r}"
-            )
+#: public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "DataPlane": "workers.dataplane.api",
+    "DataPlaneError": "workers.dataplane.api",
+    "DataPlaneUnavailable": "workers.dataplane.api",
+    "MemoryDataPlane": "workers.dataplane.memory",
+    "MissingPayloadError": "workers.dataplane.api",
+    "Row": "workers.dataplane.api",
+    "SpillDataPlane": "workers.dataplane.spill",
+    "Tags": "workers.dataplane.api",
+}
 
 
-def make_dataplane(config: DataPlaneConfig) -> DataPlane:
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
     """Build the configured data plane (wrapped in the durable spill if ``spill_dir``)."""
+    from workers.dataplane.memory import MemoryDataPlane
+    from workers.dataplane.spill import SpillDataPlane
+
     plane: DataPlane
     if config.kind == "memory":
         plane = MemoryDataPlane()
@@ -70,16 +72,4 @@ def make_dataplane(config: DataPlaneConfig) -> DataPlane:
     return plane
 
 
-__all__ = [
-    "DataPlane",
-    "DataPlaneConfig",
-    "DataPlaneError",
-    "DataPlaneKind",
-    "DataPlaneUnavailable",
-    "MemoryDataPlane",
-    "MissingPayloadError",
-    "Row",
-    "SpillDataPlane",
-    "Tags",
-    "make_dataplane",
-]
+__all__ = sorted([*_EXPORTS, "DataPlaneConfig", "DataPlaneKind", "DataPlaneSection", "make_dataplane"])

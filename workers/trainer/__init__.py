@@ -4,46 +4,65 @@
 typed configs and model factories, ``torch_backend`` the plain-torch implementation,
 ``actor`` the thin Ray shell and the driver that fans calls out to every rank. The loss
 itself lives in ``workers.loss``.
+
+The names below are imported on first use, so that importing a torch-free
+submodule (the ``config`` the controller's ``Config`` composes) does not pull in torch.
 """
 
-from workers.loss import Aggregation, LossConfig, MetricKind, OldPolicy
-from workers.trainer.api import (
-    CheckpointInfo,
-    MicrobatchResult,
-    NonFiniteGradientError,
-    StepPhase,
-    StepResult,
-    Trainer,
-    TrainStepStateError,
-)
-from workers.trainer.checkpoint import CheckpointCorruptError, CheckpointError
-from workers.trainer.config import (
-    BuiltModelFactory,
-    OptimizerConfig,
-    SchedulerConfig,
-    TinyModelFactory,
-    TrainerConfig,
-)
-from workers.trainer.torch_backend import TorchTrainer
+from __future__ import annotations
 
-__all__ = [
-    "Aggregation",
-    "BuiltModelFactory",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointInfo",
-    "LossConfig",
-    "MetricKind",
-    "MicrobatchResult",
-    "NonFiniteGradientError",
-    "OldPolicy",
-    "OptimizerConfig",
-    "SchedulerConfig",
-    "StepPhase",
-    "StepResult",
-    "TinyModelFactory",
-    "TorchTrainer",
-    "Trainer",
-    "TrainerConfig",
-    "TrainStepStateError",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.loss import Aggregation, LossConfig, MetricKind, OldPolicy
+    from workers.trainer.api import (
+        CheckpointInfo,
+        MicrobatchResult,
+        NonFiniteGradientError,
+        StepPhase,
+        StepResult,
+        Trainer,
+        TrainStepStateError,
+    )
+    from workers.trainer.checkpoint import CheckpointCorruptError, CheckpointError
+    from workers.trainer.config import (
+        BuiltModelFactory,
+        OptimizerConfig,
+        SchedulerConfig,
+        TinyModelFactory,
+        TrainerConfig,
+    )
+    from workers.trainer.torch_backend import TorchTrainer
+
+#: public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "Aggregation": "workers.loss",
+    "BuiltModelFactory": "workers.trainer.config",
+    "CheckpointCorruptError": "workers.trainer.checkpoint",
+    "CheckpointError": "workers.trainer.checkpoint",
+    "CheckpointInfo": "workers.trainer.api",
+    "LossConfig": "workers.loss",
+    "MetricKind": "workers.loss",
+    "MicrobatchResult": "workers.trainer.api",
+    "NonFiniteGradientError": "workers.trainer.api",
+    "OldPolicy": "workers.loss",
+    "OptimizerConfig": "workers.trainer.config",
+    "SchedulerConfig": "workers.trainer.config",
+    "StepPhase": "workers.trainer.api",
+    "StepResult": "workers.trainer.api",
+    "TinyModelFactory": "workers.trainer.config",
+    "TorchTrainer": "workers.trainer.torch_backend",
+    "TrainStepStateError": "workers.trainer.api",
+    "Trainer": "workers.trainer.api",
+    "TrainerConfig": "workers.trainer.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

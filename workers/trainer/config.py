@@ -1,4 +1,9 @@
-"""Typed configuration of the torch trainer, and picklable model factories.
+"""Typed configuration of the trainer, and picklable model factories.
+
+``TrainSection`` (with its ``LossSection``) is the ``[train]`` table of a run's config:
+the controller's ``Config`` composes it and hands it, unchanged, to the trainer worker,
+which derives the ``TrainerConfig`` and ``LossConfig`` it runs with from it here. This
+module imports no torch, so loading a config stays cheap.
 
 A model factory is any zero-argument callable returning the policy ``nn.Module``
 (called once per rank under the trainer's seed); it must be picklable to reach Ray
@@ -12,26 +17,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from torch import nn
-
-from workers.models.tiny import TinyCausalLM, TinyConfig
+import msgspec
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
+    from workers.loss import LossConfig
     from workers.models.factory import ModelConfig
+    from workers.models.tiny import TinyConfig
+
+#: torch: replicated ranks, one flat all-reduce; megatron: megatron-core DDP; fsdp2:
+#: fully_shard over a (data_parallel, tensor_parallel) mesh (``workers.backends``)
+TrainerBackend = Literal["torch", "megatron", "fsdp2"]
 
 #: builds the policy; called once per rank under the trainer's seed
-ModelFactory = Callable[[], nn.Module]
+ModelFactory = Callable[[], "nn.Module"]
 
 
 @dataclass(frozen=True)
 class TinyModelFactory:
     """Picklable factory for the built-in tiny transformer."""
 
-    config: TinyConfig
+    config: "TinyConfig"
 
     def __call__(self) -> nn.Module:
+        from workers.models.tiny import TinyCausalLM
+
         return TinyCausalLM(self.config)
 
 
@@ -148,3 +160,59 @@ class ManualLr:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_epoch = int(state["last_epoch"])
         self._apply()
+
+
+class LossSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[train.loss]``: the GRPO objective (``workers.loss``)."""
+
+    aggregation: Literal["token", "sequence"] = "token"
+    """token: every completion token weighs the same; sequence: every completion does."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    is_cap: float = 2.0
+    """Cap C of the generator/trainer importance weight min(ratio, C): a larger ratio is weighted C."""
+
+    def loss_config(self, temperature: float) -> "LossConfig":
+        """The loss at the generators' sampling ``temperature`` (logprobs are compared
+        under the same scaled distribution)."""
+        from workers.loss import Aggregation, LossConfig
+
+        return LossConfig(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            aggregation=Aggregation(self.aggregation),
+            kl_coef=self.kl_coef,
+            is_truncation_cap=self.is_cap,
+            temperature=temperature,
+        )
+
+
+class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[train]``: the trainer worker and its optimizer."""
+
+    backend: TrainerBackend = "torch"
+    """torch: replicated ranks, one flat all-reduce; megatron: mcore DDP; fsdp2:
+    fully_shard over a (data_parallel, tensor_parallel) mesh (docs/backends.md)."""
+    groups_per_step: int = 16
+    groups_per_microbatch: int = 8
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    data_parallel: int = 1
+    node_resource: str = ""
+    """Ray custom resource the trainer's node must offer; empty = any node."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks per data-parallel rank (fsdp2 backend, HF Llama/Qwen2 blocks)."""
+    loss: LossSection = msgspec.field(default_factory=LossSection)
+
+    def trainer_config(self, seed: int) -> TrainerConfig:
+        """The optimizer and step settings every rank runs with, seeded by the run."""
+        return TrainerConfig(
+            optimizer=OptimizerConfig(lr=self.lr, weight_decay=self.weight_decay),
+            scheduler=SchedulerConfig(warmup_steps=self.warmup_steps),
+            max_grad_norm=self.grad_clip,
+            seed=seed,
+            keep_reference=self.loss.kl_coef > 0,
+        )

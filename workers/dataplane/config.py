@@ -1,0 +1,65 @@
+"""Which data plane a run uses: ``[dataplane]`` as the user writes it, and the
+``DataPlaneConfig`` that ``make_dataplane`` builds from. No torch import, so loading
+a config stays cheap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+DataPlaneKind = Literal["memory", "transferqueue"]
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """Which data plane a run uses."""
+
+    #: "transferqueue" in production; "memory" for tests and single-process runs
+    kind: DataPlaneKind = "transferqueue"
+    #: directory for the durable spill (None: no spill; payloads die with the process)
+    spill_dir: str | None = None
+    #: Ray address TransferQueue joins (None: the initialised Ray, else a local one)
+    ray_address: str | None = None
+    #: logical CPUs for a Ray started by the data plane (TransferQueue needs >= 4)
+    ray_num_cpus: int = 4
+    #: TransferQueue SimpleStorage units
+    num_storage_units: int = 2
+    #: Ray resource a storage unit's node must offer (None: round-robin over all nodes)
+    storage_node_resource: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("memory", "transferqueue"):
+            raise ValueError(
+                f"DataPlaneConfig.kind must be 'memory' or 'transferqueue', got {self.kind!r}"
+            )
+
+
+class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[dataplane]``: where sample payloads live between generators and the trainer."""
+
+    kind: Literal["transferqueue", "memory"] = "transferqueue"
+    spill: bool = True
+    """Write payloads through to disk (memory-mapped TensorDicts) to survive a restart."""
+    storage_node_resource: str = ""
+    """TransferQueue storage units only on nodes offering this Ray resource; empty =
+    round-robin over every node. A unit dies with its node and TransferQueue keeps no
+    copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
+    storage_units: int = 2
+    """TransferQueue storage units (Ray actors holding payloads; one CPU each)."""
+
+    def dataplane_config(
+        self, *, run_dir: str | Path, ray_address: str, ray_num_cpus: int
+    ) -> DataPlaneConfig:
+        """The data plane of the run in ``run_dir`` (its spill under ``run_dir/spill``),
+        on the Ray cluster at ``ray_address`` (empty: the initialised or a local one)."""
+        return DataPlaneConfig(
+            kind=self.kind,
+            spill_dir=str(Path(run_dir) / "spill") if self.spill else None,
+            ray_address=ray_address or None,
+            ray_num_cpus=ray_num_cpus,
+            storage_node_resource=self.storage_node_resource or None,
+            num_storage_units=self.storage_units,
+        )

@@ -1,0 +1,64 @@
+"""``[model]`` and ``[sampling]``: which model every worker builds and how generators
+draw completions from it.
+
+The controller's ``Config`` composes these Structs and hands them, unchanged, to the
+workers (``workers.service.WorkerSpec``); each derives its runtime config from them
+here. No torch import, so loading a config stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+if TYPE_CHECKING:
+    from workers.models.factory import ModelConfig
+    from workers.models.sampling import SamplingConfig
+
+
+class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[model]``: the policy the trainer and every generator build alike."""
+
+    kind: Literal["tiny", "hf"] = "tiny"
+    """Built-in tiny transformer, or a Hugging Face model from a local directory."""
+    path: str = ""
+    """Local directory of an HF model (kind = "hf"); never downloaded."""
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    context_len: int = 32
+    """Longest prompt + completion in tokens (tiny model)."""
+
+    def model_config(self, seed: int) -> "ModelConfig":
+        """What ``workers.models.factory.build_model`` builds; the run's ``seed``
+        initialises the tiny model's weights."""
+        from workers.models.factory import ModelConfig
+
+        return ModelConfig(
+            kind=self.kind,
+            context_len=self.context_len,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            init_seed=seed,
+            path=self.path or None,
+        )
+
+
+class SamplingSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[sampling]``: how generators draw completions (the loss uses the temperature too)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus sampling; 1.0 = the whole vocabulary."""
+    max_new_tokens: int = 6
+
+    def sampling_config(self) -> "SamplingConfig":
+        from workers.models.sampling import SamplingConfig
+
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_p=None if self.top_p >= 1.0 else self.top_p,
+            max_new_tokens=self.max_new_tokens,
+        )

@@ -1,0 +1,19 @@
+"""``[task]``: which task the generators draw prompts from and score completions with.
+
+The controller's ``Config`` composes this Struct and hands it, unchanged, to the
+generator workers (``workers.service.WorkerSpec``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[task]``: the prompts and the reward (``workers.tasks``)."""
+
+    name: str = "reverse"
+    """Built-in task name or a plugin as ``module:Class``."""
+    dataset: str = ""
+    """Optional JSONL prompt file (``prompt``, ``answer``); empty = generated prompts."""
+    num_prompts: int = 4096
