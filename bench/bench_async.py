@@ -66,7 +66,8 @@ from controller.run_cmd import checkpoint_dir  # noqa: E402
 from controller.recovery import reconcile_workers  # noqa: E402
 from controller.startup import create_run  # noqa: E402
 from controller.wiring import start_workers, worker_spec  # noqa: E402
-from events.store import EventStore, MemoryEventStore  # noqa: E402
+from events.memory_store import MemoryEventStore  # noqa: E402
+from events.store import EventStore  # noqa: E402
 
 TASK = "bench.latency_task:LatencyTask"
 

@@ -49,7 +49,8 @@ from controller.config import Config, RolloutSection, config_to_dict, load_confi
 from controller.loop import Controller  # noqa: E402
 from controller.run_cmd import checkpoint_dir  # noqa: E402
 from controller.startup import create_run  # noqa: E402
-from events.store import EventStore, MemoryEventStore  # noqa: E402
+from events.memory_store import MemoryEventStore  # noqa: E402
+from events.store import EventStore  # noqa: E402
 
 
 # -- instant stand-in workers (the client protocols, answered at once) ------------------

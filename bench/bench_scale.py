@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controller.config import Config, load_config  # noqa: E402
 from controller.startup import resume_run  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
-from events.store import MemoryEventStore  # noqa: E402
+from events.memory_store import MemoryEventStore  # noqa: E402
 from replay.reader import fold_log  # noqa: E402
 from sim.harness import SimOutcome, SimSpec, simulate  # noqa: E402
 from sim.timeline import read_timeline  # noqa: E402

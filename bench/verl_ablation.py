@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.config import load_config  # noqa: E402
-from events.store import MemoryEventStore  # noqa: E402
+from events.memory_store import MemoryEventStore  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
 from sim.timeline import read_timeline  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402

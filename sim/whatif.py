@@ -23,7 +23,7 @@ from typing import Any
 from controller.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from controller.core.state import RunState
 from events.schema import AnyEvent
-from events.store import MemoryEventStore
+from events.memory_store import MemoryEventStore
 from sim.harness import SimOutcome, SimSpec, simulate
 from sim.timeline import Timeline, read_timeline
 

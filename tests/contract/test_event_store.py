@@ -27,7 +27,8 @@ from events.errors import (
 )
 from events.redis_store import RedisEventStore
 from events.schema import GroupFailed, RunStarted, StepBegun, StoredEvent
-from events.store import EventStore, MemoryEventStore, RawEntry, RunInfo
+from events.memory_store import MemoryEventStore
+from events.store import EventStore, RawEntry, RunInfo
 
 RUN = "run-a"
 

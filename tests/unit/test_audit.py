@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 
 from events.codec import encode
-from events.store import MemoryEventStore
+from events.memory_store import MemoryEventStore
 from replay.audit import build_report, first_cross_check_problem, write_csv
 from replay.reader import fold_log
 from tests.unit.log_builder import LogBuilder, random_run

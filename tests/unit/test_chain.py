@@ -7,7 +7,7 @@ import pytest
 from events.chain import Chain, ChainKeyError, ChainWriter, load_key, verify
 from events.errors import ChainError
 from events.schema import GroupFailed
-from events.store import MemoryEventStore
+from events.memory_store import MemoryEventStore
 
 RUN = "run-c"
 KEY = b"k" * 32

@@ -27,7 +27,7 @@ from controller.startup import create_run
 from controller.core.state import GroupStatus
 from controller.wiring import Workers, start_workers, worker_spec
 from events import schema as ev
-from events.store import MemoryEventStore
+from events.memory_store import MemoryEventStore
 from replay.audit import build_report
 from replay.reader import fold_log
 from workers.service import GeneratorWorker, TrainerWorker

@@ -8,7 +8,7 @@ import pytest
 from controller.config import load_config
 from controller.core.fold import fold_raw
 from events.codec import encode
-from events.store import MemoryEventStore
+from events.memory_store import MemoryEventStore
 from sim.harness import simulate, SimSpec
 from sim.timeline import read_timeline
 from sim.timings import Lognormal, SyntheticTimings

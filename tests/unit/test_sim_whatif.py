@@ -19,7 +19,7 @@ import pytest
 from controller.config import config_to_dict, load_config
 from controller.core.fold import fold_raw
 from events import schema as ev
-from events.store import MemoryEventStore
+from events.memory_store import MemoryEventStore
 from sim.harness import SimSpec, simulate
 from sim.timeline import read_timeline
 from sim.timings import Lognormal, SyntheticTimings
