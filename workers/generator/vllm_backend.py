@@ -27,6 +27,11 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   generated k tokens at a time (each continuation re-submits prompt + tokens so far,
   re-read with the *new* weights after an update) and a group that spans an update is
   tagged start != end.
+* **Threads**: one OpenMP thread count (``num_threads``, the worker's CPU allocation;
+  default torch's count at construction) is set while the engine is built and pinned
+  in every thread right before it calls the engine: vLLM's CPU attention fails when a
+  thread's count changes between planning and running a step, which a thread new to
+  the engine otherwise does (``vllm_threads``).
 * **Stop**: ``close`` refuses new groups, stops a chunked group at its next chunk and
   shuts the engine down (its process too, in ``multiprocess`` mode). A generator that
   is killed outright takes an ``inprocess`` engine with it.
@@ -50,6 +55,7 @@ from workers.availability import VLLM_INSTALL_HINT, BackendUnavailableError, che
 from workers.dataplane.api import DataPlane
 from workers.generator.generator import Generator, GroupResult
 from workers.generator.vllm_config import VllmOptions
+from workers.generator.vllm_threads import EngineThreads
 from workers.models.factory import Tokenizer
 from workers.models.sampling import Completion, SamplingConfig
 from workers.tasks.base import Example, Task
@@ -112,6 +118,7 @@ class VllmGenerator(Generator):
         options: VllmOptions = VllmOptions(),
         strip_prefix: str = "model.",
         on_step: Callable[[int], None] | None = None,
+        num_threads: int | None = None,
     ) -> None:
         try:
             import vllm
@@ -126,13 +133,11 @@ class VllmGenerator(Generator):
         )
         self._vllm = vllm
         self.options = options
-        set_num_threads = torch.set_num_threads
-        try:
+        # One OpenMP thread count for the engine, pinned in every thread that drives it
+        # (vLLM's CPU attention checks it per call; see ``vllm_threads``).
+        self.threads = EngineThreads(num_threads)
+        with self.threads.building():
             self.llm = vllm.LLM(model=str(model_path), **options.llm_kwargs())
-        finally:
-            # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op;
-            # with the in-process engine that process is ours (the trainer's, in tests).
-            torch.set_num_threads = set_num_threads
         self.tokenizer = tokenizer
         self.task = task
         self.dataplane = dataplane
@@ -213,11 +218,15 @@ class VllmGenerator(Generator):
     def _sample(
         self, prompt_ids: list[int], n: int, cfg: SamplingConfig, max_tokens: int, seed: int
     ) -> list[Completion]:
-        out = self.llm.generate(
-            [{"prompt_token_ids": prompt_ids}], self._params(n, cfg, max_tokens, seed),
-            use_tqdm=False,
+        out = self._generate(
+            [{"prompt_token_ids": prompt_ids}], self._params(n, cfg, max_tokens, seed)
         )[0]
         return [self._completion(o) for o in out.outputs]
+
+    def _generate(self, requests: list[dict[str, Any]], params: Any) -> list[Any]:
+        # this thread may be new to the engine (Ray runs calls on several threads)
+        self.threads.pin()
+        return self.llm.generate(requests, params, use_tqdm=False)
 
     def _completion(self, output: Any) -> Completion:
         tokens = list(output.token_ids)
@@ -240,7 +249,7 @@ class VllmGenerator(Generator):
             k = min(self.chunk_tokens or cfg.max_new_tokens, cfg.max_new_tokens - done_tokens)
             requests = [{"prompt_token_ids": prompt_ids + rows[i].tokens} for i in live]
             params = [self._params(1, cfg, k, seed + 7919 * chunk + i) for i in live]
-            outs = self.llm.generate(requests, params, use_tqdm=False)
+            outs = self._generate(requests, params)
             for i, out in zip(live, outs):
                 piece = self._completion(out.outputs[0])
                 rows[i] = Completion(
