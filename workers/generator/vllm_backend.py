@@ -14,11 +14,12 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   sampled token's logprob under the temperature-scaled distribution
   (``logprobs_mode="processed_logprobs"``), which is the trainer's quantity
   (``workers.batch``). Same seed and weights, same group.
-* **Refit**: the weights arrive as buckets (``workers.weight_transport``); each bucket
-  goes into the engine's worker with one RPC (``vllm_refit.RefitExtension``, which
-  stages it), and a final RPC reloads the model from the staged buckets and resets the
-  prefix cache (its KV entries were computed with the old weights). Works in both
-  engine modes: only bytes cross the RPC. The whole load happens inside
+* **Refit**: the weights arrive as buckets (``workers.weight_transport``), spooled to a
+  file as they come (``workers.weight_spool``); one RPC hands the engine's worker the
+  file's path and bucket offsets (``vllm_refit.RefitExtension``), which reloads the
+  model reading one bucket at a time, then the prefix cache is reset (its KV entries
+  were computed with the old weights). Works in both engine modes: only a path and
+  integers cross the RPC, and no side holds the whole version in memory. The whole load happens inside
   :class:`workers.weight_sync.VersionedWeights`, so it is atomic with respect to
   generation: between groups, or between chunks (below), never inside one.
 * **Versions across an update**: ``LLM.generate`` cannot be paused, so with
@@ -61,6 +62,7 @@ from workers.models.sampling import Completion, SamplingConfig
 from workers.tasks.base import Example, Task
 from workers.tasks.dataset import check_prompts_fit
 from workers.weight_buckets import iter_buckets
+from workers.weight_spool import BucketSpool, SpooledBuckets
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck, WeightStream
 
 
@@ -89,17 +91,25 @@ class _EngineWeights:
         self.loaded_bytes = 0
 
     def load_weight_stream(self, stream: WeightStream) -> None:
-        self.llm.collective_rpc("rlc_begin_refit")
-        for bucket in stream.buckets:
-            self.llm.collective_rpc("rlc_stage_bucket", args=(bucket,))
-        loaded = self.llm.collective_rpc("rlc_finish_refit", args=(self.strip_prefix,))
+        if not isinstance(stream.buckets, SpooledBuckets):  # in memory: the engine reads files
+            with BucketSpool() as spool:
+                for bucket in stream.buckets:
+                    spool.append(bucket)
+                return self.load_weight_stream(WeightStream(spool.sealed()))
+        spooled = stream.buckets
+        loaded = self.llm.collective_rpc(
+            "rlc_refit_from_spool", args=(spooled.path, spooled.spans, self.strip_prefix)
+        )
         if not loaded or min(loaded) == 0:
             raise ValueError(f"refit loaded no tensor (names after stripping {self.strip_prefix!r}?)")
         self.llm.reset_prefix_cache()
         self.loaded_bytes = stream.nbytes
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        self.load_weight_stream(WeightStream(tuple(iter_buckets(state_dict, self.BUCKET_BYTES))))
+        with BucketSpool() as spool:
+            for bucket in iter_buckets(state_dict, self.BUCKET_BYTES):
+                spool.append(bucket)
+            self.load_weight_stream(WeightStream(spool.sealed()))
 
 
 class VllmGenerator(Generator):
