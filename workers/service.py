@@ -225,7 +225,7 @@ class GeneratorWorker(Fenced):
             self.generator = make_generator(
                 "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
                 task=task, dataplane=fenced_plane, run_id=spec.run_id, name=name,
-                options=spec.vllm.options(spec.seed),
+                options=spec.vllm.options(spec.seed), num_threads=spec.torch_threads,
             )
         else:
             model, tokenizer = build_model(spec.model.model_config(spec.seed))

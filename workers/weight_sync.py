@@ -2,8 +2,10 @@
 
 The trainer publishes ``(version, weights)``; every generator loads it and
 acknowledges with a :class:`WeightsAck`. The weights travel in bounded buckets
-(``workers.weight_transport``); :class:`BucketReceiver` collects one version's buckets
-and hands them over as a :class:`WeightStream`.
+(``workers.weight_transport``); :class:`BucketReceiver` spools one version's buckets to
+a file as they arrive (``workers.weight_spool``) and hands them over as a
+:class:`WeightStream`, which is loaded tensor by tensor: the generator's extra memory
+for a refit is about one bucket plus one tensor, not one model.
 
 :class:`VersionedWeights` is the generator's side (plain, no Ray):
 
@@ -19,13 +21,14 @@ and hands them over as a :class:`WeightStream`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from workers.weight_buckets import unpack_buckets
+from workers.weight_spool import BucketSpool, SpooledBuckets
 
 
 class StaleWeightsError(ValueError):
@@ -47,18 +50,21 @@ StateDict = Mapping[str, torch.Tensor]
 class WeightStream:
     """One version's weights as the buckets that carried them (``workers.weight_buckets``).
 
-    A load target with ``load_weight_stream(stream)`` takes it bucket by bucket (the
-    vLLM generator forwards each bucket to its engine); a plain ``nn.Module`` gets the
-    reassembled state dict.
+    ``buckets`` are in memory or spooled to a file (read back one at a time). A load
+    target with ``load_weight_stream(stream)`` takes the stream itself (the vLLM
+    generator hands the spool to its engine); a plain ``nn.Module`` is loaded tensor by
+    tensor (:func:`load_tensors`).
     """
 
-    buckets: tuple[bytes, ...]
+    buckets: Sequence[bytes] | SpooledBuckets
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return unpack_buckets(self.buckets)
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.buckets, SpooledBuckets):
+            return self.buckets.nbytes
         return sum(len(b) for b in self.buckets)
 
 
@@ -151,7 +157,7 @@ class VersionedWeights:
             if isinstance(weights, WeightStream) and stream_loader is not None:
                 stream_loader(weights)
             elif isinstance(weights, WeightStream):
-                self.model.load_state_dict(dict(weights.tensors()), strict=True)
+                load_tensors(self.model, weights.tensors())
             else:
                 self.model.load_state_dict(dict(weights), strict=True)
         self._version = version
@@ -159,35 +165,63 @@ class VersionedWeights:
 
 @dataclass
 class BucketReceiver:
-    """Collects one version's buckets, then hands them to :class:`VersionedWeights`.
+    """Spools one version's buckets, then hands them to :class:`VersionedWeights`.
 
     ``receive(version, index, count, bucket)`` is called once per bucket in order; the
     call carrying the last bucket blocks until the version is loaded (at the next
     boundary if a group is generating) and returns the ack; earlier calls return None.
     A bucket of a newer version drops a half-received older one (its publisher died).
+    Each bucket is written to the spool file at once and not kept (``spool_dir``:
+    ``workers.weight_spool``; None is the temporary directory).
     """
 
     weights: VersionedWeights
+    spool_dir: str | None = None
     _version: int | None = None
-    _buckets: list[bytes] = field(default_factory=list)
+    _spool: BucketSpool | None = None
+    _received: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def receive(self, version: int, index: int, count: int, bucket: bytes) -> WeightsAck | None:
         with self._lock:
             if index == 0:
                 self.weights.check(version)
-                self._version, self._buckets = version, []
-            if version != self._version or index != len(self._buckets):
+                self._drop()
+                self._version, self._spool = version, BucketSpool(self.spool_dir)
+            if version != self._version or index != self._received or self._spool is None:
                 raise ValueError(
                     f"generator {self.weights.name}: weight bucket {index}/{count} of version "
-                    f"{version} out of order (holding {len(self._buckets)} of {self._version})"
+                    f"{version} out of order (holding {self._received} of {self._version})"
                 )
-            self._buckets.append(bytes(bucket))
+            self._spool.append(bucket)
+            self._received += 1
             if index + 1 < count:
                 return None
-            stream = WeightStream(tuple(self._buckets))
-            self._version, self._buckets = None, []
-        return self.weights.update(version, stream)
+            spool = self._spool
+            self._version, self._spool, self._received = None, None, 0
+        with spool:  # update() returns once the version is loaded or superseded
+            return self.weights.update(version, WeightStream(spool.sealed()))
+
+    def _drop(self) -> None:
+        if self._spool is not None:
+            self._spool.close()
+        self._version, self._spool, self._received = None, None, 0
+
+
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """``load_state_dict(strict=True)`` from a stream, one tensor in memory at a time."""
+    target = model.state_dict()
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        dest = target.get(name)
+        if dest is None or name in seen:
+            raise ValueError(f"weight stream: {'repeated' if dest is not None else 'unexpected'} tensor {name!r}")
+        if dest.shape != tensor.shape:
+            raise ValueError(f"weight stream: {name!r} has shape {tuple(tensor.shape)}, model has {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        seen.add(name)
+    if missing := sorted(target.keys() - seen):
+        raise ValueError(f"weight stream: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
 def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

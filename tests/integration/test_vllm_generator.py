@@ -167,6 +167,36 @@ def test_refit_landing_mid_group_is_tagged_and_applies_from_the_next_chunk(gen, 
             assert (got[p + 2 :] - want_new[p + 2 :]).abs().max() < ATOL
 
 
+def test_a_thread_new_to_the_engine_generates_whatever_torch_threads_the_process_set(gen, hf_dir):
+    # vLLM's CPU attention plans by the calling thread's OpenMP count and checks it again
+    # in the kernel. A thread that never ran a torch op starts at the process default,
+    # and torch switches it to torch's count at its first op, mid-forward: without the
+    # generator pinning one count per calling thread, one of these two settings differs
+    # from the default and fails ("Check failed: ...thread_num == thread_num (2 vs. 1)"),
+    # which is what a Ray actor's second concurrency thread hit in CI.
+    policy = _perturbed(hf_dir, seed=40)  # known weights to check the logprobs against
+    _refit(gen, policy, gen.weight_version + 1)
+    before = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(_try_group(gen, f"t{count}")))
+            t.start()
+            t.join(300)
+            assert out and not isinstance(out[0], BaseException), f"torch threads {count}: {out}"
+            assert _max_logprob_error(gen, policy, out[0]) < ATOL
+    finally:
+        torch.set_num_threads(before)
+
+
+def _try_group(gen, group_id: str):
+    try:
+        return gen.generate_group(group_id, PROMPT, 4, SAMPLING, seed=13)
+    except BaseException as err:  # reported by the test, in the test's thread
+        return err
+
+
 def test_inprocess_engine_starts_no_process(gen):
     res = gen.generate_group("i0", PROMPT, 2, SAMPLING, seed=9)
     assert len(res.keys) == 2

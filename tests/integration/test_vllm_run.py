@@ -35,17 +35,6 @@ from workers.models.hf_tiny import write_tiny_hf_model  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200),
-    # Known failure, not yet understood: in a fresh-clone CI run both scenarios failed
-    # inside vLLM's CPU attention in the Ray generator actor ("cpu_attn_impl.hpp: Check
-    # failed: input->metadata->thread_num == thread_num (2 vs. 1)"), while the same
-    # tests passed when run on their own on the same machine. Until the generator pins
-    # vLLM's thread count, CI skips them instead of failing on them; run them with
-    # RLC_VLLM_E2E=1. The generator-level vLLM tests still run in CI.
-    pytest.mark.skipif(
-        os.environ.get("CI") == "true" and os.environ.get("RLC_VLLM_E2E") != "1",
-        reason="vLLM e2e runs skip in CI: thread-count check failure in the Ray "
-        "generator actor (see the comment above; RLC_VLLM_E2E=1 runs them)",
-    ),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

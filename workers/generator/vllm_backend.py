@@ -14,11 +14,12 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   sampled token's logprob under the temperature-scaled distribution
   (``logprobs_mode="processed_logprobs"``), which is the trainer's quantity
   (``workers.batch``). Same seed and weights, same group.
-* **Refit**: the weights arrive as buckets (``workers.weight_transport``); each bucket
-  goes into the engine's worker with one RPC (``vllm_refit.RefitExtension``, which
-  stages it), and a final RPC reloads the model from the staged buckets and resets the
-  prefix cache (its KV entries were computed with the old weights). Works in both
-  engine modes: only bytes cross the RPC. The whole load happens inside
+* **Refit**: the weights arrive as buckets (``workers.weight_transport``), spooled to a
+  file as they come (``workers.weight_spool``); one RPC hands the engine's worker the
+  file's path and bucket offsets (``vllm_refit.RefitExtension``), which reloads the
+  model reading one bucket at a time, then the prefix cache is reset (its KV entries
+  were computed with the old weights). Works in both engine modes: only a path and
+  integers cross the RPC, and no side holds the whole version in memory. The whole load happens inside
   :class:`workers.weight_sync.VersionedWeights`, so it is atomic with respect to
   generation: between groups, or between chunks (below), never inside one.
 * **Versions across an update**: ``LLM.generate`` cannot be paused, so with
@@ -27,6 +28,11 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   generated k tokens at a time (each continuation re-submits prompt + tokens so far,
   re-read with the *new* weights after an update) and a group that spans an update is
   tagged start != end.
+* **Threads**: one OpenMP thread count (``num_threads``, the worker's CPU allocation;
+  default torch's count at construction) is set while the engine is built and pinned
+  in every thread right before it calls the engine: vLLM's CPU attention fails when a
+  thread's count changes between planning and running a step, which a thread new to
+  the engine otherwise does (``vllm_threads``).
 * **Stop**: ``close`` refuses new groups, stops a chunked group at its next chunk and
   shuts the engine down (its process too, in ``multiprocess`` mode). A generator that
   is killed outright takes an ``inprocess`` engine with it.
@@ -50,11 +56,13 @@ from workers.availability import VLLM_INSTALL_HINT, BackendUnavailableError, che
 from workers.dataplane.api import DataPlane
 from workers.generator.generator import Generator, GroupResult
 from workers.generator.vllm_config import VllmOptions
+from workers.generator.vllm_threads import EngineThreads
 from workers.models.factory import Tokenizer
 from workers.models.sampling import Completion, SamplingConfig
 from workers.tasks.base import Example, Task
 from workers.tasks.dataset import check_prompts_fit
 from workers.weight_buckets import iter_buckets
+from workers.weight_spool import BucketSpool, SpooledBuckets
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck, WeightStream
 
 
@@ -83,17 +91,25 @@ class _EngineWeights:
         self.loaded_bytes = 0
 
     def load_weight_stream(self, stream: WeightStream) -> None:
-        self.llm.collective_rpc("rlc_begin_refit")
-        for bucket in stream.buckets:
-            self.llm.collective_rpc("rlc_stage_bucket", args=(bucket,))
-        loaded = self.llm.collective_rpc("rlc_finish_refit", args=(self.strip_prefix,))
+        if not isinstance(stream.buckets, SpooledBuckets):  # in memory: the engine reads files
+            with BucketSpool() as spool:
+                for bucket in stream.buckets:
+                    spool.append(bucket)
+                return self.load_weight_stream(WeightStream(spool.sealed()))
+        spooled = stream.buckets
+        loaded = self.llm.collective_rpc(
+            "rlc_refit_from_spool", args=(spooled.path, spooled.spans, self.strip_prefix)
+        )
         if not loaded or min(loaded) == 0:
             raise ValueError(f"refit loaded no tensor (names after stripping {self.strip_prefix!r}?)")
         self.llm.reset_prefix_cache()
         self.loaded_bytes = stream.nbytes
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        self.load_weight_stream(WeightStream(tuple(iter_buckets(state_dict, self.BUCKET_BYTES))))
+        with BucketSpool() as spool:
+            for bucket in iter_buckets(state_dict, self.BUCKET_BYTES):
+                spool.append(bucket)
+            self.load_weight_stream(WeightStream(spool.sealed()))
 
 
 class VllmGenerator(Generator):
@@ -112,6 +128,7 @@ class VllmGenerator(Generator):
         options: VllmOptions = VllmOptions(),
         strip_prefix: str = "model.",
         on_step: Callable[[int], None] | None = None,
+        num_threads: int | None = None,
     ) -> None:
         try:
             import vllm
@@ -126,13 +143,11 @@ class VllmGenerator(Generator):
         )
         self._vllm = vllm
         self.options = options
-        set_num_threads = torch.set_num_threads
-        try:
+        # One OpenMP thread count for the engine, pinned in every thread that drives it
+        # (vLLM's CPU attention checks it per call; see ``vllm_threads``).
+        self.threads = EngineThreads(num_threads)
+        with self.threads.building():
             self.llm = vllm.LLM(model=str(model_path), **options.llm_kwargs())
-        finally:
-            # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op;
-            # with the in-process engine that process is ours (the trainer's, in tests).
-            torch.set_num_threads = set_num_threads
         self.tokenizer = tokenizer
         self.task = task
         self.dataplane = dataplane
@@ -213,11 +228,15 @@ class VllmGenerator(Generator):
     def _sample(
         self, prompt_ids: list[int], n: int, cfg: SamplingConfig, max_tokens: int, seed: int
     ) -> list[Completion]:
-        out = self.llm.generate(
-            [{"prompt_token_ids": prompt_ids}], self._params(n, cfg, max_tokens, seed),
-            use_tqdm=False,
+        out = self._generate(
+            [{"prompt_token_ids": prompt_ids}], self._params(n, cfg, max_tokens, seed)
         )[0]
         return [self._completion(o) for o in out.outputs]
+
+    def _generate(self, requests: list[dict[str, Any]], params: Any) -> list[Any]:
+        # this thread may be new to the engine (Ray runs calls on several threads)
+        self.threads.pin()
+        return self.llm.generate(requests, params, use_tqdm=False)
 
     def _completion(self, output: Any) -> Completion:
         tokens = list(output.token_ids)
@@ -240,7 +259,7 @@ class VllmGenerator(Generator):
             k = min(self.chunk_tokens or cfg.max_new_tokens, cfg.max_new_tokens - done_tokens)
             requests = [{"prompt_token_ids": prompt_ids + rows[i].tokens} for i in live]
             params = [self._params(1, cfg, k, seed + 7919 * chunk + i) for i in live]
-            outs = self.llm.generate(requests, params, use_tqdm=False)
+            outs = self._generate(requests, params)
             for i, out in zip(live, outs):
                 piece = self._completion(out.outputs[0])
                 rows[i] = Completion(
