@@ -101,6 +101,9 @@ class DataPlaneSection(_Section):
     copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
     storage_units: int = 2
     """TransferQueue storage units (Ray actors holding payloads; one CPU each)."""
+    start_timeout_s: float = 120.0
+    """How long TransferQueue's controller and storage units may take to be placed and
+    answer when the run starts them; past it the run stops and says which are pending."""
 
 
 class RayConfig(_Section):
@@ -138,7 +141,7 @@ _POSITIVE = {
     "train.data_parallel", "train.tensor_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
     "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
-    "ray.placement_timeout_s", "dataplane.storage_units",
+    "ray.placement_timeout_s", "dataplane.storage_units", "dataplane.start_timeout_s",
     "rollout.refit_bucket_mib", "rollout.vllm.kv_cache_mib", "rollout.vllm.max_num_seqs",
 }
 _NON_NEGATIVE = {

@@ -164,6 +164,7 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
             ray_num_cpus=cfg.ray.num_cpus,
             storage_node_resource=cfg.dataplane.storage_node_resource or None,
             num_storage_units=cfg.dataplane.storage_units,
+            start_timeout_s=cfg.dataplane.start_timeout_s,
         ),
         trainer=trainer,
         loss=loss,

@@ -40,6 +40,8 @@ class DataPlaneConfig:
     num_storage_units: int = 2
     #: Ray resource a storage unit's node must offer (None: round-robin over all nodes)
     storage_node_resource: str | None = None
+    #: seconds TransferQueue's own actors may take to start (when this process starts them)
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("memory", "transferqueue"):
@@ -63,6 +65,7 @@ def make_dataplane(config: DataPlaneConfig) -> DataPlane:
                 ray_num_cpus=config.ray_num_cpus,
                 num_storage_units=config.num_storage_units,
                 storage_node_resource=config.storage_node_resource,
+                start_timeout_s=config.start_timeout_s,
             )
         )
     if config.spill_dir is not None:
