@@ -50,6 +50,15 @@ class DataPlaneConfig:
             )
 
 
+def preload(kind: DataPlaneKind) -> None:
+    """Import the implementation of ``kind`` now (TransferQueue's import takes seconds),
+    e.g. on a thread while something else waits; ``make_dataplane`` then finds it loaded."""
+    if kind == "transferqueue":
+        from workers.dataplane import transferqueue
+
+        transferqueue.preload()
+
+
 def make_dataplane(config: DataPlaneConfig) -> DataPlane:
     """Build the configured data plane (wrapped in the durable spill if ``spill_dir``)."""
     plane: DataPlane
@@ -85,4 +94,5 @@ __all__ = [
     "SpillDataPlane",
     "Tags",
     "make_dataplane",
+    "preload",
 ]

@@ -82,6 +82,12 @@ def _ensure_ray(cfg: TransferQueueConfig) -> None:
         )
 
 
+def preload() -> None:
+    """Import ``transfer_queue`` (seconds: zmq, omegaconf, its storage managers) ahead of
+    the first ``TransferQueueDataPlane``, e.g. on a thread while Ray starts."""
+    import transfer_queue  # noqa: F401
+
+
 _CONTROLLER = ("TransferQueueController", "transfer_queue")  # name, namespace
 _STORAGE_UNIT = "TransferQueueStorageUnit#{}"  # named in the starting job's namespace
 
