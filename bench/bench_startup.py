@@ -3,7 +3,8 @@
 Each repetition runs every variant once, in turn (so a change in the machine's load
 falls on all of them alike), as a fresh ``run --steps 1`` in its own ``--data-dir``,
 then ``run --resume`` of that finished run. Printed per variant: min and median of the
-whole command, of the finished-run resume, and of the milestones the run logs at its
+whole command, of the CPU seconds its processes used (Ray's included: on a shared machine
+the steadier figure), of the finished-run resume, and of the milestones the run logs at its
 first step (``startup`` in ``controller.log.jsonl``: seconds since the process started);
 then each variant's median as a ratio of the first variant's.
 
@@ -40,12 +41,42 @@ def _default_command() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m controller.cli"
 
 
-def _timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[float, int, str]:
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _session_cpu(sid: int, seen: dict[int, float]) -> None:
+    """CPU seconds so far of every process in session ``sid`` (Ray's daemons and actors
+    stay in the session of the command that started them), the highest seen per pid."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields after the name: state ppid pgrp session ...
+            cpu = (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+            seen[int(entry.name)] = max(cpu, seen.get(int(entry.name), 0.0))
+
+
+def _timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds of the command's whole session (sampled every 0.2 s, so
+    a process that lives less than that is missed), exit status, stderr's tail."""
     started = time.perf_counter()
-    # cwd: a neutral directory, so ``python -m`` imports the variant's checkout, not this one
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s,
-                          cwd=tempfile.gettempdir())
-    return time.perf_counter() - started, proc.returncode, proc.stderr[-1500:]
+    seen: dict[int, float] = {}
+    with tempfile.TemporaryFile("w+") as err:
+        # cwd: a neutral directory, so ``python -m`` imports the variant's checkout
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                text=True, cwd=tempfile.gettempdir(), start_new_session=True)
+        while proc.poll() is None:
+            _session_cpu(proc.pid, seen)
+            if time.perf_counter() - started > timeout_s:
+                proc.kill()
+            time.sleep(0.2)
+        wall = time.perf_counter() - started
+        err.seek(0)
+        return wall, sum(seen.values()), proc.returncode, err.read()[-1500:]
 
 
 def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dict[str, float]:
@@ -62,16 +93,16 @@ def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dic
         words, extra = words[:at], [*words[at + 1:], *extra]
     common = ["--run-id", "bench", "--no-progress", "--data-dir", str(data_dir)]
     try:
-        run_s, rc, err = _timed([*words, "run", "--steps", "1", *common, *extra], env, timeout_s)
+        run_s, cpu_s, rc, err = _timed([*words, "run", "--steps", "1", *common, *extra], env, timeout_s)
         if rc != 0:
             raise SystemExit(f"{command!r} failed ({rc}):\n{err}")
-        resume_s, rc, err = _timed([*words, "run", "--resume", *common], env, timeout_s)
+        resume_s, _, rc, err = _timed([*words, "run", "--resume", *common], env, timeout_s)
         if rc != 0:
             raise SystemExit(f"{command!r} resume failed ({rc}):\n{err}")
     finally:
         subprocess.run([*words, "stop-server", "--data-dir", str(data_dir)], env=env,
                        capture_output=True, timeout=60, cwd=tempfile.gettempdir())
-    out = {"command_s": run_s, "resume_finished_s": resume_s}
+    out = {"command_s": run_s, "cpu_s": cpu_s, "resume_finished_s": resume_s}
     for line in (data_dir / "runs" / "bench" / "controller.log.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec.get("event") == "startup":
@@ -97,7 +128,7 @@ def main() -> None:
                 print(f"rep {rep} {name:<10} " + " ".join(f"{k}={v:.1f}" for k, v in r.items()),
                       flush=True)
     print(f"load average at end: {os.getloadavg()}")
-    keys = ("command_s", "resume_finished_s", *MILESTONES)
+    keys = ("command_s", "cpu_s", "resume_finished_s", *MILESTONES)
     print(f"\n{'variant':<10} " + " ".join(f"{k + ' min/med':>26}" for k in keys))
     for name, rows in results.items():
         cells = []
@@ -106,9 +137,10 @@ def main() -> None:
             cells.append(f"{min(vals):12.1f} /{statistics.median(vals):6.1f} s" if vals else f"{'-':>26}")
         print(f"{name:<10} " + " ".join(f"{c:>26}" for c in cells))
     base = statistics.median(r["command_s"] for r in results[variants[0][0]])
+    base_cpu = statistics.median(r["cpu_s"] for r in results[variants[0][0]])
     for name, rows in results.items():
-        print(f"{name:<10} median command time {statistics.median(r['command_s'] for r in rows) / base:.2f}x "
-              f"of {variants[0][0]}")
+        print(f"{name:<10} median command time {statistics.median(r['command_s'] for r in rows) / base:.2f}x, "
+              f"CPU {statistics.median(r['cpu_s'] for r in rows) / base_cpu:.2f}x of {variants[0][0]}")
 
 
 if __name__ == "__main__":
