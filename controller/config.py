@@ -84,7 +84,7 @@ _POSITIVE = {
     "train.data_parallel", "train.tensor_parallel", "checkpoint.every_steps", "sampling.max_new_tokens",
     "model.d_model", "model.n_layers", "model.n_heads", "model.context_len",
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
-    "ray.placement_timeout_s", "dataplane.storage_units",
+    "ray.placement_timeout_s", "dataplane.storage_units", "dataplane.start_timeout_s",
     "rollout.refit_bucket_mib", "rollout.vllm.kv_cache_mib", "rollout.vllm.max_num_seqs",
 }
 _NON_NEGATIVE = {

@@ -41,6 +41,12 @@ _AUTH_HELP = (
 )
 
 
+#: A local Ray otherwise starts ``ray.num_cpus`` idle Python workers as the driver
+#: connects; each imports Ray, and on a small machine they take the CPU from the
+#: data plane's and the workers' own start (which start their processes anyway).
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
+
 @dataclass(frozen=True)
 class RayNeeds:
     """Logical CPUs a run's actors reserve, by role."""
@@ -150,7 +156,8 @@ def connect(cfg: Config, log_file: Path) -> None:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             else:
                 ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-                         log_to_driver=False, configure_logging=False)
+                         log_to_driver=False, configure_logging=False,
+                         _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     except Exception as err:
         where = address or "a local Ray"
         if _is_auth_error(err) or any(_is_auth_text(t) for t in captured):

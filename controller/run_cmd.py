@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+import threading
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -335,9 +336,28 @@ def _start_ray(args: argparse.Namespace, cfg: Config, run_id: str) -> None:
     third_party_log = Path(args.data_dir) / "runs" / run_id / "third_party.log"
     quiet.size_transferqueue_threads()
     quiet.route_to_file(third_party_log)
-    if not args.local_workers:
-        ray_cluster.connect(cfg, third_party_log)
-        quiet.route_to_file(third_party_log)  # loggers Ray created while connecting
+    # The workers' modules (torch, TransferQueue: seconds of imports) load while Ray
+    # starts: ray.init mostly waits on its daemons, so this uses an otherwise idle core.
+    preload = threading.Thread(target=_preload_worker_modules, args=(cfg,),
+                               name="preload-worker-modules", daemon=True)
+    preload.start()
+    try:
+        if not args.local_workers:
+            ray_cluster.connect(cfg, third_party_log)
+            quiet.route_to_file(third_party_log)  # loggers Ray created while connecting
+    finally:
+        preload.join()
+
+
+def _preload_worker_modules(cfg: Config) -> None:
+    """Import what starting the workers imports; an error here is left to that start."""
+    try:
+        import controller.wiring  # noqa: F401  (torch, the models, the workers)
+        from workers.dataplane import preload
+
+        preload(cfg.dataplane.kind)
+    except Exception:
+        pass
 
 
 def _nothing_to_do(args: argparse.Namespace, run_id: str, version: int) -> int:

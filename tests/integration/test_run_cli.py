@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -195,11 +196,35 @@ def test_resume_with_changed_config_is_refused_before_any_write(data_dir, traine
     assert runs(data_dir) == before  # no ControllerStarted: same events, same epoch, finished
 
 
+#: runs the CLI's main in a fresh interpreter, then says whether Ray was even imported
+_MAIN_THEN_REPORT_RAY = (
+    "import sys\n"
+    "from controller.cli import main\n"
+    "try:\n"
+    "    rc = main(sys.argv[1:])\n"
+    "finally:\n"
+    "    print('ray imported:', 'ray' in sys.modules)\n"
+    "sys.exit(rc)\n"
+)
+
+
 def test_resume_of_a_finished_run_answers_without_starting_anything(data_dir, trained):
     before = runs(data_dir)
-    proc = cli("run", "--resume", "--run-id", RUN_ID, "--no-progress",
-               "--data-dir", str(data_dir), timeout_s=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "finished at trainer_version 3" in proc.stdout and "--steps" in proc.stdout
-    assert "Traceback" not in proc.stderr
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rlc-ray-"))  # short: Ray's socket paths live here
+    try:
+        env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+        env.pop("RLC_REDIS_URL", None)
+        proc = subprocess.run(
+            [sys.executable, "-c", _MAIN_THEN_REPORT_RAY, "run", "--resume", "--run-id", RUN_ID,
+             "--no-progress", "--data-dir", str(data_dir)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "finished at trainer_version 3" in proc.stdout and "--steps" in proc.stdout
+        assert "Traceback" not in proc.stderr
+        # Ray was not started (no session under its temp dir), not even imported
+        assert "ray imported: False" in proc.stdout, proc.stdout
+        assert not list(ray_tmp.rglob("session_*")), sorted(ray_tmp.rglob("*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert runs(data_dir) == before

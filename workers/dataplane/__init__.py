@@ -47,6 +47,15 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def preload(kind: DataPlaneKind) -> None:
+    """Import the implementation of ``kind`` now (TransferQueue's import takes seconds),
+    e.g. on a thread while something else waits; ``make_dataplane`` then finds it loaded."""
+    if kind == "transferqueue":
+        from workers.dataplane import transferqueue
+
+        transferqueue.preload()
+
+
 def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
     """Build the configured data plane (wrapped in the durable spill if ``spill_dir``)."""
     from workers.dataplane.memory import MemoryDataPlane
@@ -65,6 +74,7 @@ def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
                 ray_num_cpus=config.ray_num_cpus,
                 num_storage_units=config.num_storage_units,
                 storage_node_resource=config.storage_node_resource,
+                start_timeout_s=config.start_timeout_s,
             )
         )
     if config.spill_dir is not None:
@@ -72,4 +82,4 @@ def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
     return plane
 
 
-__all__ = sorted([*_EXPORTS, "DataPlaneConfig", "DataPlaneKind", "DataPlaneSection", "make_dataplane"])
+__all__ = sorted([*_EXPORTS, "DataPlaneConfig", "DataPlaneKind", "DataPlaneSection", "make_dataplane", "preload"])

@@ -29,6 +29,8 @@ class DataPlaneConfig:
     num_storage_units: int = 2
     #: Ray resource a storage unit's node must offer (None: round-robin over all nodes)
     storage_node_resource: str | None = None
+    #: seconds TransferQueue's own actors may take to start (when this process starts them)
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("memory", "transferqueue"):
@@ -49,6 +51,9 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
     storage_units: int = 2
     """TransferQueue storage units (Ray actors holding payloads; one CPU each)."""
+    start_timeout_s: float = 120.0
+    """How long TransferQueue's controller and storage units may take to be placed and
+    answer when the run starts them; past it the run stops and says which are pending."""
 
     def dataplane_config(
         self, *, run_dir: str | Path, ray_address: str, ray_num_cpus: int
@@ -62,4 +67,5 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             ray_num_cpus=ray_num_cpus,
             storage_node_resource=self.storage_node_resource or None,
             num_storage_units=self.storage_units,
+            start_timeout_s=self.start_timeout_s,
         )

@@ -15,6 +15,12 @@ hides two sharp edges behind the data plane contract:
   the adapter starts Ray with enough CPUs itself, or refuses an existing cluster that
   has too few, and wraps any start-up failure in :class:`DataPlaneUnavailable` --
   never a silent fallback to memory.
+* **No start-up timeout.** ``transfer_queue.init`` waits for its controller and
+  storage-unit actors without a limit, and Ray never fails an actor it cannot place.
+  The process that starts TransferQueue watches it: past ``start_timeout_s`` it names
+  the actors that are not up, kills the ones it created (which unblocks ``init``)
+  and raises :class:`DataPlaneUnavailable`. A process that only joins a running
+  TransferQueue (a worker) has no such watch: it never kills shared actors.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class TransferQueueConfig:
     num_storage_units: int = 2
     #: only nodes offering this Ray resource hold storage units (None: every node)
     storage_node_resource: str | None = None
+    #: seconds TransferQueue's controller and storage units may take to be placed and
+    #: answer, when this process starts them (config key ``dataplane.start_timeout_s``)
+    start_timeout_s: float = 120.0
 
 
 def _ensure_ray(cfg: TransferQueueConfig) -> None:
@@ -73,6 +82,95 @@ def _ensure_ray(cfg: TransferQueueConfig) -> None:
         )
 
 
+def preload() -> None:
+    """Import ``transfer_queue`` (seconds: zmq, omegaconf, its storage managers) ahead of
+    the first ``TransferQueueDataPlane``, e.g. on a thread while Ray starts."""
+    import transfer_queue  # noqa: F401
+
+
+_CONTROLLER = ("TransferQueueController", "transfer_queue")  # name, namespace
+_STORAGE_UNIT = "TransferQueueStorageUnit#{}"  # named in the starting job's namespace
+
+
+def _named_actor(name: str, namespace: str | None = None):
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> None:
+    """``tq.init`` with a limit when this process is the one that starts TransferQueue."""
+    if _named_actor(*_CONTROLLER) is not None:
+        tq.init(conf)  # joining: the shared actors are not this process's to kill
+        return
+    done = threading.Event()
+    verdict: list[str] = []
+
+    def watch() -> None:
+        if done.wait(cfg.start_timeout_s):
+            return
+        verdict.append(_pending(cfg))
+        for actor in _our_actors(cfg.num_storage_units):
+            try:
+                ray.kill(actor)  # fails init's pending ray.get, and frees the cluster
+            except Exception:
+                pass
+
+    watcher = threading.Thread(target=watch, name="transferqueue-start-watch", daemon=True)
+    watcher.start()
+    try:
+        tq.init(conf)
+    except Exception:
+        if not verdict:
+            raise
+    finally:
+        done.set()
+        watcher.join()
+    if verdict:
+        try:
+            tq.close()  # forget the killed actors (this process may start it again)
+        except Exception:
+            pass
+        raise DataPlaneUnavailable(verdict[0])
+
+
+def _our_actors(units: int) -> list:
+    names = [(_STORAGE_UNIT.format(i), None) for i in range(units)] + [_CONTROLLER]
+    return [a for a in (_named_actor(*n) for n in names) if a is not None]
+
+
+def _answers(actor) -> bool:
+    ready, _ = ray.wait([actor.get_zmq_server_info.remote()], timeout=1.0)
+    return bool(ready)
+
+
+def _pending(cfg: TransferQueueConfig) -> str:
+    """Which of TransferQueue's actors are not up yet, and what Ray has free."""
+    units = cfg.num_storage_units
+    pending: list[str] = []
+    controller = _named_actor(*_CONTROLLER)
+    if controller is None or not _answers(controller):
+        pending.append("its controller")
+    absent = []
+    for i in range(units):
+        unit = _named_actor(_STORAGE_UNIT.format(i))
+        if unit is None:
+            absent.append(i)
+        elif not _answers(unit):
+            pending.append(f"storage unit {i}")
+    if absent:
+        pending.append(f"storage unit(s) {', '.join(map(str, absent))} (not created yet)")
+    free = ray.available_resources().get("CPU", 0.0)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    return (
+        f"TransferQueue did not start within dataplane.start_timeout_s = "
+        f"{cfg.start_timeout_s:g} s; waiting for "
+        f"{'; '.join(pending) or 'its client'} (1 CPU each; Ray has {free:g} of "
+        f"{total:g} CPUs free)"
+    )
+
+
 class TransferQueueDataPlane:
     """Data plane over TransferQueue's SimpleStorage backend."""
 
@@ -84,7 +182,7 @@ class TransferQueueDataPlane:
             storage: dict = {"num_data_storage_units": cfg.num_storage_units}
             if cfg.storage_node_resource:
                 storage["required_node_resource"] = cfg.storage_node_resource
-            tq.init({"backend": {"SimpleStorage": storage}})
+            _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
         except DataPlaneUnavailable:
             raise
         except Exception as err:  # any start-up failure is fatal, never a fallback

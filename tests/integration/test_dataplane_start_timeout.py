@@ -1,0 +1,62 @@
+"""TransferQueue's own start is bounded: an unplaceable TransferQueue is reported, not waited on.
+
+A real local Ray with 4 logical CPUs, all held by a placeholder actor: TransferQueue's
+controller cannot be placed (and so its storage units are never created). The adapter
+must give up after ``start_timeout_s``, say what is pending, and leave nothing behind:
+once the CPUs are free, TransferQueue starts in the same process and moves a row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+ray = pytest.importorskip("ray")
+
+from workers.dataplane.api import DataPlaneUnavailable  # noqa: E402
+from workers.dataplane.transferqueue import (  # noqa: E402
+    TransferQueueConfig,
+    TransferQueueDataPlane,
+)
+
+
+@pytest.fixture
+def small_ray():
+    if ray.is_initialized():
+        pytest.skip("needs its own Ray (one is already initialised in this process)")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=4)
+class _Hog:
+    def ping(self) -> bool:
+        return True
+
+
+def test_unplaceable_transferqueue_is_refused_with_what_is_pending(small_ray):
+    hog = _Hog.remote()
+    assert ray.get(hog.ping.remote(), timeout=120)  # every CPU is held from here on
+    with pytest.raises(DataPlaneUnavailable) as caught:
+        TransferQueueDataPlane(TransferQueueConfig(num_storage_units=2, start_timeout_s=2))
+    message = str(caught.value)
+    assert "dataplane.start_timeout_s = 2 s" in message, message
+    assert "its controller" in message, message
+    assert "storage unit(s) 0, 1 (not created yet)" in message, message
+    assert "0 of 4 CPUs free" in message, message
+
+    # The killed actors are gone and the adapter forgot them: with the CPUs back,
+    # TransferQueue starts in this process and works.
+    ray.kill(hog)
+    plane = TransferQueueDataPlane(TransferQueueConfig(num_storage_units=1, start_timeout_s=300))
+    try:
+        plane.put("p", ["k"], {"x": [torch.arange(3, dtype=torch.float64)]})
+        (row,) = plane.get("p", ["k"])
+        assert torch.equal(row["x"], torch.arange(3, dtype=torch.float64))
+    finally:
+        plane.close()
