@@ -215,13 +215,18 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in tensors:
         dest = target.get(name)
         if dest is None or name in seen:
-            raise ValueError(f"weight stream: {'repeated' if dest is not None else 'unexpected'} tensor {name!r}")
+            why = "repeated" if dest is not None else "unexpected"
+            raise ValueError(f"weight stream: {why} tensor {name!r}")
         if dest.shape != tensor.shape:
-            raise ValueError(f"weight stream: {name!r} has shape {tuple(tensor.shape)}, model has {tuple(dest.shape)}")
+            raise ValueError(
+                f"weight stream: {name!r} has shape {tuple(tensor.shape)}, "
+                f"model has {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)
         seen.add(name)
     if missing := sorted(target.keys() - seen):
-        raise ValueError(f"weight stream: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        more = " ..." if len(missing) > 5 else ""
+        raise ValueError(f"weight stream: missing tensors {missing[:5]}{more}")
 
 
 def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,9 +19,10 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   file's path and bucket offsets (``vllm_refit.RefitExtension``), which reloads the
   model reading one bucket at a time, then the prefix cache is reset (its KV entries
   were computed with the old weights). Works in both engine modes: only a path and
-  integers cross the RPC, and no side holds the whole version in memory. The whole load happens inside
-  :class:`workers.weight_sync.VersionedWeights`, so it is atomic with respect to
-  generation: between groups, or between chunks (below), never inside one.
+  integers cross the RPC, and no side holds the whole version in memory. The whole
+  load happens inside :class:`workers.weight_sync.VersionedWeights`, so it is atomic
+  with respect to generation: between groups, or between chunks (below), never
+  inside one.
 * **Versions across an update**: ``LLM.generate`` cannot be paused, so with
   ``chunk_tokens = None`` the only boundary is the end of the group: the update lands
   after it and the group is tagged start == end. With ``chunk_tokens = k`` the group is
