@@ -15,6 +15,7 @@ from typing import Any
 from events.chain import HMAC_SHA256, SHA256, Chain, verify
 from events.errors import ChainError
 from events.store import EventStore, RawEntry
+from replay.reader import gc_paused
 
 #: entries per read while verifying
 PAGE = 20_000
@@ -48,6 +49,7 @@ class ChainAudit:
         }
 
 
+@gc_paused
 def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit:
     """Verify the whole chain of ``run_id``; with ``key``, as HMAC whatever meta says."""
     head = store.chain_head(run_id)
