@@ -8,6 +8,7 @@ let a fast read trust a page: stream ids ``0-N`` at consecutive positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -82,6 +83,42 @@ def xrange_page(batch: Sequence[Any] | None) -> PageReply:
     else:
         data = [_data_field(f) for f in fields]
     return batch[0][0], batch[-1][0], data
+
+
+#: (position, type, id, data, chain hash) of one entry, as ``events.chain.verify`` takes it
+ChainEntry = tuple[int, bytes, bytes, bytes, str]
+_f0, _f1, _f2, _f3, _f6, _f7 = (itemgetter(i) for i in (0, 1, 2, 3, 6, 7))
+_isascii = bytes.isascii
+
+
+def xrange_chain_page(batch: Sequence[Any] | None, start: int) -> list[ChainEntry] | None:
+    """A raw XRANGE reply of chained entries as ``verify``'s tuples, picked out in C.
+
+    Only when every entry has the store's own chained shape (type, id, data, h) and the
+    ids are exactly ``0-start`` .. ``0-(start + n - 1)``; None otherwise (the caller
+    then reads the page through ``read_raw``, which names what is wrong).
+    """
+    if not batch:
+        return []
+    fields = list(map(_entry_fields, batch))
+    n = len(fields)
+    if set(map(len, fields)) != {8} or not (
+        list(map(_f0, fields)).count(b"type") == n
+        and list(map(_f2, fields)).count(b"id") == n
+        and list(map(_field_4, fields)).count(b"data") == n
+        and list(map(_f6, fields)).count(_HASH) == n
+    ):
+        return None
+    if _seq(batch[0][0]) != start or _seq(batch[-1][0]) != start + n - 1:
+        return None
+    types, ids, hashes = list(map(_f1, fields)), list(map(_f3, fields)), list(map(_f7, fields))
+    # ASCII type, id and hash: the bytes are exactly what read_raw's text re-encodes to,
+    # so every link is checked as through read_raw (anything else goes that way).
+    if not all(map(_isascii, chain(types, ids, hashes))):
+        return None
+    return list(zip(
+        range(start, start + n), types, ids, map(_field_5, fields), map(bytes.decode, hashes)
+    ))
 
 
 def scripted_page(reply: Sequence[Any]) -> PageReply:
