@@ -10,9 +10,11 @@ releases), writes it into a fresh redis-server (temp dir, loopback) through
   (b) audit             -- (a) + the audit report (history, cross-check) + ``to_dict()``
   (c) staleness         -- (a) with the staleness trace + the analysis + ``to_dict()``
   (d) read only         -- the pages alone, for attribution
-  (e) audit with chain  -- (b) + the hash chain walk (``replay.chain_audit``), which is
-                           what ``rl-controller audit`` runs
+  (e) audit with chain  -- (b) + the hash chain walk (``replay.chain_audit``) in a forked
+                           process meanwhile: what ``rl-controller audit`` runs
+  (f) audit, chain      -- the same one after the other in this process (attribution)
 
+(client CPU is this process's; (e)'s chain walk runs in a child, not counted there)
 (the CLI renders both reports from ``to_dict()``, tables and JSON alike). The machine's
 load average is printed with the results: on a shared machine, compare runs only at
 similar loads.
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from events.redis_store import RedisEventStore  # noqa: E402
 from replay import staleness  # noqa: E402
 from replay.audit import build_report  # noqa: E402
-from replay.chain_audit import audit_chain  # noqa: E402
+from replay.chain_audit import audit_chain, start_audit_chain  # noqa: E402
 from replay.reader import fold_log, iter_pages  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.unit.log_builder import stream_random_run  # noqa: E402
@@ -124,7 +126,13 @@ def main() -> None:
             assert report.ok, report.problem
             report.to_dict()
 
-        def audit_with_chain() -> None:
+        def audit_with_chain() -> None:  # as ``rl-controller audit`` runs it
+            verdict = start_audit_chain(store, run_id, None)
+            audit()
+            chain = verdict()
+            assert chain.status == "ok", chain
+
+        def audit_then_chain() -> None:
             audit()
             chain = audit_chain(store, run_id, None)
             assert chain.status == "ok", chain
@@ -140,6 +148,7 @@ def main() -> None:
             ("(c) staleness", _best(stale, args.repeat)),
             ("(d) read only", _best(read_only, args.repeat)),
             ("(e) audit+chain", _best(audit_with_chain, args.repeat)),
+            ("(f) audit, chain", _best(audit_then_chain, args.repeat)),
         ]
         store.close()
     print(f"{'measure':<16} {'seconds':>9} {'events/s':>12} {'client CPU s':>13}")

@@ -8,7 +8,9 @@ says so rather than reporting every entry as tampered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import multiprocessing
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +76,48 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
         head_position=0 if head is None else head.position,
         position=report.position, reason=report.reason,
     )
+
+
+def start_audit_chain(store: EventStore, run_id: str, key: bytes | None) -> Callable[[], ChainAudit]:
+    """Start :func:`audit_chain` in a forked process; the returned function waits for its
+    verdict. ``audit`` folds the log meanwhile: both read the whole log and hash or fold
+    it, and the fork runs them on two cores instead of one after the other.
+
+    The child reads through a connection of its own (redis-py reconnects after a fork and
+    never closes the parent's sockets) and sends back only the verdict. Where fork is not
+    available, or the child fails for any reason, the chain is checked in this process
+    when the verdict is asked for, so an error reads exactly as without the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return lambda: audit_chain(store, run_id, key)
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(
+        target=_chain_child, args=(send, store, run_id, key), name="rlc-chain-audit", daemon=True
+    )
+    child.start()
+    send.close()
+
+    def verdict() -> ChainAudit:
+        try:
+            result = receive.recv()
+        except (EOFError, OSError):
+            result = None
+        finally:
+            receive.close()
+            child.join()
+        return result if isinstance(result, ChainAudit) else audit_chain(store, run_id, key)
+
+    return verdict
+
+
+def _chain_child(send: Any, store: EventStore, run_id: str, key: bytes | None) -> None:
+    try:
+        send.send(audit_chain(store, run_id, key))
+    except BaseException:  # noqa: BLE001 -- the parent re-runs it and reports the error
+        send.send(None)
+    finally:
+        send.close()
 
 
 def _all(store: EventStore, run_id: str) -> Iterator[tuple[int, Any, Any, bytes, str]]:
