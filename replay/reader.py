@@ -29,6 +29,7 @@ from events.codec import decode
 from events.errors import EventDecodeError
 from events.schema import AnyEvent, StepAborted, StepFinished
 from events.store import BULK_PAGE_SIZE, EncodedPage, EventStore
+from replay import page_reader
 
 #: Entries per page (one server round trip each against Redis).
 PAGE_ENTRIES = BULK_PAGE_SIZE
@@ -116,9 +117,9 @@ def iter_pages(
 def _iter_pages(
     store: EventStore, run_id: str, start: int = 1, end: int | None = None
 ) -> Iterator[EncodedPage]:
-    """The store's bulk pages. The next page is fetched on a helper thread while the
-    caller works on this one, so the server's work and the fold overlap (the socket wait
-    releases the GIL)."""
+    """The store's bulk pages, read ahead of the caller: by a forked child for a long
+    log (``replay.page_reader``: the read's parsing then runs on another core), else by
+    a helper thread (the server's work and the socket wait overlap the caller's)."""
 
     def fetch(position: int) -> EncodedPage:
         want = PAGE_ENTRIES if end is None else min(PAGE_ENTRIES, end - position + 1)
@@ -126,6 +127,21 @@ def _iter_pages(
             return EncodedPage(position, [])
         return store.read_page(run_id, position, want)
 
+    if page_reader.can_fork() and _long(store, run_id, start, end):
+        threaded = lambda position: _threaded_pages(fetch, position)  # noqa: E731
+        yield from page_reader.forked_pages(
+            fetch, start, PAGE_ENTRIES, threaded, page_reader.reader_count()
+        )
+    else:
+        yield from _threaded_pages(fetch, start)
+
+
+def _long(store: EventStore, run_id: str, start: int, end: int | None) -> bool:
+    last = store.last_position(run_id) if end is None else end
+    return last - start + 1 >= page_reader.FORK_ABOVE_ENTRIES
+
+
+def _threaded_pages(fetch: page_reader.Fetch, start: int) -> Iterator[EncodedPage]:
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-read") as pool:
         pending = pool.submit(fetch, start)
         while True:
