@@ -45,6 +45,7 @@ SNAPSHOT_FIELD = "chain"
 
 _GENESIS_TAG = b"rlc-chain-v1\0"
 _FRAME = struct.Struct(">QII")
+_sha256 = hashlib.sha256
 
 
 #: ``chain_alg`` values in meta (a hint for the auditor; a key given to audit always wins)
@@ -95,9 +96,13 @@ class Chain:
         return SHA256 if self.key is None else HMAC_SHA256
 
     def _digest(self, message: bytes) -> str:
+        return self.raw_digest(message).hex()
+
+    def raw_digest(self, message: bytes) -> bytes:
+        """H(message) as bytes (``_digest`` is its hex)."""
         if self.key is None:
-            return hashlib.sha256(message).hexdigest()
-        return hmac.new(self.key, message, hashlib.sha256).hexdigest()
+            return _sha256(message).digest()
+        return hmac.digest(self.key, message, "sha256")
 
     def link(
         self, prev: str, position: int, event_type: str | bytes, event_id: str | bytes,
@@ -147,6 +152,9 @@ def verify(
     chains ("absent"); anything else must chain from the genesis hash to the head.
     """
     prev = chain.genesis
+    # The previous link as bytes: each link is checked as H(prev || frame) == stored, as
+    # ``Chain.link`` computes it, without a hex round trip per entry (audit walks 10^7).
+    prev_raw, digest, frame = bytes.fromhex(prev), chain.raw_digest, _FRAME.pack
     expected = 1
     absent = False
     for position, event_type, event_id, data, stored in entries:
@@ -161,10 +169,12 @@ def verify(
             continue
         if not stored:
             return ChainReport("broken", prev, position, "entry has no chain hash")
-        want = chain.link(prev, position, event_type, event_id, data)
-        if not hmac.compare_digest(want, stored):
+        t = event_type if isinstance(event_type, bytes) else event_type.encode()
+        i = event_id if isinstance(event_id, bytes) else event_id.encode()
+        raw = digest(prev_raw + frame(position, len(t), len(i)) + t + i + data)
+        if not hmac.compare_digest(raw.hex(), stored):
             return ChainReport("broken", prev, position, _mismatch(chain, position))
-        prev = stored
+        prev, prev_raw = stored, raw
     if absent:
         return ChainReport("absent")
     last = expected - 1

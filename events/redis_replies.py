@@ -8,6 +8,7 @@ let a fast read trust a page: stream ids ``0-N`` at consecutive positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -22,12 +23,32 @@ _field_4 = itemgetter(4)
 _field_5 = itemgetter(5)
 _unpack_page = msgspec.msgpack.Decoder(list[str]).decode
 
+_HASH = HASH_FIELD.encode()
+#: the stream fields the store writes (``raw_entry``'s fast path takes only these)
+_OWN_FIELDS = frozenset((b"type", b"id", b"data", _HASH))
+
 #: (first entry id, last entry id, data fields) of one bulk read; data None: not trusted
 PageReply = tuple[Any, Any, "list[Any] | None"]
 
 
 def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
     """One XRANGE/XREAD entry (fields as a dict) as a RawEntry."""
+    # Fast path (audit's chain walk reads every entry through here): an id ``0-N`` in
+    # ASCII digits and only the store's own bytes field names, as redis-py hands them
+    # over. It builds exactly what the general path below builds.
+    if (
+        type(entry_id) is bytes
+        and entry_id[:2] == b"0-"
+        and entry_id[2:].isdigit()
+        and fields.keys() <= _OWN_FIELDS
+    ):
+        get = fields.get
+        t, i, d, h = get(b"type", b""), get(b"id", b""), get(b"data", b""), get(_HASH, b"")
+        if type(t) is bytes and type(i) is bytes and type(d) is bytes and type(h) is bytes:
+            return RawEntry(
+                int(entry_id[2:]), d, t.decode(errors="replace"), i.decode(errors="replace"),
+                h.decode(errors="replace"),
+            )
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     if ms != "0" or not seq.isdigit():
@@ -62,6 +83,42 @@ def xrange_page(batch: Sequence[Any] | None) -> PageReply:
     else:
         data = [_data_field(f) for f in fields]
     return batch[0][0], batch[-1][0], data
+
+
+#: (position, type, id, data, chain hash) of one entry, as ``events.chain.verify`` takes it
+ChainEntry = tuple[int, bytes, bytes, bytes, str]
+_f0, _f1, _f2, _f3, _f6, _f7 = (itemgetter(i) for i in (0, 1, 2, 3, 6, 7))
+_isascii = bytes.isascii
+
+
+def xrange_chain_page(batch: Sequence[Any] | None, start: int) -> list[ChainEntry] | None:
+    """A raw XRANGE reply of chained entries as ``verify``'s tuples, picked out in C.
+
+    Only when every entry has the store's own chained shape (type, id, data, h) and the
+    ids are exactly ``0-start`` .. ``0-(start + n - 1)``; None otherwise (the caller
+    then reads the page through ``read_raw``, which names what is wrong).
+    """
+    if not batch:
+        return []
+    fields = list(map(_entry_fields, batch))
+    n = len(fields)
+    if set(map(len, fields)) != {8} or not (
+        list(map(_f0, fields)).count(b"type") == n
+        and list(map(_f2, fields)).count(b"id") == n
+        and list(map(_field_4, fields)).count(b"data") == n
+        and list(map(_f6, fields)).count(_HASH) == n
+    ):
+        return None
+    if _seq(batch[0][0]) != start or _seq(batch[-1][0]) != start + n - 1:
+        return None
+    types, ids, hashes = list(map(_f1, fields)), list(map(_f3, fields)), list(map(_f7, fields))
+    # ASCII type, id and hash: the bytes are exactly what read_raw's text re-encodes to,
+    # so every link is checked as through read_raw (anything else goes that way).
+    if not all(map(_isascii, chain(types, ids, hashes))):
+        return None
+    return list(zip(
+        range(start, start + n), types, ids, map(_field_5, fields), map(bytes.decode, hashes)
+    ))
 
 
 def scripted_page(reply: Sequence[Any]) -> PageReply:

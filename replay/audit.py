@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import msgspec
 
 from controller.core.state import RunState, StepStatus
-from replay.reader import FoldResult, LogProblem
+from replay.reader import FoldResult, LogProblem, gc_paused
 
 INVARIANTS = (
     "events decode (known type, valid fields, supported schema_version)",
@@ -78,12 +78,14 @@ class AuditReport:
     def ok(self) -> bool:
         return self.problem is None
 
+    @gc_paused
     def to_dict(self) -> dict[str, Any]:
         # msgspec converts the dataclasses in C: ``dataclasses.asdict`` deep-copies every
         # leaf through Python code and took longer than the fold on a 1M-event log.
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
 
 
+@gc_paused
 def build_report(result: FoldResult) -> AuditReport:
     state = result.state
     problem = result.problem or first_cross_check_problem(state)

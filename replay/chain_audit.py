@@ -8,13 +8,16 @@ says so rather than reporting every entry as tampered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import multiprocessing
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from events.chain import HMAC_SHA256, SHA256, Chain, verify
 from events.errors import ChainError
-from events.store import EventStore, RawEntry
+from events.store import EventStore
+from replay.reader import gc_paused
 
 #: entries per read while verifying
 PAGE = 20_000
@@ -48,6 +51,7 @@ class ChainAudit:
         }
 
 
+@gc_paused
 def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit:
     """Verify the whole chain of ``run_id``; with ``key``, as HMAC whatever meta says."""
     head = store.chain_head(run_id)
@@ -55,9 +59,7 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
         return ChainAudit("unverified", HMAC_SHA256)
     chain = Chain(run_id, key)
     algorithm = HMAC_SHA256 if key is not None else SHA256
-    entries = (
-        (e.position, e.event_type, e.event_id, e.data, e.chain) for e in _all(store, run_id)
-    )
+    entries = _all(store, run_id)
     report = verify(
         chain, entries,
         stored_head=None if head is None else head.hash,
@@ -76,11 +78,65 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
     )
 
 
-def _all(store: EventStore, run_id: str) -> Iterator[RawEntry]:
+def start_audit_chain(store: EventStore, run_id: str, key: bytes | None) -> Callable[[], ChainAudit]:
+    """Start :func:`audit_chain` in a forked process; the returned function waits for its
+    verdict. ``audit`` folds the log meanwhile: both read the whole log and hash or fold
+    it, and the fork runs them on two cores instead of one after the other.
+
+    The child reads through a connection of its own (redis-py reconnects after a fork and
+    never closes the parent's sockets) and sends back only the verdict. Where fork is not
+    available, or the child fails for any reason, the chain is checked in this process
+    when the verdict is asked for, so an error reads exactly as without the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return lambda: audit_chain(store, run_id, key)
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(
+        target=_chain_child, args=(send, store, run_id, key), name="rlc-chain-audit", daemon=True
+    )
+    child.start()
+    send.close()
+
+    def verdict() -> ChainAudit:
+        try:
+            result = receive.recv()
+        except (EOFError, OSError):
+            result = None
+        finally:
+            receive.close()
+            child.join()
+        return result if isinstance(result, ChainAudit) else audit_chain(store, run_id, key)
+
+    return verdict
+
+
+def _chain_child(send: Any, store: EventStore, run_id: str, key: bytes | None) -> None:
+    try:
+        send.send(audit_chain(store, run_id, key))
+    except BaseException:  # noqa: BLE001 -- the parent re-runs it and reports the error
+        send.send(None)
+    finally:
+        send.close()
+
+
+def _all(store: EventStore, run_id: str) -> Iterator[tuple[int, Any, Any, bytes, str]]:
+    """(position, type, id, data, hash) of every entry, in order.
+
+    A store with ``read_chain_page(run_id, start, count)`` (chained entries picked out
+    without a per-entry Python object, or None for a page it cannot vouch for) is read
+    through it; any other page goes through ``read_raw``, which names a malformed entry.
+    """
+    fast = getattr(store, "read_chain_page", None)
     start = 1
     while True:
-        entries = store.read_raw(run_id, start, count=PAGE)
-        yield from entries
-        if len(entries) < PAGE:
+        page = None if fast is None else fast(run_id, start, PAGE)
+        if page is None:
+            page = [
+                (e.position, e.event_type, e.event_id, e.data, e.chain)
+                for e in store.read_raw(run_id, start, count=PAGE)
+            ]
+        yield from page
+        if len(page) < PAGE:
             return
-        start = entries[-1].position + 1
+        start = page[-1][0] + 1

@@ -16,10 +16,11 @@ the next page is fetched on a helper thread while the current one folds.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from controller.core.errors import InvariantViolation, SnapshotDecodeError
 from controller.core.fold import Observer, apply_raw
@@ -28,6 +29,7 @@ from events.codec import decode
 from events.errors import EventDecodeError
 from events.schema import AnyEvent, StepAborted, StepFinished
 from events.store import BULK_PAGE_SIZE, EncodedPage, EventStore
+from replay import page_reader
 
 #: Entries per page (one server round trip each against Redis).
 PAGE_ENTRIES = BULK_PAGE_SIZE
@@ -75,6 +77,32 @@ class FoldResult:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with the cyclic collector off (restored after, also on error).
+
+    The read-only tools build one big state (10^5-10^6 records) and then reports of
+    10^5 small dicts; every collection triggered by those allocations walks the whole
+    heap, which cost as much as building the report. Nothing they build is cyclic
+    garbage that must go before the tool ends.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
 # -- pages -------------------------------------------------------------------------------
 
 
@@ -89,9 +117,9 @@ def iter_pages(
 def _iter_pages(
     store: EventStore, run_id: str, start: int = 1, end: int | None = None
 ) -> Iterator[EncodedPage]:
-    """The store's bulk pages. The next page is fetched on a helper thread while the
-    caller works on this one, so the server's work and the fold overlap (the socket wait
-    releases the GIL)."""
+    """The store's bulk pages, read ahead of the caller: by a forked child for a long
+    log (``replay.page_reader``: the read's parsing then runs on another core), else by
+    a helper thread (the server's work and the socket wait overlap the caller's)."""
 
     def fetch(position: int) -> EncodedPage:
         want = PAGE_ENTRIES if end is None else min(PAGE_ENTRIES, end - position + 1)
@@ -99,6 +127,21 @@ def _iter_pages(
             return EncodedPage(position, [])
         return store.read_page(run_id, position, want)
 
+    if page_reader.can_fork() and _long(store, run_id, start, end):
+        threaded = lambda position: _threaded_pages(fetch, position)  # noqa: E731
+        yield from page_reader.forked_pages(
+            fetch, start, PAGE_ENTRIES, threaded, page_reader.reader_count()
+        )
+    else:
+        yield from _threaded_pages(fetch, start)
+
+
+def _long(store: EventStore, run_id: str, start: int, end: int | None) -> bool:
+    last = store.last_position(run_id) if end is None else end
+    return last - start + 1 >= page_reader.FORK_ABOVE_ENTRIES
+
+
+def _threaded_pages(fetch: page_reader.Fetch, start: int) -> Iterator[EncodedPage]:
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-read") as pool:
         pending = pool.submit(fetch, start)
         while True:
@@ -115,6 +158,7 @@ def _iter_pages(
 
 # -- folding -----------------------------------------------------------------------------
 
+@gc_paused  # no reference cycles; see gc_paused
 def fold_log(
     store: EventStore,
     run_id: str,
@@ -138,10 +182,6 @@ def fold_log(
         for cls in (StepFinished, StepAborted):
             watch[cls] = _stop_at(stop_step, watch.get(cls))
     last: AnyEvent | None = None
-    # The fold makes no reference cycles; with 10^5 live records, the collector's full
-    # passes (triggered by every decoded event's allocations) would cost more than the fold.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
         for page in _iter_pages(store, run_id, start, until):
             last = apply_raw(state, page.entries(), watch) or last
@@ -155,9 +195,6 @@ def fold_log(
     except InvariantViolation as err:
         result.problem = LogProblem(err.position, "invariant", err.reason, err.event_id)
         last = None
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     result.last_ts = _last_ts(store, run_id, state) if last is None else last.ts
     result.log_end = store.last_position(run_id)
     return result

@@ -45,6 +45,7 @@ from events.schema import (
     StepFinished,
     WeightsPublished,
 )
+from replay.reader import gc_paused
 
 GATE_METHOD = (
     "gate closed while live groups >= capacity or trainer_version + live // groups_per_step "
@@ -156,6 +157,7 @@ class StalenessReport:
     lag_histogram: dict[int, int] = field(default_factory=dict)
     gate_method: str = GATE_METHOD
 
+    @gc_paused
     def to_dict(self) -> dict[str, Any]:
         # msgspec converts the dataclasses in C (tuples become lists, as in JSON):
         # ``dataclasses.asdict`` deep-copies every leaf through Python code.
@@ -164,6 +166,7 @@ class StalenessReport:
         return out
 
 
+@gc_paused
 def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> StalenessReport:
     """The staleness report of a folded state plus the trace collected while folding."""
     groups = state.groups

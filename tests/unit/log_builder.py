@@ -26,7 +26,7 @@ bookkeeping -- independent of the reducer -- and returns the builder.
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from events import codec
 from events.schema import (
@@ -457,6 +457,38 @@ def random_run(
     finish: bool = True,
 ) -> LogBuilder:
     """A valid log of a simulated run that finishes ``steps`` training steps."""
+    options = dict(locals())
+    *_, builder = _simulate(**options)  # the last yield holds the whole run
+    return builder
+
+
+def stream_random_run(seed: int, steps: int, **options: Any) -> Iterator[list[StoredEvent]]:
+    """``random_run``'s events (the same ones, in order) in chunks, none kept after its
+    chunk is handed over: logs of 10^7 events for benchmarks, in bounded memory."""
+    for builder in _simulate(seed, steps, **options):
+        if builder.events:
+            chunk, builder.events = builder.events, []
+            yield chunk
+
+
+def _simulate(
+    seed: int,
+    steps: int,
+    *,
+    window: int = 1,
+    groups_per_step: int = 4,
+    samples_per_group: int = 8,
+    microbatch_groups: int = 2,
+    p_fail: float = 0.02,
+    p_abort: float = 0.02,
+    p_restart: float = 0.01,
+    p_rewind: float = 0.0,
+    p_worker_lost: float = 0.005,
+    checkpoint_every: int = 10,
+    finish: bool = True,
+) -> Iterator[LogBuilder]:
+    """The builder of ``random_run`` after each round of the simulation, then at the end
+    (the simulation never reads ``builder.events``, so a caller may drain it)."""
     rng = random.Random(seed)
     b = LogBuilder(
         run_id=f"sim-{seed}",
@@ -470,6 +502,7 @@ def random_run(
     sim.ckpt_version = 0
     capacity = groups_per_step * (window + 1)
     while sim.finished_steps < steps:
+        yield b
         sim.admit_up_to(capacity)
         sim.complete_some(p_fail)
         sim.evict_stale()
@@ -485,4 +518,4 @@ def random_run(
             sim.rewind()
     if finish:
         b.finish_run()
-    return b
+    yield b

@@ -153,3 +153,18 @@ def test_a_log_from_before_chains_reads_resumes_unchained_and_audits_as_absent()
     assert store.chain_head(RUN) is None
     assert [s.event for s in store.read(RUN)] == [failed(1), failed(2), failed(3)]
     assert audit_chain(store, RUN, None).describe().startswith("chain: absent")
+
+
+def test_the_forked_chain_audit_gives_the_same_verdict_and_the_same_errors() -> None:
+    from events.errors import RunNotFoundError
+    from replay.chain_audit import audit_chain, start_audit_chain
+
+    store = MemoryEventStore(chain_key=KEY)
+    epoch = store.claim_epoch(RUN)
+    store.append(RUN, [failed(n) for n in range(1, 6)], expected_position=0, epoch=epoch)
+    for key in (KEY, None, b"x" * 32):  # ok, unverified (no key), broken (wrong key)
+        assert start_audit_chain(store, RUN, key)() == audit_chain(store, RUN, key)
+    assert audit_chain(store, RUN, b"x" * 32).status == "broken"
+    # the child fails; the verdict re-runs here and raises what audit_chain raises
+    with pytest.raises(RunNotFoundError):
+        start_audit_chain(store, "no-such-run", None)()
