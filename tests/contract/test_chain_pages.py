@@ -3,7 +3,7 @@ against a real redis-server: the same (position, type, id, data, hash) tuples th
 ``read_raw`` gives, None for any page it cannot vouch for, and the same audit verdict
 through ``replay.chain_audit`` whichever way the pages come (untouched and edited log).
 
-The store method here (``read_chain_page``) is the one ``audit`` uses when a store has
+The store's ``read_chain_page`` is the one ``audit`` uses when a store has
 it: one XRANGE per page, no per-entry Python objects.
 """
 
@@ -19,17 +19,9 @@ from tests.unit.log_builder import random_run
 RUN = "sim-7"
 
 
-class ChainPagedStore(RedisEventStore):
-    def read_chain_page(self, run_id: str, start: int, count: int):
-        reply = self.client.execute_command(
-            b"XRANGE", events_key(run_id), f"0-{start}", "+", "COUNT", count
-        )
-        return xrange_chain_page(reply, start)
-
-
 @pytest.fixture
 def store(redis_url: str):
-    made = ChainPagedStore(redis_url)
+    made = RedisEventStore(redis_url)
     made.client.delete(events_key(RUN))
     builder = random_run(7, 30, window=1, groups_per_step=4)
     events, position = [s.event for s in builder.events], 0
@@ -51,7 +43,7 @@ def _reply(store: RedisEventStore, start: int, count: int = 10_000):
     return store.client.execute_command(b"XRANGE", events_key(RUN), f"0-{start}", "+", "COUNT", count)
 
 
-def test_a_chain_page_is_what_read_raw_reads(store: ChainPagedStore) -> None:
+def test_a_chain_page_is_what_read_raw_reads(store: RedisEventStore) -> None:
     raw = store.read_raw(RUN, 5)
     page = xrange_chain_page(_reply(store, 5), 5)
     assert page == [
@@ -60,7 +52,7 @@ def test_a_chain_page_is_what_read_raw_reads(store: ChainPagedStore) -> None:
     assert len(page) > 100 and all(len(h) == 64 for *_, h in page)
 
 
-def test_a_page_it_cannot_vouch_for_is_none(store: ChainPagedStore) -> None:
+def test_a_page_it_cannot_vouch_for_is_none(store: RedisEventStore) -> None:
     assert xrange_chain_page(_reply(store, 5), 4) is None  # not the ids asked for
     store.client.xadd(events_key(RUN), {"type": "X", "id": "i", "data": "{}"}, id="0-999999")
     assert xrange_chain_page(_reply(store, 1), 1) is None  # an entry without a hash
@@ -69,7 +61,7 @@ def test_a_page_it_cannot_vouch_for_is_none(store: ChainPagedStore) -> None:
 
 @pytest.mark.parametrize("edit", ["none", "data", "type"])
 def test_audit_gives_one_verdict_whichever_way_pages_come(
-    store: ChainPagedStore, redis_url: str, edit: str
+    store: RedisEventStore, redis_url: str, edit: str
 ) -> None:
     if edit != "none":  # rewrite the stream with entry 40 changed, as a raw client could
         entries = store.read_raw(RUN)

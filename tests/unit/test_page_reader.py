@@ -10,7 +10,8 @@ import pytest
 
 from controller.core.state import encode_state
 from events.codec import encode
-from events.store import EncodedPage, MemoryEventStore
+from events.memory_store import MemoryEventStore
+from events.store import EncodedPage
 from replay import page_reader
 from replay.reader import fold_log
 from tests.unit.log_builder import random_run
