@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 from events.errors import EventStoreError, RunNotFoundError
-from events.replication import StoreConfig
+from events.redis_store.replication import StoreConfig
 from events.store import EventStore
 
 DEFAULT_DATA_DIR = "./rlc-data"
@@ -103,7 +103,7 @@ def open_store(
     from events.redis_store import RedisEventStore
 
     if getattr(args, "redis_sentinel", ""):
-        from events.sentinel import open_sentinel_store
+        from events.redis_store.sentinel import open_sentinel_store
 
         if args.redis_url:
             raise CliError("pass either --redis-url or --redis-sentinel, not both")

@@ -27,7 +27,7 @@ from controller.admission import RolloutSection
 from controller.core.policies import StalenessSection
 from controller.loop import ControllerSection
 from controller.step_close import CheckpointSection
-from events.replication import StoreConfig
+from events.redis_store.replication import StoreConfig
 from workers.dataplane.config import DataPlaneSection
 from workers.models.config import ModelSection, SamplingSection
 from workers.tasks.config import TaskSection

@@ -91,7 +91,7 @@ def ping(port: int, host: str = HOST) -> bool:
     Asked through ``events.redis_store`` (imported here, not at module load): this
     module runs the binary but never speaks the protocol itself.
     """
-    from events.redis_connection import answers_ping
+    from events.redis_store.connection import answers_ping
 
     return answers_ping(f"redis://{host}:{port}/0")
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from events.embedded import FsyncPolicy, find_redis_server, free_port, server_config
-from events.redis_connection import answers_ping
+from events.redis_store.connection import answers_ping
 
 
 def resp_command(port: int, *args: str, timeout_s: float = 2.0) -> bytes:

@@ -36,7 +36,7 @@ import redis
 from events.errors import FencedError, StoreUnavailableError
 from events.redis_store import RedisEventStore, events_key
 from events.schema import GroupFailed, step_event_id
-from events.sentinel import open_sentinel_store
+from events.redis_store.sentinel import open_sentinel_store
 from replay.reader import fold_log
 from tests.chaos.harness import TINY
 from tests.redis_server import RedisServer

@@ -1,4 +1,4 @@
-"""Chain pages picked out of a raw XRANGE reply (``events.redis_replies.xrange_chain_page``)
+"""Chain pages picked out of a raw XRANGE reply (``events.redis_store.replies.xrange_chain_page``)
 against a real redis-server: the same (position, type, id, data, hash) tuples that
 ``read_raw`` gives, None for any page it cannot vouch for, and the same audit verdict
 through ``replay.chain_audit`` whichever way the pages come (untouched and edited log).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from events.redis_replies import xrange_chain_page
+from events.redis_store.replies import xrange_chain_page
 from events.redis_store import RedisEventStore, events_key
 from replay.chain_audit import audit_chain
 from tests.unit.log_builder import random_run

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import fakeredis
 import pytest
 
-import events.redis_store
+import events.redis_store.store
 import events.store
 from events.codec import encode
 from events.errors import (
@@ -225,7 +225,7 @@ def test_read_ranges(store: EventStore) -> None:
 
 def test_reads_page_through_long_logs(store: EventStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(events.store, "READ_PAGE_SIZE", 4)
-    monkeypatch.setattr(events.redis_store, "READ_PAGE_SIZE", 4)
+    monkeypatch.setattr(events.redis_store.store, "READ_PAGE_SIZE", 4)
     epoch = store.claim_epoch(RUN)
     store.append(RUN, batch(1, 11), expected_position=0, epoch=epoch)
     assert [s.position for s in store.read(RUN)] == list(range(1, 12))

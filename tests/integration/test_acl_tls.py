@@ -1,4 +1,4 @@
-"""Least privilege against a real redis-server: ACL users (events/redis_acl.py) and TLS.
+"""Least privilege against a real redis-server: ACL users (events/redis_store/acl.py) and TLS.
 
 A real run is trained under the controller user (so its ACL is shown to be enough);
 the read-only commands then work under the reader user, and ``run`` under the reader
@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from controller.cli import main
-from events.redis_acl import acl_rules
+from events.redis_store.acl import acl_rules
 from events.redis_store import RedisEventStore, events_key
 from events.schema import GroupFailed
 from tests.chaos.harness import TINY

@@ -14,7 +14,7 @@ import pytest
 
 from events.errors import ReplicationTimeoutError
 from events.redis_store import RedisEventStore, events_key
-from events.replication import StoreConfig
+from events.redis_store.replication import StoreConfig
 from events.schema import GroupFailed
 from tests.sentinel_cluster import SentinelCluster
 

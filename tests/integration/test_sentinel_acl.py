@@ -1,5 +1,5 @@
 """ACL users behind Redis Sentinel: the controller and reader roles of
-``events/redis_acl.py`` on every data node, the store opened through the sentinels
+``events/redis_store/acl.py`` on every data node, the store opened through the sentinels
 with a username, and a failover in between.
 
 ACLs are not replicated, so the users are created on each node, as docs/security.md
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from events.errors import StorePermissionError
-from events.redis_acl import acl_rules
-from events.redis_layout import events_key
+from events.redis_store.acl import acl_rules
+from events.redis_store.layout import events_key
 from events.schema import GroupFailed
-from events.sentinel import open_sentinel_store
+from events.redis_store.sentinel import open_sentinel_store
 from tests.sentinel_cluster import MASTER, SentinelCluster, find_redis_sentinel
 
 pytestmark = [

@@ -1,11 +1,11 @@
-"""Parsing stream replies (events/redis_replies.py): the fast path of ``raw_entry``."""
+"""Parsing stream replies (events/redis_store/replies.py): the fast path of ``raw_entry``."""
 
 from __future__ import annotations
 
 import pytest
 
 from events.errors import EventDecodeError
-from events.redis_replies import raw_entry
+from events.redis_store.replies import raw_entry
 
 FULL = {b"type": b"GroupFailed", b"id": b"group:g1:failed:a1", b"data": b'{"x":1}', b"h": b"ab" * 32}
 

@@ -16,7 +16,7 @@ from redis import exceptions as rex
 from events.errors import StorePermissionError, StoreUnavailableError
 
 if TYPE_CHECKING:
-    from events.redis_layout import Script
+    from events.redis_store.layout import Script
 
 
 def redact_url(url: str) -> str:

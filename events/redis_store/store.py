@@ -1,9 +1,9 @@
 """RedisEventStore: the run log as a Redis Stream.
 
-The keys and the server-side scripts are in ``events.redis_layout``; the parsing of read
-replies in ``events.redis_replies``; the pinned hot-path connection in
-``events.redis_connection``; ``WAIT``-replica appends in ``events.replication``. This
-module holds the store and its commands. ``data`` is the event's JSON
+The keys and the server-side scripts are in ``layout``; the parsing of read replies in
+``replies``; the pinned hot-path connection and error translation in ``connection``;
+``WAIT``-replica appends in ``replication`` (all in this package). This module holds
+the store and its commands. ``data`` is the event's JSON
 (``events.codec``), so ``redis-cli XRANGE`` shows the log. The stream is never trimmed:
 it is the source of truth.
 
@@ -25,19 +25,19 @@ from redis import exceptions as rex
 from events.chain import ChainHead, ChainWriter, check_snapshot_link
 from events.codec import encode
 from events.errors import RunNotFoundError, StorePermissionError
-from events.redis_connection import (
+from events.redis_store.connection import (
     PinnedConnection, Sequential, compiled_parser, redact_url, run_script,
     translate_errors, unavailable,
 )
-from events.redis_layout import (
+from events.redis_store.layout import (
     APPEND, PAGE, RAW_APPEND, RUNS_KEY, SNAPSHOT, append_error, events_key, meta_key,
     snapshot_key,
 )
-from events.redis_replies import (
+from events.redis_store.replies import (
     ChainEntry, as_text, raw_entry, scripted_page, trusted_page, xrange_chain_page,
     xrange_page,
 )
-from events.replication import StoreConfig, check_confirmed, replicated_append, wait_command
+from events.redis_store.replication import StoreConfig, check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
 from events.store import (
     BULK_PAGE_SIZE, READ_PAGE_SIZE, EncodedPage, RawEntry, RunInfo, check_append_args,
@@ -76,7 +76,7 @@ class RedisEventStore:
         chain_key: bytes | None = None,
     ) -> None:
         self.url = url
-        #: appends wait for this many replicas (``events.replication``)
+        #: appends wait for this many replicas (``events.redis_store.replication``)
         self.replication = (replication or StoreConfig()).check()
         self._chain = ChainWriter(chain_key)
         self._safe_url = redact_url(url)
@@ -312,7 +312,7 @@ class RedisEventStore:
 
     def require_writable(self) -> None:
         """Refuse now, before anything is started, when this Redis user may not write the
-        log (a reader user, see ``events.redis_acl``): one expiring ``SET`` under the
+        log (a reader user, see ``events.redis_store.acl``): one expiring ``SET`` under the
         run keys' prefix, a command the controller role has."""
         with translate_errors(self._safe_url):
             self._client.set(f"{RUNS_KEY}:write-probe", b"1", px=1000)

@@ -122,7 +122,7 @@ def xrange_chain_page(batch: Sequence[Any] | None, start: int) -> list[ChainEntr
 
 
 def scripted_page(reply: Sequence[Any]) -> PageReply:
-    """The reply of ``redis_layout.PAGE``: ids plus ONE msgpack string of data fields."""
+    """The reply of ``layout.PAGE``: ids plus ONE msgpack string of data fields."""
     first, last, packed = reply
     try:
         return first, last, _unpack_page(packed) if packed else []

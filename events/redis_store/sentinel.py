@@ -19,8 +19,8 @@ from typing import Any
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
-from events.redis_store import RedisEventStore
-from events.replication import StoreConfig
+from events.redis_store.store import RedisEventStore
+from events.redis_store.replication import StoreConfig
 
 DEFAULT_PORT = 26379
 

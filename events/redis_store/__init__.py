@@ -1,0 +1,19 @@
+"""The Redis implementation of the EventStore: the only code that speaks the Redis
+protocol (a test checks that nothing outside this package imports ``redis``).
+
+    store.py        RedisEventStore: appends, reads, snapshots, runs
+    layout.py       the keys and the server-side Lua scripts
+    replies.py      parsing stream replies (the fast paths of the bulk reads)
+    connection.py   the pinned hot-path connection, error translation, PING
+    replication.py  ``[store]``: appends that WAIT for replicas
+    sentinel.py     opening the store through Redis Sentinel
+    acl.py          least-privilege ACL roles (docs/security.md)
+"""
+
+from events.redis_store.connection import answers_ping, redact_url
+from events.redis_store.layout import events_key, meta_key, snapshot_key
+from events.redis_store.store import RedisEventStore
+
+__all__ = [
+    "RedisEventStore", "answers_ping", "events_key", "meta_key", "redact_url", "snapshot_key",
+]
