@@ -14,10 +14,11 @@ every data node, since ACLs are not replicated, see docs/security.md);
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from events.redis_store.store import RedisEventStore
 from events.redis_store.replication import StoreConfig
@@ -81,6 +82,7 @@ def open_sentinel_store(
         return sentinel.master_for(master)
 
     client = Sentinel(addresses, sentinel_kwargs=sentinel_kwargs, **node_kwargs).master_for(master)
+    _await_master(client, failover_window_s)
     return RedisEventStore(
         sentinel_url(addresses, master),
         client=client,
@@ -90,3 +92,20 @@ def open_sentinel_store(
         retry_window_s=failover_window_s,
         chain_key=chain_key,
     )
+
+
+def _await_master(client: Any, window_s: float) -> None:
+    """Wait up to ``window_s`` for the sentinels to name a healthy primary: right after a
+    failover they may briefly name none, which the store's commands already ride out.
+    Any other error, or none named by then, is left to the store's own first PING."""
+    deadline = time.monotonic() + window_s
+    while True:
+        try:
+            client.ping()
+            return
+        except MasterNotFoundError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store's PING reports it, translated
+            return

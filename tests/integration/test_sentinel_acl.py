@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from events.errors import StorePermissionError
 from events.redis_store.acl import acl_rules
@@ -51,6 +52,19 @@ def cluster(tmp_path: Path):
         c.stop()
 
 
+def _names_healthy_master(c: SentinelCluster, sentinel_port: int) -> bool:
+    client = redis.Redis(host="127.0.0.1", port=sentinel_port, password=c.sentinel_password,
+                         socket_timeout=2, decode_responses=True)
+    try:
+        state = client.sentinel_master(MASTER)
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+    return (int(state["port"]) == c.replica.port and state.get("is_master")
+            and not state.get("is_sdown") and not state.get("is_odown"))
+
+
 def _store(c: SentinelCluster, user: str):
     return open_sentinel_store(c.sentinel_spec, MASTER, username=user, password=f"{user}-pw",
                                sentinel_password=c.sentinel_password, failover_window_s=60.0)
@@ -79,7 +93,11 @@ def test_controller_user_writes_across_a_failover_and_reader_only_reads(cluster)
     assert reader.last_position(RUN) == 2  # nothing was written
     reader.close()
 
-    # The CLI takes the username from the environment: a read-only command works.
+    # The CLI takes the username from the environment: a read-only command works. It
+    # asks the sentinels once, without the store's retry window, so first let every
+    # sentinel settle on the promoted node (redis-py skips a master flagged down).
+    cluster.wait(lambda: all(_names_healthy_master(cluster, s.port) for s in cluster.sentinels),
+                 60, "the sentinels did not settle on the promoted replica")
     env = {**os.environ, "RLC_REDIS_USERNAME": "rlc-reader", "RLC_REDIS_PASSWORD": "rlc-reader-pw",
            "RLC_SENTINEL_PASSWORD": cluster.sentinel_password}
     proc = subprocess.run([sys.executable, "-m", "controller.cli", "runs",
