@@ -22,7 +22,7 @@ from controller.journal import Journal
 from controller.step_close import StepClosing
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
-from events.errors import FencedError
+from events.errors import ConcurrencyError, FencedError
 from workers.api import MicrobatchRef, TrainerClient, WorkerLostError
 
 log = structlog.get_logger("rl_controller.loop")
@@ -74,8 +74,8 @@ class TrainSide:
             try:
                 await self._train_one_step()
                 self._aborts_in_row = 0
-            except (FencedError, StallError, asyncio.CancelledError):
-                raise
+            except (FencedError, ConcurrencyError, StallError, asyncio.CancelledError):
+                raise  # the log is another controller's, or it lost what we appended: final
             except _StepLost:
                 continue  # already aborted and recorded by the trainer's replacement
             except WorkerLostError as err:
