@@ -10,8 +10,9 @@ controller's ``Config`` composes) does not pull in torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from workers.lazy import lazy_exports
 
 from workers.dataplane.config import DataPlaneConfig, DataPlaneKind, DataPlaneSection
 
@@ -40,11 +41,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def preload(kind: DataPlaneKind) -> None:

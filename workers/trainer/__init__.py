@@ -11,8 +11,9 @@ submodule (the ``config`` the controller's ``Config`` composes) does not pull in
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from workers.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from workers.loss import Aggregation, LossConfig, MetricKind, OldPolicy
@@ -61,8 +62,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
