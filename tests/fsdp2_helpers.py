@@ -172,6 +172,33 @@ def hf_tp_scenario(path: str, tp: int) -> dict[str, Any]:
     return out
 
 
+def residency_scenario() -> dict[str, Any]:
+    """Which parameters are gathered (plain tensors) vs sharded (DTensors) mid-step and
+    after finish / abort, per ``grad_reduce`` mode: the gathered mode's speed rests on
+    keeping the all-gathered parameters from the first microbatch to finish."""
+    from torch.distributed.tensor import DTensor
+
+    rank, _ = dd.rank_and_world()
+
+    def sharded(t: Fsdp2Trainer) -> list[bool]:
+        return [isinstance(p, DTensor) for p in t.model.parameters()]
+
+    out: dict[str, Any] = {}
+    for mode in ("gathered", "per_microbatch"):
+        t = Fsdp2Trainer(FACTORY, ADAMW, replace(F64, grad_reduce=mode))
+        mine = split(batches()[0], [4, 4])[rank]
+        seen = {"before": sharded(t)}
+        for end in ("finish", "abort"):
+            t.begin_train_step(t.trainer_version, TOKEN_KL)
+            t.train_microbatch(split(mine, [2, 2])[0])
+            seen[f"mid_{end}"] = sharded(t)
+            t.train_microbatch(split(mine, [2, 2])[1])
+            t.finish_train_step() if end == "finish" else t.abort_train_step()
+            seen[f"after_{end}"] = sharded(t)
+        out[mode] = seen
+    return out
+
+
 def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[str]) -> None:
     """Spawned rank: run the named jobs, write this rank's results to a file."""
     torch.set_num_threads(1)
@@ -188,6 +215,13 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[st
                             )
             elif job == "wrong_normaliser":
                 out[job] = run_scenario("split_uneven", SGD, TOKEN, WRONG_NORMALISER)
+            elif job == "modes":  # the non-default gradient reductions stay exact
+                for mode in ("per_microbatch", "at_finish"):
+                    out[(job, mode)] = run_scenario(
+                        "split_uneven", ADAMW, TOKEN_KL, replace(F64, grad_reduce=mode)
+                    )
+            elif job == "residency":
+                out[job] = residency_scenario()
             elif job == "determinism":
                 out[job] = run_scenario("split_uneven", ADAMW, SEQUENCE)[2]
             elif job == "abort":

@@ -103,7 +103,9 @@ class TrainerWorker(Fenced):
         if train.backend == "fsdp2":
             from workers.trainer.fsdp2_backend import Fsdp2Options
 
-            options = Fsdp2Options(tensor_parallel=train.tensor_parallel)
+            options = Fsdp2Options(
+                tensor_parallel=train.tensor_parallel, grad_reduce=train.fsdp2_grad_reduce
+            )
         world = train.data_parallel * train.tensor_parallel
         if world == 1:
             if train.backend == "torch":

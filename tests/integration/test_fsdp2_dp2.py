@@ -28,7 +28,7 @@ from tests.trainer_helpers import DP_SCENARIOS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-JOBS = ["parity", "wrong_normaliser", "determinism", "abort", "checkpoint"]
+JOBS = ["parity", "modes", "residency", "wrong_normaliser", "determinism", "abort", "checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,26 @@ def test_average_by_world_size_is_caught(dp2, truth):
     want = truth[("sgd", "token")][0]
     wrong = dp2[0]["wrong_normaliser"][0]
     assert max_diff(wrong, want) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["per_microbatch", "at_finish"])
+def test_other_gradient_reductions_match_torch_oneshot(dp2, truth, mode):
+    want = truth[("adamw", "token_kl")][0]
+    for rank in dp2:
+        if rank[("modes", mode)][0]:
+            assert max_diff(rank[("modes", mode)][0], want) <= TOL
+
+
+def test_gathered_mode_keeps_parameters_gathered_through_the_step_only(dp2):
+    """Guards the gathered mode's speed (one all-gather per step, not per microbatch)
+    and that every step ends with the parameters sharded again, finish or abort."""
+    for rank in dp2:
+        gathered, per_mb = rank["residency"]["gathered"], rank["residency"]["per_microbatch"]
+        for seen in (gathered, per_mb):
+            for key in ("before", "after_finish", "after_abort"):
+                assert all(seen[key]), key
+        assert not any(gathered["mid_finish"]) and not any(gathered["mid_abort"])
+        assert all(per_mb["mid_finish"]) and all(per_mb["mid_abort"])
 
 
 def test_two_fresh_process_groups_give_bitwise_equal_weights(dp2, tmp_path):

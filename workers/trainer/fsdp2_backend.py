@@ -7,36 +7,44 @@ differs is where the weights live and how gradients travel::
     build     rank 0: factory() (the weights, full); every rank: the factory on the
               meta device; [tp plan]; fully_shard(each transformer block);
               fully_shard(root); rank 0's full state broadcast into the shards
-    begin     zero the sharded grads (and, with grad_reduce="at_finish", turn gradient
-              sync off on every FSDP module)
-    micro*    forward + backward, loss with normaliser 1. FSDP all-gathers each block's
-              parameters and reduce-scatters its gradient: a plain SUM over the dp
-              ranks (divide factor 1, sum-only collectives) accumulated into the
-              sharded .grad. ``train_microbatch(None)`` runs a real forward/backward
-              of a one-row batch whose loss mask is empty (loss 0, gradient exactly
-              0), so every rank issues the same collectives in the same order.
-    finish    gather counts -> global N; grads /= N on the shards; clip by the true
-              global norm (the sum of squares over every shard, all-reduced);
-              optimizer step on the shards; scheduler step
-    abort     drop the grads (sharded and any unsharded accumulation), restore RNG
+    begin     zero the sharded grads; ``gathered`` (default): gradient sync off and
+              resharding off on every FSDP module
+    micro*    forward + backward, loss with normaliser 1. ``gathered``: the first
+              forward all-gathers each block's parameters and they stay gathered;
+              gradients accumulate unsharded (plain sums). ``train_microbatch(None)``
+              runs a real forward/backward of a one-row batch whose loss mask is empty
+              (loss 0, gradient exactly 0), so every rank issues the same collectives
+              in the same order.
+    finish    gather counts -> global N; ``gathered``: sync back on and one zero-weight
+              forward/backward whose backward reduce-scatters the accumulated sums
+              (a plain SUM over the dp ranks: divide factor 1, sum-only collectives)
+              and reshards; grads /= N on the shards; clip by the true global norm
+              (the sum of squares over every shard, all-reduced); optimizer step on
+              the shards; scheduler step
+    abort     drop the grads (sharded and unsharded), reshard, restore RNG
 
-Gradient reduction, the two choices (``Fsdp2Options.grad_reduce``), measured by
-``bench/bench_fsdp2.py`` at dp 2 (tiny model, 4 microbatches; see docs/backends.md):
+Gradient reduction and parameter residency (``Fsdp2Options.grad_reduce``), measured
+by ``bench/bench_fsdp2.py`` at dp 2 (tiny model, AdamW, 4 microbatches, one run;
+bytes = parameters + gradients + optimizer state per rank, vs the replicated torch
+backend; time = split step vs the same mode's one-shot ``train()``):
 
-* ``"per_microbatch"`` (default): every microbatch's backward reduce-scatters its raw
-  gradient sums; the finish divides once. Gradient memory is a shard (1/dp) at all
-  times, and the reduce-scatter overlaps nothing on CPU but costs one collective per
-  block per microbatch.
-* ``"at_finish"``: sync off for every microbatch (FSDP accumulates the *unsharded*
-  gradient), then ``finish`` turns sync on and runs one zero-weight forward/backward,
-  whose backward reduce-scatters the accumulated sums once. Fewer collectives, but a
-  full unsharded gradient per rank for the whole step (what FSDP exists to avoid) and
-  an extra forward/backward per step.
+    mode             at rest  step peak  split K=4
+    gathered          0.50x     0.75x      1.14x   (1.11x of per_microbatch's one-shot)
+    per_microbatch    0.50x     0.50x      1.78x
+    at_finish         0.50x     0.62x      1.35x
+    (torch backend, replicated: 1.08x in the same run)
 
-The default is ``per_microbatch``: the memory target of sharding holds during the
-step. Its time does not: at 4 microbatches the split step took 1.68x the one-shot in
-the bench (target 1.10x; ``at_finish`` 1.61x), because every microbatch repeats the
-parameter all-gathers as well as the reduce-scatters (docs/backends.md).
+* ``"gathered"`` (default): one all-gather and one reduce-scatter per step, like the
+  one-shot, whatever the number of microbatches. The price is memory during the step:
+  full parameters and a full gradient per rank from the first forward to finish
+  (ZeRO-2 inside a step, ZeRO-3 between steps). Chosen because the split API's whole
+  point is many microbatches per step, and the optimizer state, the largest part,
+  stays sharded throughout.
+* ``"per_microbatch"``: every microbatch all-gathers again (forward and backward) and
+  reduce-scatters its gradient sums; sharded memory at every moment, K times the
+  collectives. For a model whose gathered parameters and gradient do not fit.
+* ``"at_finish"``: sync off but resharding on: fewer reduce-scatters, the all-gathers
+  still repeat, and the unsharded gradient is held anyway; kept for comparison.
 
 Why the sum is exact: the loss of every microbatch is a raw sum (normaliser 1), the
 reduce-scatter adds the ranks' sums, gradients accumulate by addition over
@@ -93,7 +101,7 @@ class Fsdp2Options:
     #: tensor-parallel degree; the mesh is (world // tensor_parallel, tensor_parallel)
     tensor_parallel: int = 1
     #: where gradients are reduce-scattered (see the module docstring)
-    grad_reduce: Literal["per_microbatch", "at_finish"] = "per_microbatch"
+    grad_reduce: Literal["gathered", "per_microbatch", "at_finish"] = "gathered"
     #: FSDP's gradient divide factor. 1.0 = raw sums (correct for the split API);
     #: None = FSDP's default, the average over dp ranks -- wrong, kept for the tests
     gradient_divide_factor: float | None = 1.0
@@ -144,7 +152,8 @@ class Fsdp2Trainer(TorchTrainer):
             self._reference.requires_grad_(False)
             self._reference_digest = fs.digest_full(self._reference)
         del full_state, full_buffers
-        self._fsdp_modules = [m for m in self._model.modules() if hasattr(m, "set_gradient_divide_factor")]
+        self._fsdp_modules = fs.fsdp_modules(self._model)
+        self._reference_fsdp = fs.fsdp_modules(self._reference) if self._reference else []
         if opts.gradient_divide_factor is not None:
             for m in self._fsdp_modules:
                 m.set_gradient_divide_factor(opts.gradient_divide_factor)
@@ -208,12 +217,28 @@ class Fsdp2Trainer(TorchTrainer):
 
     def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
         super().begin_train_step(step, loss_config)
-        if self.options.grad_reduce == "at_finish":
+        if self.options.grad_reduce != "per_microbatch":
             self._set_sync(False)
+        if self.options.grad_reduce == "gathered":
+            self._keep_gathered(True)
 
     def _set_sync(self, on: bool) -> None:
         for m in self._fsdp_modules:
             m.set_requires_gradient_sync(on, recurse=False)
+
+    def _keep_gathered(self, on: bool) -> None:
+        """``gathered``: from the step's first forward to its finish, keep every module's
+        parameters (the reference model's too) unsharded; off restores the configured
+        resharding and frees what is still gathered (public FSDP API only)."""
+        after_forward = self.options.reshard_after_forward and not on
+        for m in self._fsdp_modules:
+            m.set_reshard_after_forward(after_forward, recurse=False)
+            m.set_reshard_after_backward(not on, recurse=False)
+        for m in self._reference_fsdp:
+            m.set_reshard_after_forward(after_forward, recurse=False)
+        if not on:
+            for m in (*self._fsdp_modules, *self._reference_fsdp):
+                m.reshard()
 
     def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult:
         """As the torch backend; a dummy (None) runs a real zero-weight forward/backward."""
@@ -251,9 +276,14 @@ class Fsdp2Trainer(TorchTrainer):
         open_ = self._require_open("finish_train_step")
         try:
             total, n = self._global_normaliser(open_)
-            if self.options.grad_reduce == "at_finish":
+            if self.options.grad_reduce != "per_microbatch":
                 self._set_sync(True)  # this zero-weight pass reduce-scatters the sums
+                if self.options.grad_reduce == "gathered":
+                    for m in self._fsdp_modules:  # ... and frees the gathered parameters
+                        m.set_reshard_after_backward(True, recurse=False)
                 self._forward_backward(_dummy_batch(self.device), open_.loss_config)
+                if self.options.grad_reduce == "gathered":
+                    self._keep_gathered(False)
             grads = []
             for p in self._params:
                 if p.grad is None:
@@ -315,8 +345,10 @@ class Fsdp2Trainer(TorchTrainer):
                     fp.unsharded_accumulated_grad = None
                     if hasattr(fp, "_unsharded_param"):
                         fp._unsharded_param.grad = None
-        if self.options.grad_reduce == "at_finish":
+        if self.options.grad_reduce != "per_microbatch":
             self._set_sync(True)
+        if self.options.grad_reduce == "gathered":
+            self._keep_gathered(False)
         super().abort_train_step()
 
     @torch.no_grad()

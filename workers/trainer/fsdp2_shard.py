@@ -85,6 +85,13 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return [] if best is None else list(best)
 
 
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module ``fully_shard`` wrapped in ``model`` (the root first)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def shard_model(
     model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True
 ) -> nn.Module:
