@@ -18,6 +18,7 @@ same order. Both gather one parameter at a time (never the whole model twice on 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,6 +99,11 @@ def shard_model(
     """Tensor-parallel plan (tp > 1), then ``fully_shard`` per block and at the root."""
     from torch.distributed.fsdp import fully_shard
 
+    # The tiny model's blocks return their attention keys/values as views (for the
+    # sampler's cache); FSDP warns on every forward that an in-place op on a view would
+    # skip its hook. Nothing writes to them in place (they only feed torch.cat), so the
+    # warning is noise in the user's terminal.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     if mesh["tp"].size() > 1:
         from workers.trainer.fsdp2_tp import apply_tensor_parallel
 
