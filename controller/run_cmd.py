@@ -342,7 +342,10 @@ def _start_ray(args: argparse.Namespace, cfg: Config, run_id: str) -> None:
                                name="preload-worker-modules", daemon=True)
     preload.start()
     try:
-        if not args.local_workers:
+        # --local-workers still starts Ray for a trainer of several ranks (rank actors);
+        # started here, its output goes to the log file like a Ray run's.
+        ranks = cfg.train.data_parallel * cfg.train.tensor_parallel
+        if not args.local_workers or ranks > 1:
             ray_cluster.connect(cfg, third_party_log)
             quiet.route_to_file(third_party_log)  # loggers Ray created while connecting
     finally:

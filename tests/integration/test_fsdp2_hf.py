@@ -6,7 +6,9 @@
 * tensor parallel 2 (dp 1, tp 2; two gloo processes): the DTensor plan of
   ``workers.trainer.fsdp2_tp`` over HF Llama blocks gives the torch backend's one-shot
   weights within 1e-12, with and without the KL term. The step counts are taken over
-  dp ranks only: counting both tp ranks would halve every gradient, and this fails.
+  dp ranks only: counting both tp ranks would halve every gradient, and this fails;
+* dp 2 x tp 2 (four gloo processes, a 2-D mesh): the same truth, each dp index's two
+  tp ranks training the same half of every batch.
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def test_tied_embeddings_stay_tied_and_match_the_torch_backend(llama_dir, world1
     assert t.weights_digest() != ref.export_weights() and t.trainer_version == 1
 
 
-def test_tensor_parallel_2_matches_torch_oneshot(llama_dir, tmp_path):
-    (rank0, rank1) = spawn(2, tmp_path, [f"hf_tp2:{llama_dir}"])
-    for key, (weights, digest) in rank0["hf_tp"].items():
-        assert rank1["hf_tp"][key][1] == digest
+@pytest.mark.parametrize("world", [2, 4], ids=["dp1xtp2", "dp2xtp2"])
+def test_tensor_parallel_2_matches_torch_oneshot(llama_dir, tmp_path, world):
+    ranks = spawn(world, tmp_path, [f"hf_tp2:{llama_dir}"])
+    for key, (weights, digest) in ranks[0]["hf_tp"].items():
+        assert all(r["hf_tp"][key][1] == digest for r in ranks[1:])
+        assert all(r["hf_tp"][key][0] == {} for r in ranks[1:]), "only rank 0 keeps weights"
         truth = torch_truth(llama_dir, *key)
         assert max_diff(weights, truth.export_weights()) <= TOL, key

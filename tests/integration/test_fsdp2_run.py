@@ -61,3 +61,14 @@ def test_run_fsdp2_with_a_local_hf_llama(tmp_path):
         tmp_path / "data", "fsdp2-hf", "--local-workers", "--set", "dataplane.kind=memory",
         "--set", "model.kind=hf", "--set", f"model.path={model}",
     )
+
+
+def test_run_fsdp2_tensor_parallel_2_with_a_local_hf_llama(tmp_path):
+    """tp 2 through ``run`` (two rank actors on one mesh row) and its exact replay."""
+    pytest.importorskip("transformers")
+    model = save_tiny_hf_lm(tmp_path / "llama", "llama", tie=True)
+    _run_audit_replay(
+        tmp_path / "data", "fsdp2-tp2", "--local-workers", "--set", "dataplane.kind=memory",
+        "--set", "model.kind=hf", "--set", f"model.path={model}",
+        "--set", "train.tensor_parallel=2",
+    )

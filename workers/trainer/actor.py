@@ -150,6 +150,10 @@ class TrainerGroup:
         if world_size % tensor_parallel:
             raise ValueError(f"tensor_parallel {tensor_parallel} does not divide {world_size} ranks")
 
+        if not ray.is_initialized():
+            # Nobody started Ray (``replay --retrain`` of a multi-rank run): a local one
+            # whose workers' warnings stay in Ray's logs, out of the user's terminal.
+            ray.init(num_cpus=max(4, world_size), include_dashboard=False, log_to_driver=False)
         self._ray = ray
         cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(
             TrainerRankActor
