@@ -54,21 +54,14 @@ def test_run_fsdp2_at_data_parallel_2_with_ray_rank_actors(tmp_path):
     _run_audit_replay(tmp_path, "fsdp2-dp2", "--set", "train.data_parallel=2", replay=False)
 
 
-def test_run_fsdp2_with_a_local_hf_llama(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_run_fsdp2_with_a_local_hf_llama(tmp_path, tp):
+    """A local HF Llama through ``run`` and its exact replay; at tp 2 the trainer is two
+    rank actors on one mesh row."""
     pytest.importorskip("transformers")
     model = save_tiny_hf_lm(tmp_path / "llama", "llama", tie=True)
     _run_audit_replay(
-        tmp_path / "data", "fsdp2-hf", "--local-workers", "--set", "dataplane.kind=memory",
+        tmp_path / "data", f"fsdp2-hf-tp{tp}", "--local-workers", "--set", "dataplane.kind=memory",
         "--set", "model.kind=hf", "--set", f"model.path={model}",
-    )
-
-
-def test_run_fsdp2_tensor_parallel_2_with_a_local_hf_llama(tmp_path):
-    """tp 2 through ``run`` (two rank actors on one mesh row) and its exact replay."""
-    pytest.importorskip("transformers")
-    model = save_tiny_hf_lm(tmp_path / "llama", "llama", tie=True)
-    _run_audit_replay(
-        tmp_path / "data", "fsdp2-tp2", "--local-workers", "--set", "dataplane.kind=memory",
-        "--set", "model.kind=hf", "--set", f"model.path={model}",
-        "--set", "train.tensor_parallel=2",
+        "--set", f"train.tensor_parallel={tp}",
     )
