@@ -24,15 +24,15 @@ differs is where the weights live and how gradients travel::
     abort     drop the grads (sharded and unsharded), reshard, restore RNG
 
 Gradient reduction and parameter residency (``Fsdp2Options.grad_reduce``), measured
-by ``bench/bench_fsdp2.py`` at dp 2 (tiny model, AdamW, 4 microbatches, one run;
-bytes = parameters + gradients + optimizer state per rank, vs the replicated torch
-backend; time = split step vs the same mode's one-shot ``train()``):
+by ``bench/bench_fsdp2.py`` at dp 2 (tiny model, AdamW, 4 microbatches, two runs on a
+quiet machine; bytes = parameters + gradients + optimizer state per rank, vs the
+replicated torch backend; time = split step vs the same mode's one-shot ``train()``):
 
     mode             at rest  step peak  split K=4
-    gathered          0.50x     0.75x      1.14x   (1.11x of per_microbatch's one-shot)
-    per_microbatch    0.50x     0.50x      1.78x
-    at_finish         0.50x     0.62x      1.35x
-    (torch backend, replicated: 1.08x in the same run)
+    gathered          0.50x     0.75x    1.12x, 1.06x  (0.95x, 0.99x of FSDP's own one-shot)
+    per_microbatch    0.50x     0.50x    2.07x, 2.07x
+    at_finish         0.50x     0.62x    1.50x, 1.57x
+    (torch backend, replicated: 1.03x, 1.10x in the same runs)
 
 * ``"gathered"`` (default): one all-gather and one reduce-scatter per step, like the
   one-shot, whatever the number of microbatches. The price is memory during the step:
