@@ -205,7 +205,7 @@ class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Ray custom resource the trainer's node must offer; empty = any node."""
     tensor_parallel: int = 1
     """Tensor-parallel ranks per data-parallel rank (fsdp2 backend, HF Llama/Qwen2 blocks)."""
-    fsdp2_grad_reduce: Literal["gathered", "per_microbatch", "at_finish"] = "gathered"
+    fsdp2_grad_reduce: Literal["gathered", "per_microbatch"] = "gathered"
     """fsdp2: gathered = parameters all-gathered once per step and gradients reduced once
     at finish (fast; full parameters + gradient during the step); per_microbatch =
     sharded at every moment, collectives repeated per microbatch (docs/backends.md)."""

@@ -31,7 +31,6 @@ replicated torch backend; time = split step vs the same mode's one-shot ``train(
     mode             at rest  step peak  split K=4
     gathered          0.50x     0.75x    1.12x, 1.06x  (0.95x, 0.99x of FSDP's own one-shot)
     per_microbatch    0.50x     0.50x    2.07x, 2.07x
-    at_finish         0.50x     0.62x    1.50x, 1.57x
     (torch backend, replicated: 1.03x, 1.10x in the same runs)
 
 * ``"gathered"`` (default): one all-gather and one reduce-scatter per step, like the
@@ -43,8 +42,8 @@ replicated torch backend; time = split step vs the same mode's one-shot ``train(
 * ``"per_microbatch"``: every microbatch all-gathers again (forward and backward) and
   reduce-scatters its gradient sums; sharded memory at every moment, K times the
   collectives. For a model whose gathered parameters and gradient do not fit.
-* ``"at_finish"``: sync off but resharding on: fewer reduce-scatters, the all-gathers
-  still repeat, and the unsharded gradient is held anyway; kept for comparison.
+* (A third mode, sync off with resharding on, was measured and removed: 0.62x peak
+  and 1.50-1.57x, and its abort needed FSDP's private per-parameter state.)
 
 Why the sum is exact: the loss of every microbatch is a raw sum (normaliser 1), the
 reduce-scatter adds the ranks' sums, gradients accumulate by addition over
@@ -101,7 +100,7 @@ class Fsdp2Options:
     #: tensor-parallel degree; the mesh is (world // tensor_parallel, tensor_parallel)
     tensor_parallel: int = 1
     #: where gradients are reduce-scattered (see the module docstring)
-    grad_reduce: Literal["gathered", "per_microbatch", "at_finish"] = "gathered"
+    grad_reduce: Literal["gathered", "per_microbatch"] = "gathered"
     #: FSDP's gradient divide factor. 1.0 = raw sums (correct for the split API);
     #: None = FSDP's default, the average over dp ranks -- wrong, kept for the tests
     gradient_divide_factor: float | None = 1.0
@@ -217,9 +216,8 @@ class Fsdp2Trainer(TorchTrainer):
 
     def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
         super().begin_train_step(step, loss_config)
-        if self.options.grad_reduce != "per_microbatch":
-            self._set_sync(False)
         if self.options.grad_reduce == "gathered":
+            self._set_sync(False)
             self._keep_gathered(True)
 
     def _set_sync(self, on: bool) -> None:
@@ -276,14 +274,12 @@ class Fsdp2Trainer(TorchTrainer):
         open_ = self._require_open("finish_train_step")
         try:
             total, n = self._global_normaliser(open_)
-            if self.options.grad_reduce != "per_microbatch":
+            if self.options.grad_reduce == "gathered":
                 self._set_sync(True)  # this zero-weight pass reduce-scatters the sums
-                if self.options.grad_reduce == "gathered":
-                    for m in self._fsdp_modules:  # ... and frees the gathered parameters
-                        m.set_reshard_after_backward(True, recurse=False)
+                for m in self._fsdp_modules:  # ... and frees the gathered parameters
+                    m.set_reshard_after_backward(True, recurse=False)
                 self._forward_backward(_dummy_batch(self.device), open_.loss_config)
-                if self.options.grad_reduce == "gathered":
-                    self._keep_gathered(False)
+                self._keep_gathered(False)
             grads = []
             for p in self._params:
                 if p.grad is None:
@@ -336,18 +332,15 @@ class Fsdp2Trainer(TorchTrainer):
         return float(total)
 
     def abort_train_step(self) -> None:
-        """Drop the open (or failed) step, including FSDP's unsharded accumulation."""
+        """Drop the open (or failed) step: public FSDP API only. Gathered, the module's
+        registered parameters are the unsharded ones holding the step's gradients, so
+        those are dropped before resharding; the sharded ones are cleared by the base."""
         if self._phase is StepPhase.IDLE:
             return
-        for m in self._fsdp_modules:
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                for fp in group.fsdp_params:
-                    fp.unsharded_accumulated_grad = None
-                    if hasattr(fp, "_unsharded_param"):
-                        fp._unsharded_param.grad = None
-        if self.options.grad_reduce != "per_microbatch":
-            self._set_sync(True)
         if self.options.grad_reduce == "gathered":
+            for p in self._model.parameters():
+                p.grad = None
+            self._set_sync(True)
             self._keep_gathered(False)
         super().abort_train_step()
 
