@@ -26,6 +26,7 @@ hides two sharp edges behind the data plane contract:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ class TransferQueueConfig:
     #: seconds TransferQueue's controller and storage units may take to be placed and
     #: answer, when this process starts them (config key ``dataplane.start_timeout_s``)
     start_timeout_s: float = 120.0
+    #: only join a TransferQueue that another process starts, waiting up to
+    #: ``start_timeout_s`` for it to be up; never start one (a worker created at the
+    #: same time as the data plane, so that their processes start side by side)
+    join: bool = False
 
 
 def _ensure_ray(cfg: TransferQueueConfig) -> None:
@@ -135,6 +140,23 @@ def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> None:
         raise DataPlaneUnavailable(verdict[0])
 
 
+def _await_started(cfg: TransferQueueConfig, poll_s: float = 0.1) -> None:
+    """Wait until TransferQueue's controller is named and holds its configuration (it
+    does once its storage units are up), for at most ``start_timeout_s``."""
+    deadline = time.monotonic() + cfg.start_timeout_s
+    while True:
+        controller = _named_actor(*_CONTROLLER)
+        if controller is not None and ray.get(controller.get_config.remote()) is not None:
+            return
+        if time.monotonic() > deadline:
+            waiting = "its controller" if controller is None else "its storage units"
+            raise DataPlaneUnavailable(
+                f"no TransferQueue to join within dataplane.start_timeout_s = "
+                f"{cfg.start_timeout_s:g} s (waiting for {waiting})"
+            )
+        time.sleep(poll_s)
+
+
 def _our_actors(units: int) -> list:
     names = [(_STORAGE_UNIT.format(i), None) for i in range(units)] + [_CONTROLLER]
     return [a for a in (_named_actor(*n) for n in names) if a is not None]
@@ -182,7 +204,11 @@ class TransferQueueDataPlane:
             storage: dict = {"num_data_storage_units": cfg.num_storage_units}
             if cfg.storage_node_resource:
                 storage["required_node_resource"] = cfg.storage_node_resource
-            _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
+            if cfg.join:
+                _await_started(cfg)
+                tq.init()  # joins the running TransferQueue
+            else:
+                _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
         except DataPlaneUnavailable:
             raise
         except Exception as err:  # any start-up failure is fatal, never a fallback
