@@ -15,7 +15,11 @@ out, ``TensorDict.to_padded_tensor``) and as it did before (``before_*`` below: 
 row flattened to 1-D with a ``__shape__`` companion row, reshaped and cloned per row on
 get, padded by a Python loop), side by side in one run. Target: now >= 0.9x before.
 
-    python -m bench.bench_dataplane [--groups 64] [--samples 8] [--repeats 5]
+Third table (``--units-rounds N``): TransferQueue put+get with 2 storage units vs 1
+(``dataplane.storage_units``), each started afresh, alternating, N rounds each; the
+median of every round's median, and 1 unit's throughput as a ratio of 2 units'.
+
+    python -m bench.bench_dataplane [--groups 64] [--samples 8] [--repeats 5] [--units-rounds 3]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tensordict import TensorDict
 
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import MemoryDataPlane
-from workers.dataplane.transferqueue import TransferQueueDataPlane
+from workers.dataplane.transferqueue import TransferQueueConfig, TransferQueueDataPlane
 
 
 def make_batch(groups: int, samples: int, prompt: int, max_tokens: int):
@@ -205,6 +209,19 @@ def time_crossing(plane, keys, rows, samples: int, repeats: int) -> tuple[float,
     return statistics.median(times["before"]), statistics.median(times["now"])
 
 
+def time_storage_units(keys, rows, repeats: int, rounds: int) -> dict[int, float]:
+    """Median put+get seconds with 2 and with 1 storage units, alternating starts."""
+    times: dict[int, list[float]] = {2: [], 1: []}
+    for r in range(rounds):
+        for units in (2, 1) if r % 2 == 0 else (1, 2):
+            plane = TransferQueueDataPlane(TransferQueueConfig(num_storage_units=units))
+            try:
+                times[units].append(time_plane(plane, keys, rows, repeats))
+            finally:
+                plane.close()
+    return {units: statistics.median(t) for units, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=64)
@@ -212,6 +229,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--units-rounds", type=int, default=0,
+                    help="also compare 2 vs 1 TransferQueue storage units, this many rounds each")
     args = ap.parse_args()
 
     keys, rows = make_batch(args.groups, args.samples, args.prompt_tokens, args.max_tokens)
@@ -226,6 +245,8 @@ def main() -> None:
             "transferqueue": time_plane(tq_plane, keys, rows, args.repeats),
         }
         before, now = time_crossing(tq_plane, keys, rows, args.samples, args.repeats)
+        tq_plane.close()
+        units = time_storage_units(keys, rows, args.repeats, args.units_rounds) if args.units_rounds else {}
     finally:
         tq_plane.close()
         ray.shutdown()
@@ -238,6 +259,11 @@ def main() -> None:
     print(f"{'before (rows + shape rows)':<28}{before:>10.4f}")
     print(f"{'now (TensorDict)':<28}{now:>10.4f}")
     print(f"now vs before: {before / now:.2f}x throughput (target >= 0.9x)")
+    if units:
+        print(f"\nTransferQueue storage units ({args.units_rounds} alternating starts each)")
+        for n, dt in units.items():
+            print(f"{n} unit(s){dt:>12.4f} s{payload_mb(rows) / dt:>10.1f} MiB/s")
+        print(f"1 unit vs 2: {units[2] / units[1]:.2f}x throughput")
 
 
 if __name__ == "__main__":

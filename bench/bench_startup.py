@@ -5,8 +5,10 @@ falls on all of them alike), as a fresh ``run --steps 1`` in its own ``--data-di
 then ``run --resume`` of that finished run. Printed per variant: min and median of the
 whole command, of the CPU seconds its processes used (Ray's included: on a shared machine
 the steadier figure), of the finished-run resume, and of the milestones the run logs at its
-first step (``startup`` in ``controller.log.jsonl``: seconds since the process started);
-then each variant's median as a ratio of the first variant's.
+first step (``startup`` in ``controller.log.jsonl``: seconds since the process started),
+the phases between them, and the CPU seconds by process (the driver, Ray's daemons,
+TransferQueue's controller and storage units, the trainer and the generators); then
+each variant's median as a ratio of the first variant's.
 
 A variant is ``NAME=COMMAND``: the command that stands for ``rl-controller`` (an
 executable, ``python -m controller.cli`` with an environment, another checkout's
@@ -34,6 +36,10 @@ import time
 from pathlib import Path
 
 MILESTONES = ("cli_ready_s", "ray_ready_s", "workers_ready_s", "first_step_s")
+#: the phases between the milestones (the last one: from the first step to the exit)
+PHASES = ("cli", "store+ray", "dataplane+workers", "first step", "rest+teardown")
+CPU_ROLES = ("driver", "ray daemons", "TransferQueueController", "SimpleStorageUnit",
+             "TrainerWorker", "GeneratorWorker")
 
 
 def _default_command() -> str:
@@ -44,9 +50,25 @@ def _default_command() -> str:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _session_cpu(sid: int, seen: dict[int, float]) -> None:
+#: a process of the command's session, by the name Ray gives its actors (else its role)
+ROLES = ("TransferQueueController", "SimpleStorageUnit", "TrainerWorker", "GeneratorWorker")
+
+
+def _role(pid: int, sid: int) -> str:
+    if pid == sid:
+        return "driver"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().decode(errors="replace")
+    except OSError:
+        return "ray daemons"
+    return next((r for r in ROLES if r in cmd), "ray daemons")
+
+
+def _session_cpu(sid: int, seen: dict[int, tuple[str, float]]) -> None:
     """CPU seconds so far of every process in session ``sid`` (Ray's daemons and actors
-    stay in the session of the command that started them), the highest seen per pid."""
+    stay in the session of the command that started them), the highest seen per pid,
+    with the process's role (an actor's name is set once its class is loaded)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -56,15 +78,19 @@ def _session_cpu(sid: int, seen: dict[int, float]) -> None:
         except OSError:
             continue
         if int(fields[3]) == sid:  # fields after the name: state ppid pgrp session ...
+            pid = int(entry.name)
             cpu = (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
-            seen[int(entry.name)] = max(cpu, seen.get(int(entry.name), 0.0))
+            role, before = seen.get(pid, ("ray daemons", 0.0))
+            if role == "ray daemons":
+                role = _role(pid, sid)
+            seen[pid] = (role, max(cpu, before))
 
 
-def _timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[float, float, int, str]:
-    """Wall seconds, CPU seconds of the command's whole session (sampled every 0.2 s, so
-    a process that lives less than that is missed), exit status, stderr's tail."""
+def _timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[float, dict[str, float], int, str]:
+    """Wall seconds, CPU seconds of the command's whole session by role (sampled every
+    0.2 s, so a process that lives less than that is missed), exit status, stderr's tail."""
     started = time.perf_counter()
-    seen: dict[int, float] = {}
+    seen: dict[int, tuple[str, float]] = {}
     with tempfile.TemporaryFile("w+") as err:
         # cwd: a neutral directory, so ``python -m`` imports the variant's checkout
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
@@ -76,7 +102,10 @@ def _timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[floa
             time.sleep(0.2)
         wall = time.perf_counter() - started
         err.seek(0)
-        return wall, sum(seen.values()), proc.returncode, err.read()[-1500:]
+        by_role: dict[str, float] = {}
+        for role, cpu in seen.values():
+            by_role[role] = by_role.get(role, 0.0) + cpu
+        return wall, by_role, proc.returncode, err.read()[-1500:]
 
 
 def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dict[str, float]:
@@ -93,7 +122,7 @@ def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dic
         words, extra = words[:at], [*words[at + 1:], *extra]
     common = ["--run-id", "bench", "--no-progress", "--data-dir", str(data_dir)]
     try:
-        run_s, cpu_s, rc, err = _timed([*words, "run", "--steps", "1", *common, *extra], env, timeout_s)
+        run_s, cpu, rc, err = _timed([*words, "run", "--steps", "1", *common, *extra], env, timeout_s)
         if rc != 0:
             raise SystemExit(f"{command!r} failed ({rc}):\n{err}")
         resume_s, _, rc, err = _timed([*words, "run", "--resume", *common], env, timeout_s)
@@ -102,11 +131,15 @@ def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dic
     finally:
         subprocess.run([*words, "stop-server", "--data-dir", str(data_dir)], env=env,
                        capture_output=True, timeout=60, cwd=tempfile.gettempdir())
-    out = {"command_s": run_s, "cpu_s": cpu_s, "resume_finished_s": resume_s}
+    out = {"command_s": run_s, "cpu_s": sum(cpu.values()), "resume_finished_s": resume_s}
     for line in (data_dir / "runs" / "bench" / "controller.log.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec.get("event") == "startup":
             out.update({k: rec[k] for k in MILESTONES if k in rec})
+    if all(k in out for k in MILESTONES):  # each phase's own seconds
+        marks = [0.0, *(out[k] for k in MILESTONES), run_s]
+        out.update({p: b - a for p, a, b in zip(PHASES, marks, marks[1:])})
+    out.update({f"cpu {role}": cpu.get(role, 0.0) for role in CPU_ROLES})
     return out
 
 
@@ -128,14 +161,21 @@ def main() -> None:
                 print(f"rep {rep} {name:<10} " + " ".join(f"{k}={v:.1f}" for k, v in r.items()),
                       flush=True)
     print(f"load average at end: {os.getloadavg()}")
-    keys = ("command_s", "cpu_s", "resume_finished_s", *MILESTONES)
-    print(f"\n{'variant':<10} " + " ".join(f"{k + ' min/med':>26}" for k in keys))
-    for name, rows in results.items():
-        cells = []
-        for k in keys:
-            vals = [r[k] for r in rows if k in r]
-            cells.append(f"{min(vals):12.1f} /{statistics.median(vals):6.1f} s" if vals else f"{'-':>26}")
-        print(f"{name:<10} " + " ".join(f"{c:>26}" for c in cells))
+    def table(title: str, keys: tuple[str, ...]) -> None:
+        print(f"\n{title}")
+        print(f"{'variant':<10} " + " ".join(f"{k + ' min/med':>24}" for k in keys))
+        for name, rows in results.items():
+            cells = []
+            for k in keys:
+                vals = [r[k] for r in rows if k in r]
+                cells.append(f"{min(vals):10.1f} /{statistics.median(vals):6.1f} s" if vals else "-")
+            print(f"{name:<10} " + " ".join(f"{c:>24}" for c in cells))
+
+    table("whole command, CPU of its processes, resume of the finished run",
+          ("command_s", "cpu_s", "resume_finished_s"))
+    table("milestones (seconds since the command started)", MILESTONES)
+    table("phases (seconds each)", PHASES)
+    table("CPU seconds by process", tuple(f"cpu {r}" for r in CPU_ROLES))
     base = statistics.median(r["command_s"] for r in results[variants[0][0]])
     base_cpu = statistics.median(r["cpu_s"] for r in results[variants[0][0]])
     for name, rows in results.items():

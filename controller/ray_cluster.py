@@ -164,8 +164,28 @@ def connect(cfg: Config, log_file: Path) -> None:
             raise CliError(f"cannot join Ray at {where}: {_AUTH_HELP}") from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CliError(f"cannot start or join Ray ({where}): {first}") from None
+    global _connected
+    _connected = True
     if address:
         check_cluster_capacity(cfg)
+
+
+#: whether ``connect`` initialised Ray in this process (so ``disconnect`` may end it)
+_connected = False
+
+
+def disconnect() -> None:
+    """End what ``connect`` began: a local Ray is shut down, a cluster only left.
+
+    Called when the run is over rather than left to Ray's exit hook, which first
+    sleeps half a second for log messages the run routes to its file anyway.
+    """
+    global _connected
+    if _connected:
+        import ray
+
+        _connected = False
+        ray.shutdown()
 
 
 def check_cluster_capacity(cfg: Config) -> None:

@@ -218,7 +218,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 )
             except RunExistsError as err:
                 raise CliError(str(err)) from None
-        return _train(args, cfg, writer, store)
+        try:
+            return _train(args, cfg, writer, store)
+        finally:
+            ray_cluster.disconnect()
 
 
 def _chain_key(args: argparse.Namespace, cfg: Config | None, run_id: str) -> bytes | None:

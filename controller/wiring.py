@@ -10,7 +10,7 @@ is chosen explicitly, never as a fallback.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -180,11 +180,9 @@ def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
 def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     import ray
 
-    try:
-        plane = make_dataplane(spec.dataplane)
-    except Exception as err:
-        raise WorkerStartError(f"data plane ({spec.dataplane.kind}) failed to start: {err}") from None
-
+    # The actors join the data plane this process starts: created before it, their
+    # processes start (and import torch, TransferQueue, the models) while it starts.
+    joining = replace(spec, dataplane=replace(spec.dataplane, join=True))
     offered = ray.cluster_resources()
     for key, label in (("train", cfg.train.node_resource), ("rollout", cfg.rollout.node_resource)):
         if label and offered.get(label, 0) <= 0:  # the actor would pend forever
@@ -197,7 +195,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     def create(role: str, name: str) -> tuple[Any, Any]:
         if role == "trainer":
             where = _on_node(cfg.train.node_resource)
-            actor = ray.remote(TrainerWorker).options(num_cpus=1, **where).remote(spec)
+            actor = ray.remote(TrainerWorker).options(num_cpus=1, **where).remote(joining)
             probe = actor.version_and_digest.remote()
         else:
             # A replacement after a node loss may go anywhere when so configured;
@@ -206,7 +204,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
             where = {} if moved else _on_node(cfg.rollout.node_resource)
             actor = ray.remote(GeneratorWorker).options(
                 num_cpus=1, max_concurrency=2, **where
-            ).remote(spec, name)
+            ).remote(joining, name)
             probe = actor.weight_version.remote()
         started.add(name)
         return actor, probe
@@ -230,19 +228,29 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     def factory(role: str, name: str) -> RayHandle:
         return ready(role, name, *create(role, name))
 
-    # Start-up: every actor is created at once (their processes start and import in
-    # parallel), then each is awaited; a restart later builds one at a time.
+    # Start-up: every actor is created at once, before the data plane, so that their
+    # processes start and import in parallel with its own; then each is awaited (they
+    # join the data plane once it is up). A restart later builds one at a time.
     wanted = [("trainer", "trainer")] + [
         ("generator", f"generator-{i}") for i in range(cfg.rollout.num_generators)
     ]
     pending = {name: (role, *create(role, name)) for role, name in wanted}
     built: dict[str, RayHandle] = {}
+    plane = None
     try:
+        try:
+            plane = make_dataplane(spec.dataplane)
+        except Exception as err:
+            raise WorkerStartError(
+                f"data plane ({spec.dataplane.kind}) failed to start: {err}"
+            ) from None
         for name, (role, actor, probe) in pending.items():
             built[name] = ready(role, name, actor, probe)
     except WorkerStartError:
         for name, (_role, actor, _probe) in pending.items():
             ray.kill(actor)
+        if plane is not None:
+            plane.close()
         raise
 
     def first_start(role: str, name: str) -> RayHandle:

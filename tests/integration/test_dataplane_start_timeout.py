@@ -1,4 +1,5 @@
-"""TransferQueue's own start is bounded: an unplaceable TransferQueue is reported, not waited on.
+"""TransferQueue's own start is bounded: an unplaceable TransferQueue is reported, not waited on;
+a process that only joins waits for it (bounded too) and never starts one.
 
 A real local Ray with 4 logical CPUs, all held by a placeholder actor: TransferQueue's
 controller cannot be placed (and so its storage units are never created). The adapter
@@ -60,3 +61,37 @@ def test_unplaceable_transferqueue_is_refused_with_what_is_pending(small_ray):
         assert torch.equal(row["x"], torch.arange(3, dtype=torch.float64))
     finally:
         plane.close()
+
+
+@ray.remote(num_cpus=1)
+class _Joiner:
+    """A worker's side: joins the TransferQueue the driver starts (created before it)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.plane = TransferQueueDataPlane(TransferQueueConfig(join=True, start_timeout_s=timeout_s))
+
+    def get(self, partition: str, key: str) -> list[float]:
+        (row,) = self.plane.get(partition, [key])
+        return row["x"].tolist()
+
+
+def test_a_joiner_created_first_waits_for_transferqueue_then_joins_it(small_ray):
+    joiner = _Joiner.remote(300)  # its process starts (and waits) while TQ starts below
+    plane = TransferQueueDataPlane(TransferQueueConfig(num_storage_units=1, start_timeout_s=300))
+    try:
+        plane.put("p", ["k"], {"x": [torch.arange(3, dtype=torch.float64)]})
+        assert ray.get(joiner.get.remote("p", "k"), timeout=300) == [0.0, 1.0, 2.0]
+    finally:
+        ray.kill(joiner)
+        plane.close()
+
+
+def test_a_joiner_never_starts_transferqueue_and_says_what_it_waited_for(small_ray):
+    with pytest.raises(DataPlaneUnavailable) as caught:
+        TransferQueueDataPlane(TransferQueueConfig(join=True, start_timeout_s=1))
+    assert str(caught.value) == (
+        "no TransferQueue to join within dataplane.start_timeout_s = 1 s "
+        "(waiting for its controller)"
+    )
+    with pytest.raises(ValueError):  # nothing was started
+        ray.get_actor("TransferQueueController", namespace="transfer_queue")

@@ -72,6 +72,7 @@ def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
                 num_storage_units=config.num_storage_units,
                 storage_node_resource=config.storage_node_resource,
                 start_timeout_s=config.start_timeout_s,
+                join=config.join,
             )
         )
     if config.spill_dir is not None:

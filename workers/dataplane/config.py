@@ -31,6 +31,9 @@ class DataPlaneConfig:
     storage_node_resource: str | None = None
     #: seconds TransferQueue's own actors may take to start (when this process starts them)
     start_timeout_s: float = 120.0
+    #: only join a data plane another process starts (waiting for it to be up), never
+    #: start one: set for workers created while the controller starts it
+    join: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("memory", "transferqueue"):

@@ -26,6 +26,7 @@ hides two sharp edges behind the data plane contract:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ class TransferQueueConfig:
     #: seconds TransferQueue's controller and storage units may take to be placed and
     #: answer, when this process starts them (config key ``dataplane.start_timeout_s``)
     start_timeout_s: float = 120.0
+    #: only join a TransferQueue that another process starts, waiting up to
+    #: ``start_timeout_s`` for it to be up; never start one (a worker created at the
+    #: same time as the data plane, so that their processes start side by side)
+    join: bool = False
 
 
 def _ensure_ray(cfg: TransferQueueConfig) -> None:
@@ -99,11 +104,12 @@ def _named_actor(name: str, namespace: str | None = None):
         return None
 
 
-def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> None:
-    """``tq.init`` with a limit when this process is the one that starts TransferQueue."""
+def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> bool:
+    """``tq.init`` with a limit when this process is the one that starts TransferQueue;
+    True when it did start it (False: it joined a running one)."""
     if _named_actor(*_CONTROLLER) is not None:
         tq.init(conf)  # joining: the shared actors are not this process's to kill
-        return
+        return False
     done = threading.Event()
     verdict: list[str] = []
 
@@ -133,6 +139,24 @@ def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> None:
         except Exception:
             pass
         raise DataPlaneUnavailable(verdict[0])
+    return True
+
+
+def _await_started(cfg: TransferQueueConfig, poll_s: float = 0.1) -> None:
+    """Wait until TransferQueue's controller is named and holds its configuration (it
+    does once its storage units are up), for at most ``start_timeout_s``."""
+    deadline = time.monotonic() + cfg.start_timeout_s
+    while True:
+        controller = _named_actor(*_CONTROLLER)
+        if controller is not None and ray.get(controller.get_config.remote()) is not None:
+            return
+        if time.monotonic() > deadline:
+            waiting = "its controller" if controller is None else "its storage units"
+            raise DataPlaneUnavailable(
+                f"no TransferQueue to join within dataplane.start_timeout_s = "
+                f"{cfg.start_timeout_s:g} s (waiting for {waiting})"
+            )
+        time.sleep(poll_s)
 
 
 def _our_actors(units: int) -> list:
@@ -182,12 +206,19 @@ class TransferQueueDataPlane:
             storage: dict = {"num_data_storage_units": cfg.num_storage_units}
             if cfg.storage_node_resource:
                 storage["required_node_resource"] = cfg.storage_node_resource
-            _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
+            started = False
+            if cfg.join:
+                _await_started(cfg)
+                tq.init()  # joins the running TransferQueue
+            else:
+                started = _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
         except DataPlaneUnavailable:
             raise
         except Exception as err:  # any start-up failure is fatal, never a fallback
             raise DataPlaneUnavailable(f"TransferQueue failed to start: {err!r}") from err
         self._tq = tq
+        #: storage units this process started (its ``close`` removes them)
+        self._units = cfg.num_storage_units if started else 0
         # TransferQueue's client is not safe for concurrent calls from threads.
         self._lock = threading.Lock()
 
@@ -245,8 +276,18 @@ class TransferQueueDataPlane:
         return {k: dict(v or {}) for k, v in sorted(listing.items())}
 
     def close(self) -> None:
-        """Stop TransferQueue's controller and storage (started by this process)."""
+        """Stop TransferQueue's controller and storage (started by this process).
+
+        The storage units this process started are killed first: ``tq.close`` would
+        ask each to shut down and wait a second for its idle threads to notice, and
+        they hold nothing that outlives the data plane (no SSD offload is configured;
+        the spill is the durable copy). A process that joined only closes its client.
+        """
         with self._lock:
+            for i in range(self._units):
+                unit = _named_actor(_STORAGE_UNIT.format(i))
+                if unit is not None:
+                    ray.kill(unit)
             self._tq.close()
 
     # -- helpers ------------------------------------------------------------------
