@@ -82,23 +82,32 @@ def apply_raw(
 
 
 def _apply_raw(state: RunState, entries: Iterable[RawEntry]) -> AnyEvent | None:
-    # ``reducer.apply_event`` inlined (one call less per entry; see ``reducer.HANDLERS``).
-    handlers = HANDLERS
+    # ``reducer.apply_event`` inlined (one call less per entry; see ``reducer.HANDLERS``),
+    # with the position, epoch and started flag the preamble test reads kept in locals:
+    # only RunStarted and ControllerStarted change the latter two, and both take the
+    # slow branch (the first event; a new epoch), which reloads them. ``state.position``
+    # is written once at the end (or at the first error), as no handler reads it.
+    handlers, fast_decode = HANDLERS, _fast_decode
     event = None
-    for position, data in entries:
-        try:
-            event = _fast_decode(data)
-        except _DECODE_ERRORS:
-            event = decode(data, position)  # raises EventDecodeError, or upcasts
-        if event.schema_version != CURRENT_SCHEMA_VERSION:
-            event = decode(data, position)
-        if position != state.position + 1 or event.epoch != state.epoch or not state.started:
-            check_preamble(state, event, position)
-        handler = handlers.get(type(event))
-        if handler is None:
-            handler = handler_for(event)
-        handler(state, event, position)
-        state.position = position
+    last, epoch, started = state.position, state.epoch, state.started
+    try:
+        for position, data in entries:
+            try:
+                event = fast_decode(data)
+            except _DECODE_ERRORS:
+                event = decode(data, position)  # raises EventDecodeError, or upcasts
+            if event.schema_version != CURRENT_SCHEMA_VERSION:
+                event = decode(data, position)
+            if position == last + 1 and event.epoch == epoch and started:
+                (handlers.get(type(event)) or handler_for(event))(state, event, position)
+            else:
+                state.position = last
+                check_preamble(state, event, position)
+                (handlers.get(type(event)) or handler_for(event))(state, event, position)
+                epoch, started = state.epoch, state.started
+            last = position
+    finally:
+        state.position = last
     return event
 
 
@@ -106,21 +115,23 @@ def _apply_raw_observed(
     state: RunState, entries: Iterable[RawEntry], observers: Mapping[type, Observer]
 ) -> AnyEvent | None:
     # _apply_raw plus the observer lookup; kept apart so plain folds do not pay for it.
-    handlers = HANDLERS
+    # Observers see the state right after their event, ``state.position`` included.
+    handlers, fast_decode = HANDLERS, _fast_decode
     event = None
+    epoch, started = state.epoch, state.started
     for position, data in entries:
         try:
-            event = _fast_decode(data)
+            event = fast_decode(data)
         except _DECODE_ERRORS:
             event = decode(data, position)
         if event.schema_version != CURRENT_SCHEMA_VERSION:
             event = decode(data, position)
-        if position != state.position + 1 or event.epoch != state.epoch or not state.started:
+        if position == state.position + 1 and event.epoch == epoch and started:
+            (handlers.get(type(event)) or handler_for(event))(state, event, position)
+        else:
             check_preamble(state, event, position)
-        handler = handlers.get(type(event))
-        if handler is None:
-            handler = handler_for(event)
-        handler(state, event, position)
+            (handlers.get(type(event)) or handler_for(event))(state, event, position)
+            epoch, started = state.epoch, state.started
         state.position = position
         observe = observers.get(type(event))
         if observe is not None:
