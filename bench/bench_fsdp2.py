@@ -1,9 +1,9 @@
 """FSDP2 backend at data parallel 2 vs the torch backend, side by side in one run.
 
 Two gloo processes; per backend (torch: replicated ranks + one flat all-reduce;
-fsdp2 ``gathered``, the default: parameters all-gathered once at the step's first
-forward and kept to finish, gradients reduced once at finish; fsdp2 reduce-scattering
-per microbatch) it prints:
+fsdp2 ``gathered``: parameters all-gathered once at the step's first forward and kept
+to finish, gradients reduced once at finish; fsdp2 ``per_microbatch``, the default:
+all-gathered and reduce-scattered every microbatch) it prints:
 
 * per-rank bytes of parameters + gradients + optimizer state (AdamW) at rest (between
   steps) and at the peak inside an open step after the microbatches (gathered
@@ -17,7 +17,11 @@ per microbatch) it prints:
   every microbatch's forward and backward (and per_microbatch reduce-scatters each
   time): K microbatches pay those collectives K times; ``gathered`` pays them once.
 
+The per-microbatch collectives are a fixed cost, so the K-microbatch ratio depends on
+the tokens per microbatch per rank (printed in the header): sweep the shape with
+
     python bench/bench_fsdp2.py --iters 10 --microbatches 4
+    python bench/bench_fsdp2.py --iters 5 --seq-len 128 --batch 256   # ~3k tokens
 """
 
 from __future__ import annotations
@@ -147,8 +151,10 @@ def main() -> None:
                            start_method="spawn")
         ranks = [pickle.load(open(Path(tmp) / f"rank{r}.pkl", "rb")) for r in range(2)]
     base = max(r["torch"]["bytes"] for r in ranks)
-    print(f"dp 2, K = {args.microbatches} microbatches, {args.iters} interleaved steps")
     k = args.microbatches
+    tokens = int(rows(make_batch(args, 0), 2)[0].attention_mask.sum())
+    print(f"dp 2, K = {k} microbatches, {args.iters} interleaved steps, "
+          f"~{tokens // k} tokens per microbatch per rank ({args.batch} rows x <= {args.seq_len})")
 
     def median(name: str, key) -> float:  # a step lasts as long as its slowest rank
         return statistics.median(max(a, b) for a, b in zip(*(r[name][key] for r in ranks)))

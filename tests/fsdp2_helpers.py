@@ -113,9 +113,15 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def abort_scenario() -> dict[str, Any]:
-    """Train, open a step with uneven microbatches (rank 1 a dummy), abort; compare."""
+    """Per ``grad_reduce`` mode: train, open a step with uneven microbatches (rank 1 a
+    dummy), abort; compare."""
+    return {mode: _abort_in(replace(F64, grad_reduce=mode))
+            for mode in ("per_microbatch", "gathered")}
+
+
+def _abort_in(options: Fsdp2Options) -> dict[str, Any]:
     rank, _ = dd.rank_and_world()
-    t = Fsdp2Trainer(FACTORY, ADAMW, F64)
+    t = Fsdp2Trainer(FACTORY, ADAMW, options)
     b0, b1 = batches()
     t.train(split(b0, [4, 4])[rank], TOKEN)  # optimizer state exists
     before = local_state(t)
@@ -129,7 +135,7 @@ def abort_scenario() -> dict[str, Any]:
     t.abort_train_step()
     unchanged = bitwise_equal(local_state(t), before)
     after_abort = t.train(split(b1, [4, 4])[rank], TOKEN).weights_digest
-    fresh = Fsdp2Trainer(FACTORY, ADAMW, F64)
+    fresh = Fsdp2Trainer(FACTORY, ADAMW, options)
     fresh.train(split(b0, [4, 4])[rank], TOKEN)
     no_abort = fresh.train(split(b1, [4, 4])[rank], TOKEN).weights_digest
     return {"unchanged": unchanged, "next_step_equal": after_abort == no_abort}
@@ -215,9 +221,9 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[st
                             )
             elif job == "wrong_normaliser":
                 out[job] = run_scenario("split_uneven", SGD, TOKEN, WRONG_NORMALISER)
-            elif job == "per_microbatch":  # the non-default gradient reduction stays exact
+            elif job == "gathered":  # the non-default gradient reduction stays exact
                 out[job] = run_scenario(
-                    "split_uneven", ADAMW, TOKEN_KL, replace(F64, grad_reduce="per_microbatch")
+                    "split_uneven", ADAMW, TOKEN_KL, replace(F64, grad_reduce="gathered")
                 )
             elif job == "residency":
                 out[job] = residency_scenario()

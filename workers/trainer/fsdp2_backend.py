@@ -7,11 +7,14 @@ differs is where the weights live and how gradients travel::
     build     rank 0: factory() (the weights, full); every rank: the factory on the
               meta device; [tp plan]; fully_shard(each transformer block);
               fully_shard(root); rank 0's full state broadcast into the shards
-    begin     zero the sharded grads; ``gathered`` (default): gradient sync off and
-              resharding off on every FSDP module
-    micro*    forward + backward, loss with normaliser 1. ``gathered``: the first
-              forward all-gathers each block's parameters and they stay gathered;
-              gradients accumulate unsharded (plain sums). ``train_microbatch(None)``
+    begin     zero the sharded grads; ``gathered``: gradient sync off and resharding
+              off on every FSDP module
+    micro*    forward + backward, loss with normaliser 1. ``per_microbatch`` (default):
+              each block is all-gathered for its forward and again for its backward,
+              and the backward reduce-scatters the microbatch's raw gradient sums
+              into the sharded grads. ``gathered``: the first forward all-gathers each
+              block's parameters and they stay gathered; gradients accumulate
+              unsharded (plain sums). ``train_microbatch(None)``
               runs a real forward/backward of a one-row batch whose loss mask is empty
               (loss 0, gradient exactly 0), so every rank issues the same collectives
               in the same order.
@@ -24,24 +27,30 @@ differs is where the weights live and how gradients travel::
     abort     drop the grads (sharded and unsharded), reshard, restore RNG
 
 Gradient reduction and parameter residency (``Fsdp2Options.grad_reduce``), measured
-by ``bench/bench_fsdp2.py`` at dp 2 (tiny model, AdamW, 4 microbatches, two runs on a
-quiet machine; bytes = parameters + gradients + optimizer state per rank, vs the
-replicated torch backend; time = split step vs the same mode's one-shot ``train()``):
+by ``bench/bench_fsdp2.py`` at dp 2 (d_model 128 x 4 layers, AdamW, K = 4
+microbatches, one run per shape on a quiet 2-core machine; bytes = parameters +
+gradients + optimizer state per rank, vs the replicated torch backend; time = split
+step vs the same mode's one-shot ``train()``), by tokens per microbatch per rank:
 
-    mode             at rest  step peak  split K=4
-    gathered          0.50x     0.75x    1.12x, 1.06x  (0.95x, 0.99x of FSDP's own one-shot)
-    per_microbatch    0.50x     0.50x    2.07x, 2.07x
-    (torch backend, replicated: 1.03x, 1.10x in the same runs)
+    mode             at rest  step peak  split K=4 at ~134 / 795 / 1576 / 3064 tokens
+    per_microbatch    0.50x     0.50x    2.02x / 1.44x / 1.13x / 0.99x
+    gathered          0.50x     0.75x    0.99x / 0.98x / 0.91x / 0.87x
+    (torch backend, replicated: 1.03x / 0.97x / 0.92x / 0.87x in the same runs)
 
-* ``"gathered"`` (default): one all-gather and one reduce-scatter per step, like the
-  one-shot, whatever the number of microbatches. The price is memory during the step:
-  full parameters and a full gradient per rank from the first forward to finish
-  (ZeRO-2 inside a step, ZeRO-3 between steps). Chosen because the split API's whole
-  point is many microbatches per step, and the optimizer state, the largest part,
-  stays sharded throughout.
-* ``"per_microbatch"``: every microbatch all-gathers again (forward and backward) and
-  reduce-scatters its gradient sums; sharded memory at every moment, K times the
-  collectives. For a model whose gathered parameters and gradient do not fit.
+* ``"per_microbatch"`` (default): every microbatch all-gathers each block (forward and
+  backward) and reduce-scatters its gradient sums; a rank holds 1/dp of the
+  parameters, gradients and optimizer state at every moment, and pays the
+  collectives K times. That cost is fixed per microbatch (~30-50 ms here: gloo on
+  loopback, two ranks sharing two cores), so it vanishes as microbatches grow: at
+  ~3k tokens per microbatch per rank, the size RL trainers use, the split step
+  matches the one-shot with half the memory. Default because memory is why anyone
+  shards: the whole point of this backend is a model whose replicated
+  parameters + gradients do not fit.
+* ``"gathered"``: one all-gather and one reduce-scatter per step, like the one-shot,
+  whatever K is. The price is memory during the step: full parameters and a full
+  gradient per rank from the first forward to finish (ZeRO-2 inside a step, ZeRO-3
+  between steps; the optimizer state stays sharded). For small models with tiny
+  microbatches, where the collectives dominate (the tiny model on CPU).
 * (A third mode, sync off with resharding on, was measured and removed: 0.62x peak
   and 1.50-1.57x, and its abort needed FSDP's private per-parameter state.)
 
@@ -100,7 +109,7 @@ class Fsdp2Options:
     #: tensor-parallel degree; the mesh is (world // tensor_parallel, tensor_parallel)
     tensor_parallel: int = 1
     #: where gradients are reduce-scattered (see the module docstring)
-    grad_reduce: Literal["gathered", "per_microbatch"] = "gathered"
+    grad_reduce: Literal["gathered", "per_microbatch"] = "per_microbatch"
     #: FSDP's gradient divide factor. 1.0 = raw sums (correct for the split API);
     #: None = FSDP's default, the average over dp ranks -- wrong, kept for the tests
     gradient_divide_factor: float | None = 1.0
