@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,11 @@ def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dic
         at = words.index("--")
         words, extra = words[:at], [*words[at + 1:], *extra]
     common = ["--run-id", "bench", "--no-progress", "--data-dir", str(data_dir)]
+    exe = words[0] if words else ""
+    # the commands run in a temporary directory: a relative path would not resolve there
+    if (os.sep in exe and not os.path.isabs(exe)) or not shutil.which(exe, path=env.get("PATH")):
+        raise SystemExit(f"variant {command!r}: {exe!r} is not an executable "
+                         "(the commands run from a temporary directory: give an absolute path)")
     try:
         run_s, cpu, rc, err = _timed([*words, "run", "--steps", "1", *common, *extra], env, timeout_s)
         if rc != 0:
