@@ -134,10 +134,13 @@ def _reward_panel(ax: Any, raw: dict[str, list[Any]], by_lag: dict[str, list[Any
     x = [lag + rng.uniform(-0.18, 0.18) for lag in raw["lag"]]
     ax.scatter(x, raw["reward_mean"], s=5, alpha=0.25, color="tab:gray", label="one group")
     lags, means = by_lag["lag"], by_lag["mean"]
-    err = [[m - lo for m, lo in zip(means, by_lag["q25"])],
-           [hi - m for m, hi in zip(means, by_lag["q75"])]]
-    ax.errorbar(lags, means, yerr=err, color="tab:red", marker="D", ms=6, lw=1, ls=":", capsize=5,
-                label="mean per lag (bar: 25-75%)", zorder=3)
+    # The bar is the interquartile range, drawn on its own: a skewed lag (most groups at
+    # reward 1.0, a few at 0) has its mean outside it, which an error bar cannot draw.
+    ax.vlines(lags, by_lag["q25"], by_lag["q75"], color="tab:red", lw=1, zorder=3)
+    for edge in ("q25", "q75"):
+        ax.scatter(lags, by_lag[edge], marker="_", s=120, color="tab:red", zorder=3)
+    ax.plot(lags, means, color="tab:red", marker="D", ms=6, lw=1, ls=":",
+            label="mean per lag (bar: 25-75%)", zorder=3)
     for lag, m, n in zip(lags, means, by_lag["count"]):
         ax.annotate(f"n={n}", (lag, m), textcoords="offset points", xytext=(8, 6), fontsize=8)
     ax.set_xticks(lags or [0])

@@ -96,6 +96,17 @@ def test_plot_data_and_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_a_lag_whose_mean_is_outside_its_interquartile_range(tmp_path):
+    """A converged run: nearly every group at reward 1.0, so q25 = q75 = 1.0 above the
+    mean (this raised matplotlib's "yerr must not contain negative values")."""
+    report = analyze(random_run(3, 25))
+    report.reward_vs_lag = [(0, 1.0)] * 30 + [(0, 0.0), (1, 1.0), (1, 1.0), (1, 0.2)]
+    by_lag = plot_data(report)["reward_by_lag"]
+    assert by_lag["mean"][0] < by_lag["q25"][0] == by_lag["q75"][0] == 1.0
+    out = write_plot(report, tmp_path / "converged.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_occupancy_is_downsampled_to_the_limit():
     b = random_run(4, 60)
     trace = staleness.Trace()
