@@ -55,6 +55,8 @@ from events.codec import encode  # noqa: E402
 from bench_memory import check_memory  # noqa: E402
 from tests.unit.log_builder import random_run, stream_random_run  # noqa: E402
 
+#: the streamed fold prints a progress line (stderr) each time it passes a multiple of this
+PROGRESS_EVERY = 1_000_000
 EVENTS_PER_STEP = 30  # measured with the settings below (8 admits + 8 commits + 4 microbatches + releases ...)
 RUN_OPTIONS = dict(
     window=2, groups_per_step=8, samples_per_group=8, microbatch_groups=2, p_fail=0.01,
@@ -177,7 +179,10 @@ def stream_point(events: int, seed: int) -> None:
         apply_raw(state, entries)
         t3 = clock()
         t_gen, t_raw, t_fold = t_gen + t1 - t0, t_raw + t2 - t1, t_fold + t3 - t2
-        n += len(entries)
+        before, n = n, n + len(entries)
+        if n // PROGRESS_EVERY > before // PROGRESS_EVERY:  # minutes of work: say where it is
+            print(f"  ... {n:,} of ~{events:,} events after {time.perf_counter() - start:.0f}s",
+                  file=sys.stderr, flush=True)
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     print(f"streamed log: {n} events in {time.perf_counter() - start:.0f}s "
           f"(encoding {t_gen:.0f}s); {len(state.groups)} groups folded; peak RSS {rss_gb:.1f} GB")
