@@ -236,19 +236,20 @@ def main() -> None:
     keys, rows = make_batch(args.groups, args.samples, args.prompt_tokens, args.max_tokens)
     print(f"batch: {len(rows)} rows, {payload_mb(rows):.1f} MiB, median of {args.repeats}")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    tq_plane = TransferQueueDataPlane()
     try:
-        results = {
-            "ray.put/get": time_ray(rows, args.repeats),
-            "ray packed": time_ray_packed(rows, args.repeats),
-            "memory": time_plane(MemoryDataPlane(), keys, rows, args.repeats),
-            "transferqueue": time_plane(tq_plane, keys, rows, args.repeats),
-        }
-        before, now = time_crossing(tq_plane, keys, rows, args.samples, args.repeats)
-        tq_plane.close()
+        tq_plane = TransferQueueDataPlane()
+        try:
+            results = {
+                "ray.put/get": time_ray(rows, args.repeats),
+                "ray packed": time_ray_packed(rows, args.repeats),
+                "memory": time_plane(MemoryDataPlane(), keys, rows, args.repeats),
+                "transferqueue": time_plane(tq_plane, keys, rows, args.repeats),
+            }
+            before, now = time_crossing(tq_plane, keys, rows, args.samples, args.repeats)
+        finally:
+            tq_plane.close()  # before the storage-unit comparison starts its own
         units = time_storage_units(keys, rows, args.repeats, args.units_rounds) if args.units_rounds else {}
     finally:
-        tq_plane.close()
         ray.shutdown()
     base = results["ray.put/get"]
     print(f"{'plane':<16}{'put+get s':>12}{'MiB/s':>10}{'vs ray.put/get':>18}")

@@ -148,8 +148,13 @@ def _await_started(cfg: TransferQueueConfig, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + cfg.start_timeout_s
     while True:
         controller = _named_actor(*_CONTROLLER)
-        if controller is not None and ray.get(controller.get_config.remote()) is not None:
-            return
+        if controller is not None:
+            # bounded like the rest of the wait: a controller that does not answer is
+            # "not up yet", never a wait without a limit
+            ref = controller.get_config.remote()
+            ready, _ = ray.wait([ref], timeout=max(deadline - time.monotonic(), poll_s))
+            if ready and ray.get(ref) is not None:
+                return
         if time.monotonic() > deadline:
             waiting = "its controller" if controller is None else "its storage units"
             raise DataPlaneUnavailable(
@@ -159,9 +164,14 @@ def _await_started(cfg: TransferQueueConfig, poll_s: float = 0.1) -> None:
         time.sleep(poll_s)
 
 
+def _storage_units(units: int) -> list:
+    """The storage units 0 .. units - 1 that exist now."""
+    return [a for a in (_named_actor(_STORAGE_UNIT.format(i)) for i in range(units)) if a is not None]
+
+
 def _our_actors(units: int) -> list:
-    names = [(_STORAGE_UNIT.format(i), None) for i in range(units)] + [_CONTROLLER]
-    return [a for a in (_named_actor(*n) for n in names) if a is not None]
+    controller = _named_actor(*_CONTROLLER)
+    return _storage_units(units) + ([] if controller is None else [controller])
 
 
 def _answers(actor) -> bool:
@@ -284,10 +294,8 @@ class TransferQueueDataPlane:
         the spill is the durable copy). A process that joined only closes its client.
         """
         with self._lock:
-            for i in range(self._units):
-                unit = _named_actor(_STORAGE_UNIT.format(i))
-                if unit is not None:
-                    ray.kill(unit)
+            for unit in _storage_units(self._units):
+                ray.kill(unit)
             self._tq.close()
 
     # -- helpers ------------------------------------------------------------------
