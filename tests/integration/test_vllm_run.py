@@ -4,7 +4,7 @@ The generator is a Ray actor running a real vLLM engine (in-process engine mode)
 small random Llama written to a temporary directory; the trainer trains the same HF
 model; every publish is a bucketed refit (buckets much smaller than the model). Then:
 ``audit`` exits 0; and a second run is killed with SIGKILL (its whole process group)
-after two steps, resumed with ``--resume``, finishes, audits clean, and the resumed
+after two steps, resumed with ``--resume`` to a later step, finishes, audits clean, and the resumed
 controller refitted the generator at the recovered version before generating again.
 Every process a run started (Ray's included) is gone after it ends, counted by an
 environment marker they inherit; only the embedded redis-server, kept on purpose for
@@ -39,6 +39,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "RLC_TEST_PROCESS_MARK"
+RESUMED_TO = 8  # see test_kill_minus_9_of_the_whole_run_then_resume
 
 
 def _args(model: Path, data_dir: Path) -> list[str]:
@@ -146,8 +147,12 @@ def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path
     left = _left_behind(mark)
     assert left == [], f"after kill -9 of the run's process group: {left}"
 
+    # The kill lands at some version v <= 5 (the run may step on between the poll and
+    # the kill). At most window+1 = 2 steps' groups are live then, so they cover steps up
+    # to v + 2 <= 7: resuming to 8 must generate, whatever v was. Resuming to 5 did not
+    # always (a kill at v=3 with steps 4 and 5 already committed left nothing to make).
     mark2 = uuid.uuid4().hex
-    resume = ["run", "--run-id", "k", "--steps", "5", "--resume", "--no-progress",
+    resume = ["run", "--run-id", "k", "--steps", str(RESUMED_TO), "--resume", "--no-progress",
               "--data-dir", str(data_dir)]  # a resumed run keeps its logged config
     resumed = _start(resume, mark2, tmp_path / "resume.txt")
     assert resumed.wait(timeout=900) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
@@ -155,11 +160,13 @@ def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path
     audit = _cli("audit", "--run", "k", "--json", "--data-dir", str(data_dir))
     assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
     result, events = _events(data_dir, "k")
-    assert result.problem is None and result.state.trainer_version == 5
+    assert result.problem is None and result.state.trainer_version == RESUMED_TO
     second = max(i for i, e in enumerate(events) if isinstance(e, ev.ControllerStarted))
     after = events[second:]
     first_publish = next(e for e in after if isinstance(e, ev.WeightsPublished))
-    first_commit = next(e for e in after if isinstance(e, ev.GroupCommitted))
+    commits = [e for e in after if isinstance(e, ev.GroupCommitted)]
+    assert commits, "the resumed run committed no group"
+    first_commit = commits[0]
     # the new generator got the recovered version before it generated anything
     assert after.index(first_publish) < after.index(first_commit)
     assert first_commit.weight_version_start >= first_publish.weight_version
