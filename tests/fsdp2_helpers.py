@@ -236,14 +236,24 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[st
             elif job.startswith("hf_tp"):  # "hf_tp<k>:<model dir>"
                 head, path = job.split(":", 1)
                 out["hf_tp"] = hf_tp_scenario(path, int(head[len("hf_tp"):]))
-        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-            pickle.dump(out, f)
+        write_results(out, out_dir, rank)
     finally:
         dd.destroy_process_group()
-    # The results are on disk. Interpreter teardown after FSDP2 sometimes aborts in a
-    # C++ destructor ("terminate called without an active exception": a device mesh
-    # still holds the destroyed gloo group when static objects are torn down), which
-    # would fail a run whose results are complete, by chance. Leave without it.
+    leave_rank()
+
+
+def write_results(out: dict, out_dir: str, rank: int) -> None:
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
+def leave_rank() -> None:
+    """End a spawned rank whose results are on disk, without interpreter teardown.
+
+    Teardown after FSDP2 sometimes aborts in a C++ destructor ("terminate called without
+    an active exception": a device mesh still holds the destroyed process group when
+    static objects are torn down), which would fail a run whose results are complete,
+    by chance."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

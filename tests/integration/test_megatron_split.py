@@ -330,3 +330,23 @@ def test_checkpoint_layout_is_the_torch_backends(tmp_path):
     again = MegatronTrainer(FACTORY, ADAMW64)
     again.load_checkpoint(tmp_path / "from-megatron")
     assert again.weights_digest() == m.weights_digest()
+
+
+# -- megatron's distributed optimizer: what it can build -----------------------------------
+
+
+def test_distributed_optimizer_only_where_megatron_builds_it():
+    # megatron-core 0.16's distributed optimizer takes AdamW on float32/bf16/fp16 only
+    # (an H100 run refused SGD and float64): the CUDA default falls back to the torch
+    # optimizer there, and asking for it is refused by name before anything is built.
+    from workers.trainer.megatron_backend import _distributed_optimizer
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _distributed_optimizer(None, cuda, ADAMW) is True
+    assert _distributed_optimizer(None, cuda, SGD) is False
+    assert _distributed_optimizer(None, cuda, ADAMW64) is False
+    assert _distributed_optimizer(None, cpu, ADAMW) is False
+    assert _distributed_optimizer(False, cuda, ADAMW) is False
+    for cfg, named in ((SGD, "optimizer 'sgd'"), (ADAMW64, "float64 parameters")):
+        with pytest.raises(BackendUnavailableError, match=named):
+            MegatronTrainer(FACTORY, cfg, MegatronOptions(use_distributed_optimizer=True))

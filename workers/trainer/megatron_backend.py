@@ -39,9 +39,9 @@ the global count of real microbatches, before the one reduction.
 
 Optimizers: on CPU (or with ``use_distributed_optimizer = False``) a torch optimizer
 over the parameters, stepping on ``main_grad`` -- megatron's own optimizers cannot be
-built without CUDA; this path is numerically the torch backend's. On GPU by default,
-megatron's distributed optimizer (``get_megatron_optimizer``; gradients are
-reduce-scattered, parameters all-gathered after the step).
+built without CUDA; this path is numerically the torch backend's. On GPU by default
+(AdamW, not float64), megatron's distributed optimizer (``get_megatron_optimizer``:
+gradients reduce-scattered, parameters all-gathered after the step).
 
 Models: any causal-LM ``nn.Module`` (``model(input_ids) -> logits``), e.g. the built-in
 ``TinyCausalLM`` (mcore DDP wraps any module given a ``TransformerConfig``), or
@@ -155,6 +155,21 @@ class _SavedHooks:
             self._saved = None
 
 
+def _distributed_optimizer(asked: bool | None, device: torch.device, cfg: TrainerConfig) -> bool:
+    """Asked for, or by default on CUDA; megatron-core 0.16 builds it for AdamW on
+    float32/bf16/fp16 only (an H100 refused SGD and float64), else an error if asked."""
+    unsupported = [f"optimizer {cfg.optimizer.kind!r}"] if cfg.optimizer.kind != "adamw" else []
+    unsupported += ["float64 parameters"] if cfg.torch_dtype == torch.float64 else []
+    if asked is None:
+        return device.type == "cuda" and not unsupported
+    if asked and unsupported:
+        raise BackendUnavailableError(
+            "megatron's distributed optimizer supports AdamW on float32/bf16/fp16 parameters "
+            f"only, not {' and '.join(unsupported)}; set use_distributed_optimizer = false"
+        )
+    return asked
+
+
 class MegatronTrainer(TorchTrainer):
     """One data-parallel rank over mcore DDP (the default group is the DP group)."""
 
@@ -177,9 +192,7 @@ class MegatronTrainer(TorchTrainer):
         shims.ensure_parallel_state()
         self.rank, self.world_size = dd.rank_and_world()
         self.device = self._resolve_device(cfg.device)
-        use_dist_opt = opts.use_distributed_optimizer
-        if use_dist_opt is None:
-            use_dist_opt = self.device.type == "cuda"
+        use_dist_opt = _distributed_optimizer(opts.use_distributed_optimizer, self.device, cfg)
         check_megatron(installed=True, cuda=self.device.type == "cuda", require_gpu=use_dist_opt)
         torch.manual_seed(cfg.seed)
         module = model_factory().to(device=self.device, dtype=cfg.torch_dtype)
