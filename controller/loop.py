@@ -16,6 +16,7 @@
       StepBegun -> begin_train_step
       [evict stale: GroupEvicted] select -> train_microbatch(keys) -> MicrobatchTrained  (x k)
       finish_train_step -> StepFinished -> publish weights -> WeightsPublished
+                           (behind the next step's begin and microbatches; its finish waits)
       [every N: save_checkpoint -> CheckpointSaved -> delete rows -> PayloadsReleased]
             |
       watchdog
@@ -103,6 +104,7 @@ class Controller:
         on_step: OnStep | None = None,
         clock: Callable[[], float] = time.monotonic,
         restarter: WorkerRestarter | None = None,
+        overlap_publish: bool = True,
     ) -> None:
         self.journal = Journal(writer, clock)
         self.stall_timeout_s = cfg.controller.stall_timeout_s
@@ -125,6 +127,7 @@ class Controller:
             staleness=cfg.staleness, groups_per_step=cfg.train.groups_per_step,
             groups_per_microbatch=cfg.train.groups_per_microbatch,
             target_version=cfg.run.steps, step_retries=cfg.controller.step_retries,
+            overlap_publish=overlap_publish,
         )
 
     @property

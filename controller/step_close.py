@@ -59,6 +59,16 @@ class StepClosing:
 
     async def close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """The trainer finished ``step``: record it, publish, checkpoint every N."""
+        self.record(step, result, group_ids)
+        await self.publish(result.trainer_version)
+        if self.checkpoint_due(result.trainer_version):
+            await self.checkpoint_and_release(result.trainer_version)
+
+    def checkpoint_due(self, version: int) -> bool:
+        return version % self.checkpoint.every_steps == 0
+
+    def record(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
+        """Append ``StepFinished`` with the step's metrics (publishing is the caller's)."""
         j = self.journal
         metrics = {**result.metrics, **self.step_metrics(group_ids)}
         crash_point("before_step_finished", step)
@@ -77,9 +87,6 @@ class StepClosing:
         self.consumed_groups += len(group_ids)
         if self.on_step is not None:
             self.on_step(step, result.trainer_version, metrics)
-        await self.publish(result.trainer_version)
-        if result.trainer_version % self.checkpoint.every_steps == 0:
-            await self.checkpoint_and_release(result.trainer_version)
 
     def step_metrics(self, group_ids: list[str]) -> dict[str, float]:
         j = self.journal

@@ -7,6 +7,18 @@ after the trainer returned -- until the step holds ``groups_per_step`` groups, f
 it and hand it to ``controller.step_close``. A failing step is aborted
 (``StepAborted``) and retried up to ``controller.step_retries`` times in a row; a dead
 trainer is replaced by ``controller.worker_loss``.
+
+Publishing overlaps the next step::
+
+    step k:   ... finish -> StepFinished(v) --+-- publish v to the generators --> WeightsPublished(v)
+    step k+1:                                 +-- select, StepBegun, microbatches ...  | wait | finish
+
+The trainer's weights change only in ``finish_train_step``, so version v can travel to
+the generators while the next step begins and trains its microbatches; that step's
+finish waits until v is published (one publish in flight at most, and the published
+weights are exactly v's). A step that checkpoints, and the run's last step, publish in
+line as before: the checkpoint is taken after the publish, and a run ends published.
+With ``overlap_publish=False`` every publish is in line (the pre-overlap schedule).
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from controller.step_close import StepClosing
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from events.errors import ConcurrencyError, FencedError
-from workers.api import MicrobatchRef, TrainerClient, WorkerLostError
+from workers.api import MicrobatchRef, StepOutcome, TrainerClient, WorkerLostError
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -55,6 +67,7 @@ class TrainSide:
         groups_per_microbatch: int,
         target_version: int,
         step_retries: int,
+        overlap_publish: bool = True,
     ) -> None:
         self.journal = journal
         self.trainer = trainer
@@ -65,11 +78,21 @@ class TrainSide:
         self.groups_per_microbatch = min(groups_per_microbatch, groups_per_step)
         self.target_version = target_version
         self.step_retries = step_retries
+        self.overlap_publish = overlap_publish
         #: what the pump waits for ("" while it is in a trainer call), for the watchdog
         self.waiting_for = ""
         self._aborts_in_row = 0
+        #: the publish of the last finished version, while it runs behind the next step
+        self._publishing: asyncio.Task | None = None
 
     async def pump(self) -> None:
+        try:
+            await self._pump()
+        finally:
+            if self._publishing is not None:  # the pump failed or was cancelled
+                self._publishing.cancel()
+
+    async def _pump(self) -> None:
         while self.journal.state.trainer_version < self.target_version:
             try:
                 await self._train_one_step()
@@ -123,6 +146,8 @@ class TrainSide:
         j = self.journal
         waited_from = j.clock()
         while True:
+            if self._publishing is not None and self._publishing.done():
+                await self._publish_settled()  # re-raises what the publish could not handle
             plan = policies.plan_microbatch(
                 j.state,
                 window=self.staleness.window_versions,
@@ -190,6 +215,14 @@ class TrainSide:
         if open_step is None or open_step.step != step:
             raise _StepLost(step)
         group_ids = [g for mb in open_step.microbatches for g in mb]
+        if self._publishing is not None:
+            # finish changes the weights: the version being published must be out first
+            self.waiting_for = f"train pump waiting for the publish of v{j.state.trainer_version}"
+            await self._publish_settled()
+            self.waiting_for = ""
+            open_step = j.state.open_step
+            if open_step is None or open_step.step != step:
+                raise _StepLost(step)  # a trainer loss seen by the publish aborted it
         j.ensure_owner()
         result = await self._timed_trainer(self.trainer.finish_train_step())
         if result.trainer_version != base + 1:
@@ -197,7 +230,43 @@ class TrainSide:
                 f"trainer reports version {result.trainer_version} after step {step}; "
                 f"the log expects {base + 1}"
             )
-        await self.closing.close(step, result, group_ids)
+        await self._close(step, result, group_ids)
+
+    async def _close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
+        closing, version = self.closing, result.trainer_version
+        closing.record(step, result, group_ids)
+        if (
+            self.overlap_publish
+            and version < self.target_version
+            and not closing.checkpoint_due(version)
+        ):
+            self._publishing = asyncio.create_task(
+                self._publish_behind(version), name=f"publish-v{version}"
+            )
+            return
+        await closing.publish(version)
+        if closing.checkpoint_due(version):
+            await closing.checkpoint_and_release(version)
+
+    async def _publish_behind(self, version: int) -> None:
+        """Publish ``version`` while the pump goes on; a lost worker is handled here, as
+        the pump would have handled it had the publish been in line."""
+        try:
+            await self.closing.publish(version)
+        except WorkerLostError as err:
+            if err.role == "trainer":
+                await self.loss.trainer_lost(err)
+            else:
+                await self.loss.replace_generator(
+                    self.loss.generator(err.worker), err, publish_all=True
+                )
+        finally:
+            self.journal.wake()  # a pump waiting for data re-checks this task
+
+    async def _publish_settled(self) -> None:
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            await task
 
     async def _timed_trainer(self, call):
         j = self.journal

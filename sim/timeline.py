@@ -10,14 +10,18 @@ one definition. From the events' ``ts`` (write-ahead: intent before, fact after)
 * microbatch 0 of a step = its ``MicrobatchTrained.ts - StepBegun.ts`` (begin included);
   microbatch i > 0 = its ts - max(previous microbatch's ts, latest commit of its groups)
   (the loop selects it as soon as both hold, then calls the trainer);
-* finishing = ``StepFinished.ts`` - the last microbatch's ts;
+* finishing = ``StepFinished.ts`` - max(the last microbatch's ts, the latest
+  ``WeightsPublished.ts``): the train pump publishes a version behind the next step and
+  that step's finish waits for the publish (``controller.training``);
 * refit = the next ``WeightsPublished.ts - StepFinished.ts``; a checkpoint = its
   ``CheckpointSaved.ts`` - that ``WeightsPublished.ts`` (the loop saves right after),
   plus the release of the payloads it covers (``PayloadsReleased.ts - CheckpointSaved.ts``:
   the train pump waits for the deletes too);
 * wall time = last ``StepFinished.ts`` - first ``RolloutAdmitted.ts``; trainer idle =
-  wall - (begin + microbatches + finish) - refit - checkpoints: the time the trainer
-  waited for data or for the controller.
+  wall - (begin + microbatches + finish) - refit wait - checkpoints: the time the
+  trainer waited for data or for the controller. The refit wait is a publish's whole
+  time when it ran in line (no ``StepBegun`` before its ``WeightsPublished``), else
+  only what the next step's finish waited for it.
 
 Everything here is pure: it takes decoded ``(position, event)`` pairs.
 """
@@ -55,6 +59,8 @@ class Timeline:
     evicted: int = 0
     trainer_busy_s: float = 0.0
     refit_s: float = 0.0
+    #: the part of ``refit_s`` the trainer waited for (see the module docstring)
+    refit_wait_s: float = 0.0
     checkpoint_s: float = 0.0
     #: group ids in commit order, up to the last StepFinished (later commits -- drained
     #: at the end of a run -- trained nothing)
@@ -72,7 +78,7 @@ class Timeline:
 
     @property
     def trainer_idle_s(self) -> float:
-        return max(0.0, self.wall_s - self.trainer_busy_s - self.refit_s - self.checkpoint_s)
+        return max(0.0, self.wall_s - self.trainer_busy_s - self.refit_wait_s - self.checkpoint_s)
 
     @property
     def trainer_idle_frac(self) -> float:
@@ -102,6 +108,7 @@ class Timeline:
             "evicted": self.evicted,
             "trainer_busy_s": self.trainer_busy_s,
             "refit_s": self.refit_s,
+            "refit_wait_s": self.refit_wait_s,
             "checkpoint_s": self.checkpoint_s,
             "trainer_idle_s": self.trainer_idle_s,
             "trainer_idle_frac": self.trainer_idle_frac,
@@ -136,6 +143,8 @@ def read_timeline(
     batch_latency = 0.0
     last_finished_ts = float("-inf")
     published_ts = 0.0
+    begun_since_finish = False  # a StepBegun between StepFinished and its publish
+    behind_published_ts: float | None = None  # a publish that ran behind the open step
     checkpoint: tuple[int, float] | None = None  # awaiting its payload release
     trainer_version = 0
     for _pos, event in events:
@@ -166,6 +175,7 @@ def read_timeline(
             tl.evicted += 1
         elif kind is StepBegun:
             open_step = _Open(begun_ts=event.ts, last_ts=event.ts, base=event.base_trainer_version)
+            begun_since_finish = True
         elif kind is MicrobatchTrained and open_step is not None:
             if open_step.durations:
                 ready = max((committed_ts.get(g, 0.0) for g in event.group_ids), default=0.0)
@@ -177,7 +187,13 @@ def read_timeline(
             open_step.lags.extend(open_step.base - start_version.get(g, open_step.base) for g in event.group_ids)
             open_step.last_ts = event.ts
         elif kind in (StepFinished, StepAborted) and open_step is not None:
-            finish = max(0.0, event.ts - open_step.last_ts)
+            finish_from = open_step.last_ts
+            if kind is StepFinished and behind_published_ts is not None:
+                # the finish waited for the publish running behind this step
+                tl.refit_wait_s += max(0.0, behind_published_ts - finish_from)
+                finish_from = max(finish_from, behind_published_ts)
+            behind_published_ts = None
+            finish = max(0.0, event.ts - finish_from)
             rec.microbatches[event.step] = open_step.durations
             rec.finish[event.step] = finish
             tl.trainer_busy_s += sum(open_step.durations) + finish
@@ -192,6 +208,7 @@ def read_timeline(
                         sum(open_step.lags) / len(open_step.lags), max(open_step.lags)
                     )
                 last_finished = (event.trainer_version, event.ts)
+                begun_since_finish = False
                 tl.progress.append((event.ts - (first_admit or event.ts), trainer_version))
                 tl.wall_s = event.ts - (first_admit or event.ts)
                 last_finished_ts = event.ts
@@ -204,6 +221,10 @@ def read_timeline(
             if event.weight_version == version:
                 rec.publish[version] = event.ts - finished_ts
                 tl.refit_s += event.ts - finished_ts
+                if begun_since_finish:
+                    behind_published_ts = event.ts
+                else:
+                    tl.refit_wait_s += event.ts - finished_ts
             last_finished = None
         elif kind is CheckpointSaved:
             # saved right after the step's weights were published
@@ -216,10 +237,17 @@ def read_timeline(
             rec.release[version] = event.ts - saved_ts
             tl.checkpoint_s += event.ts - saved_ts
             checkpoint = None
+    # Still generating when the log ends: the recorded run shows they took at least this.
+    end_ts = prev_ts if prev_ts == prev_ts else 0.0  # NaN when the log had no events
+    for gid, ts in admitted.items():
+        if gid not in committed_ts or committed_ts[gid] < ts:
+            rec.unfinished[gid] = end_ts - ts + latency.get(gid, 0.0)
     tl.commit_order = [gid for ts, gid in commits if ts <= last_finished_ts]
     # Refit and checkpoints after the last StepFinished are outside the wall time.
     if tl.progress:
-        tl.refit_s -= rec.publish.get(trainer_version, 0.0) if last_finished is None else 0.0
+        if last_finished is None:
+            tl.refit_s -= rec.publish.get(trainer_version, 0.0)
+            tl.refit_wait_s -= rec.publish.get(trainer_version, 0.0)
         tl.checkpoint_s -= rec.checkpoint.get(trainer_version, 0.0)
         tl.checkpoint_s -= rec.release.get(trainer_version, 0.0)
     return tl, rec

@@ -120,6 +120,9 @@ class RecordedTimings:
     checkpoint: dict[int, float]
     #: trainer_version of the checkpoint -> seconds its payload release took
     release: dict[int, float] = field(default_factory=dict)
+    #: groups admitted but not committed when the recorded log ends -> the seconds they
+    #: had run by then: a drawn time is at least that (the recorded run proves it)
+    unfinished: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     _pools: dict[str, list] = field(default_factory=dict, repr=False)
 
@@ -139,6 +142,7 @@ class RecordedTimings:
         value = self.generation.get(group_id)
         if value is None:
             value = self._fallback("generation", self.generation.values(), group_id, attempt)
+            value = max(value, self.unfinished.get(group_id, 0.0))
         return value
 
     def microbatch_s(self, step: int, index: int, num_sequences: int) -> float:

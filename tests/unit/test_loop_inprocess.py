@@ -31,6 +31,7 @@ from events.memory_store import MemoryEventStore
 from replay.audit import build_report
 from replay.reader import fold_log
 from workers.service import GeneratorWorker, TrainerWorker
+from workers.trainer.tensors import digest_parameters
 
 RUN = "loop-test"
 
@@ -67,6 +68,21 @@ class CallSizeGenerator(FailingGenerator):
     def generate_groups(self, reqs):
         self.sizes.append(len(reqs))
         return super().generate_groups(reqs)
+
+
+class SlowRefitGenerator(GeneratorWorker):
+    """Takes ``refit_s`` over each refit bucket (a slow link), then records the digest of
+    the weights it holds once a version is complete."""
+
+    refit_s = 0.0
+    held: dict[str, dict[int, str]]
+
+    def receive_weight_bucket(self, version, index, count, bucket):
+        time.sleep(self.refit_s)
+        ack = super().receive_weight_bucket(version, index, count, bucket)
+        if ack is not None:
+            self.held.setdefault(self.name, {})[version] = digest_parameters(self.generator.model)
+        return ack
 
 
 class FlakyTrainer(TrainerWorker):
@@ -196,6 +212,28 @@ def test_runs_n_steps_with_lag_within_the_window(tmp_path):
         assert g.lag == base - g.weight_version_start
     published = [e.weight_version for e in h.events(ev.WeightsPublished)]
     assert published == [0, 1, 2, 3, 4]
+
+
+def test_a_slow_publish_runs_behind_the_next_step_and_delivers_exactly_its_version(tmp_path):
+    # Each refit takes 0.3 s (one bucket per generator), far longer than a microbatch of
+    # the tiny model: the next step's finish must wait for it, or it would change the
+    # weights while they travel and a StepFinished would overtake its predecessor's publish.
+    cfg = make_config("run.steps=5", "staleness.window_versions=1")
+    held: dict[str, dict[int, str]] = {}
+    h = Harness(cfg, tmp_path, generator=SlowRefitGenerator, refit_s=0.3, held=held)
+    assert h.run() == "completed"
+    h.check_log()
+    events = h.events()
+    at = {("finished", e.trainer_version): i for i, e in enumerate(events) if isinstance(e, ev.StepFinished)}
+    at.update({("published", e.weight_version): i for i, e in enumerate(events) if isinstance(e, ev.WeightsPublished)})
+    for v in range(1, 5):
+        assert at[("finished", v)] < at[("published", v)] < at[("finished", v + 1)]
+    assert at[("finished", 5)] < at[("published", 5)]
+    # every generator got each version's weights exactly as the trainer finished them
+    digests = {e.trainer_version: e.weights_digest for e in h.events(ev.StepFinished)}
+    assert set(held) == {g.name for g in h.workers.generators}
+    for name, versions in held.items():
+        assert {v: versions[v] for v in digests} == digests, name
 
 
 def test_window_zero_is_on_policy(tmp_path):
