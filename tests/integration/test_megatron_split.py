@@ -252,7 +252,7 @@ def test_distributed_optimizer_without_gpu_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(BackendUnavailableError, match="distributed optimizer needs a CUDA GPU"):
-        MegatronTrainer(FACTORY, SGD, MegatronOptions(use_distributed_optimizer=True))
+        MegatronTrainer(FACTORY, ADAMW, MegatronOptions(use_distributed_optimizer=True))
 
 
 # -- MoE auxiliary losses ----------------------------------------------------------------
