@@ -50,17 +50,20 @@ def hf_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("llama"), seed=0)
 
 
-def _make(hf_dir, mode="inprocess", **kw) -> VllmGenerator:
+def _make(hf_dir, mode="inprocess", num_threads=None, **kw) -> VllmGenerator:
     return VllmGenerator(
         str(hf_dir), load_hf_tokenizer(hf_dir), make_task("reverse"), MemoryDataPlane(), "run-1",
         options=VllmOptions(engine_mode=mode, kv_cache_bytes=32 * 1024 * 1024, max_num_seqs=16, **kw),
+        num_threads=num_threads,
     )
 
 
 @pytest.fixture(scope="module")
 def gen(hf_dir):
     before = child_pids()
-    g = _make(hf_dir)
+    # One OpenMP thread, whatever torch's count in this process is by now (earlier tests
+    # set it): the module behaves the same alone and after any other test.
+    g = _make(hf_dir, num_threads=1)
     g.children_before = before  # type: ignore[attr-defined]
     yield g
     g.close()
@@ -188,6 +191,34 @@ def test_a_thread_new_to_the_engine_generates_whatever_torch_threads_the_process
             assert _max_logprob_error(gen, policy, out[0]) < ATOL
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_refit_from_a_thread_at_another_openmp_count_computes_with_the_new_weights(gen, hf_dir):
+    # An in-process engine reloads on the thread that delivers the last bucket, and vLLM's
+    # CPU linear layers build their kernels for that thread's OpenMP count. Unpinned, a
+    # refit from a thread at another count than the engine's left kernels that computed
+    # wrong outputs: logprobs off by 5.7 (what CI hit once an earlier test had set torch
+    # to 1 thread, the engine was built at 1 and the transport's fresh thread ran at 2).
+    assert gen.threads.num_threads == 1  # kernels built for 2 threads, run on 1: wrong
+    other = 2
+    new = _perturbed(hf_dir, seed=41)
+    version = gen.weight_version + 1
+    done: list = []
+
+    def refit_at_another_count() -> None:
+        try:
+            torch.set_num_threads(other)  # this thread only: OpenMP counts are per thread
+            done.append(gen.update_weights(version, new.state_dict()))
+        except BaseException as err:  # reported by the test, in the test's thread
+            done.append(err)
+
+    t = threading.Thread(target=refit_at_another_count)
+    t.start()
+    t.join(300)
+    assert done and not isinstance(done[0], BaseException), done
+    after = gen.generate_group("o1", PROMPT, 8, SAMPLING, seed=5)
+    assert (after.weight_version_start, after.weight_version_end) == (version, version)
+    assert _max_logprob_error(gen, new, after) < ATOL
 
 
 def _try_group(gen, group_id: str):

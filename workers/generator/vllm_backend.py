@@ -86,9 +86,10 @@ class _EngineWeights:
     #: in-process ``update_weights(state_dict)`` is bucketed too, so one path is tested
     BUCKET_BYTES = 16 * 1024 * 1024
 
-    def __init__(self, llm: Any, strip_prefix: str) -> None:
+    def __init__(self, llm: Any, strip_prefix: str, threads: EngineThreads) -> None:
         self.llm = llm
         self.strip_prefix = strip_prefix
+        self.threads = threads
         self.loaded_bytes = 0
 
     def load_weight_stream(self, stream: WeightStream) -> None:
@@ -98,6 +99,11 @@ class _EngineWeights:
                     spool.append(bucket)
                 return self.load_weight_stream(WeightStream(spool.sealed()))
         spooled = stream.buckets
+        # An in-process engine reloads on this thread, and its CPU linear layers build
+        # their kernels for this thread's OpenMP count: it must be the count generation
+        # runs with, or those kernels compute wrong outputs (seen: logprobs off by 5.7
+        # after a refit from a fresh thread at 2 threads for an engine pinned at 1).
+        self.threads.pin()
         loaded = self.llm.collective_rpc(
             "rlc_refit_from_spool", args=(spooled.path, spooled.spans, self.strip_prefix)
         )
@@ -156,7 +162,7 @@ class VllmGenerator(Generator):
         self.use_cache = True
         self.on_step = on_step
         self.chunk_tokens = options.chunk_tokens
-        self.model = _EngineWeights(self.llm, strip_prefix)  # type: ignore[assignment]
+        self.model = _EngineWeights(self.llm, strip_prefix, self.threads)  # type: ignore[assignment]
         self.weights = VersionedWeights(self.model, name, weight_version)  # type: ignore[arg-type]
         self.receiver = BucketReceiver(self.weights)
         self._closed = False
