@@ -16,7 +16,8 @@
       StepBegun -> begin_train_step
       [evict stale: GroupEvicted] select -> train_microbatch(keys) -> MicrobatchTrained  (x k)
       finish_train_step -> StepFinished -> publish weights -> WeightsPublished
-                           (behind the next step's begin and microbatches; its finish waits)
+                           (controller.publish = "behind": during the next step's begin
+                            and microbatches; that step's finish waits for it)
       [every N: save_checkpoint -> CheckpointSaved -> delete rows -> PayloadsReleased]
             |
       watchdog
@@ -57,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 import msgspec
 
@@ -88,6 +89,12 @@ class ControllerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     step_retries: int = 2
     """Aborted-step retries in a row before the run stops."""
     snapshot_every_events: int = 5000
+    publish: Literal["in_line", "behind"] = "in_line"
+    """When a finished version goes to the generators. ``in_line``: before the next step
+    begins. ``behind``: while the next step begins and trains its microbatches (its
+    finish waits for the publish), so a refit no longer idles the trainer -- at the price
+    of generators holding older weights for longer (more lag; with ``ready_first``,
+    more evictions). Checkpoint steps and the last step always publish in line."""
 
 
 class Controller:
@@ -104,7 +111,6 @@ class Controller:
         on_step: OnStep | None = None,
         clock: Callable[[], float] = time.monotonic,
         restarter: WorkerRestarter | None = None,
-        overlap_publish: bool = True,
     ) -> None:
         self.journal = Journal(writer, clock)
         self.stall_timeout_s = cfg.controller.stall_timeout_s
@@ -127,7 +133,7 @@ class Controller:
             staleness=cfg.staleness, groups_per_step=cfg.train.groups_per_step,
             groups_per_microbatch=cfg.train.groups_per_microbatch,
             target_version=cfg.run.steps, step_retries=cfg.controller.step_retries,
-            overlap_publish=overlap_publish,
+            overlap_publish=cfg.controller.publish == "behind",
         )
 
     @property

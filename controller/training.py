@@ -8,7 +8,7 @@ it and hand it to ``controller.step_close``. A failing step is aborted
 (``StepAborted``) and retried up to ``controller.step_retries`` times in a row; a dead
 trainer is replaced by ``controller.worker_loss``.
 
-Publishing overlaps the next step::
+Publishing may overlap the next step::
 
     step k:   ... finish -> StepFinished(v) --+-- publish v to the generators --> WeightsPublished(v)
     step k+1:                                 +-- select, StepBegun, microbatches ...  | wait | finish
@@ -18,7 +18,8 @@ the generators while the next step begins and trains its microbatches; that step
 finish waits until v is published (one publish in flight at most, and the published
 weights are exactly v's). A step that checkpoints, and the run's last step, publish in
 line as before: the checkpoint is taken after the publish, and a run ends published.
-With ``overlap_publish=False`` every publish is in line (the pre-overlap schedule).
+That is ``controller.publish = "behind"``; the default, ``"in_line"``
+(``overlap_publish=False`` here), publishes every version before the next step begins.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class TrainSide:
         groups_per_microbatch: int,
         target_version: int,
         step_retries: int,
-        overlap_publish: bool = True,
+        overlap_publish: bool = False,
     ) -> None:
         self.journal = journal
         self.trainer = trainer

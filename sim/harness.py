@@ -47,8 +47,6 @@ class SimSpec:
     #: buffer the config validation would refuse: between groups_per_step and
     #: groups_per_step * (window + 1))
     capacity: int | None = None
-    #: publish each version behind the next step (the controller's default) or in line
-    overlap_publish: bool = True
 
 
 @dataclass
@@ -102,7 +100,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     controller = Controller(
         writer, run_cfg, trainer, [SimGenerator(n, fleet) for n in names], publisher,
         SimPayloads(fleet, trainer), checkpoint_dir=f"sim-checkpoints/{spec.run_id}",
-        clock=loop.time, overlap_publish=spec.overlap_publish,
+        clock=loop.time,
     )
 
     async def main() -> None:

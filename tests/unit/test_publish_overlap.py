@@ -1,4 +1,4 @@
-"""Publishing a version behind the next step (``controller.training``), in virtual time.
+"""``controller.publish = "behind"``: a version published behind the next step, in virtual time.
 
 The trainer's weights change only at ``finish_train_step``, so the train pump publishes
 version v while the next step begins and trains, and that step's finish waits for the
@@ -31,13 +31,14 @@ def _run(publish_s: float, overlap: bool):
         f"run.steps={STEPS}", "rollout.num_generators=8", "rollout.groups_per_call=1",
         "train.groups_per_step=4", "train.groups_per_microbatch=4",
         "staleness.window_versions=2", "checkpoint.every_steps=1000",
+        f"controller.publish={'behind' if overlap else 'in_line'}",
     ])
     timings = SyntheticTimings(
         generation=Lognormal(0.5), train_per_sequence_s=0.0, microbatch_fixed_s=MICROBATCH_S,
         finish=FINISH_S, publish=publish_s,
     )
     store = MemoryEventStore()
-    simulate(store, SimSpec(config=cfg, timings=timings, run_id="o", overlap_publish=overlap))
+    simulate(store, SimSpec(config=cfg, timings=timings, run_id="o"))
     return [(s.position, s.event) for s in store.read("o")]
 
 
