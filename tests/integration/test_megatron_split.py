@@ -47,6 +47,11 @@ pytestmark = pytest.mark.integration
 
 OVERLAP = [False, True]
 
+# This module is the gloo (CPU) suite: pin its trainers to the CPU, or a machine with a
+# GPU would put them on CUDA under a gloo group ("unsupported device type cuda"). The
+# GPU runs are test_megatron_dp2.py's ``gpu`` tests.
+SGD, ADAMW, SGD64, ADAMW64 = (replace(c, device="cpu") for c in (SGD, ADAMW, SGD64, ADAMW64))
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
