@@ -189,9 +189,9 @@ class MegatronTrainer(TorchTrainer):
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        shims.ensure_parallel_state()
-        self.rank, self.world_size = dd.rank_and_world()
         self.device = self._resolve_device(cfg.device)
+        shims.ensure_parallel_state(cpu=self.device.type == "cpu")
+        self.rank, self.world_size = dd.rank_and_world()
         use_dist_opt = _distributed_optimizer(opts.use_distributed_optimizer, self.device, cfg)
         check_megatron(installed=True, cuda=self.device.type == "cuda", require_gpu=use_dist_opt)
         torch.manual_seed(cfg.seed)
@@ -216,7 +216,7 @@ class MegatronTrainer(TorchTrainer):
             bucket_size=opts.bucket_size,
             average_in_collective=False,
         )
-        with shims.buffers_on_cpu():
+        with shims.buffers_on_cpu(self.device.type == "cpu"):
             self._ddp = DistributedDataParallel(_ddp_transformer_config(module), ddp_config, module)
         # what megatron's training loop installs; saved and nulled while a step is open
         self._ddp.config.no_sync_func = self._ddp.no_sync

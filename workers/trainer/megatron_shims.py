@@ -1,8 +1,8 @@
-"""What megatron-core needs to run on a CPU-only machine, and its process-group setup.
+"""What megatron-core needs to run on the CPU, and its process-group setup.
 
-megatron-core assumes CUDA in three places this backend reaches; on a machine without
-CUDA each is replaced by a small CPU equivalent, and nothing is replaced where CUDA
-exists:
+megatron-core assumes CUDA in three places this backend reaches; for a trainer on the
+CPU (a machine without CUDA, or ``device = "cpu"`` beside a GPU) each is replaced by a
+small CPU equivalent, and nothing is replaced for a trainer on CUDA:
 
 * the model-parallel RNG tracker (``tensor_parallel.get_cuda_rng_tracker``) forks CUDA
   RNG states around dropout; the CPU tracker's ``fork`` is a no-op context (the trainer
@@ -49,9 +49,7 @@ def cuda_available() -> bool:
 
 
 def install_cpu_shims() -> None:
-    """Replace megatron's CUDA-only RNG tracker and memory buffer (no-op with CUDA)."""
-    if cuda_available():
-        return
+    """Replace megatron's CUDA-only RNG tracker and memory buffer (for a CPU trainer)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.utils import GlobalMemoryBuffer
@@ -86,9 +84,10 @@ def install_cpu_shims() -> None:
 
 
 @contextlib.contextmanager
-def buffers_on_cpu() -> Iterator[None]:
-    """While building DDP without CUDA, ``torch.cuda.current_device()`` means the CPU."""
-    if cuda_available():
+def buffers_on_cpu(cpu: bool) -> Iterator[None]:
+    """While building DDP for a CPU trainer, ``torch.cuda.current_device()`` means the CPU
+    (also where CUDA is present: a CPU trainer's gradient buffers belong on the CPU)."""
+    if not cpu:
         yield
         return
     original = torch.cuda.current_device
@@ -99,8 +98,10 @@ def buffers_on_cpu() -> Iterator[None]:
         torch.cuda.current_device = original  # type: ignore[assignment]
 
 
-def ensure_parallel_state(timeout_s: float = 600.0) -> None:
-    """Default process group (one-rank gloo if none) + megatron's groups at TP = PP = 1."""
+def ensure_parallel_state(timeout_s: float = 600.0, *, cpu: bool | None = None) -> None:
+    """Default process group (one-rank gloo if none) + megatron's groups at TP = PP = 1;
+    ``cpu``: the trainer runs on the CPU (default: when CUDA is absent)."""
+    cpu = not cuda_available() if cpu is None else cpu
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -112,11 +113,12 @@ def ensure_parallel_state(timeout_s: float = 600.0) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1
         )
-        if cuda_available():
+        if not cpu:
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    install_cpu_shims()
+    if cpu:
+        install_cpu_shims()
     if parallel_state.get_data_parallel_world_size() != dist.get_world_size():
         raise RuntimeError(
             "the megatron trainer supports data parallelism only (tensor and pipeline "
