@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from events.redis_store.store import RedisEventStore
@@ -81,7 +83,10 @@ def open_sentinel_store(
         sentinel = AsyncSentinel(addresses, sentinel_kwargs=sentinel_kwargs, **node_kwargs)
         return sentinel.master_for(master)
 
-    client = Sentinel(addresses, sentinel_kwargs=sentinel_kwargs, **node_kwargs).master_for(master)
+    client = Sentinel(
+        addresses, sentinel_kwargs=sentinel_kwargs, retry=FailoverRetry(failover_window_s),
+        **node_kwargs,
+    ).master_for(master)
     _await_master(client, failover_window_s)
     return RedisEventStore(
         sentinel_url(addresses, master),
@@ -92,6 +97,29 @@ def open_sentinel_store(
         retry_window_s=failover_window_s,
         chain_key=chain_key,
     )
+
+
+class FailoverRetry(Retry):
+    """The sync client's connection retry: redis-py's (three tries with backoff on a
+    connection error or timeout), and besides, for up to ``window_s``, again while the
+    sentinels name no healthy primary. Right after a failover, or while a loaded machine
+    makes every sentinel flag the primary down for a moment, discovery finds none; a
+    command then waits for one instead of failing. Wrong credentials are not retried
+    (an ``AuthenticationError`` is not a missing primary)."""
+
+    def __init__(self, window_s: float, retries: int = 3) -> None:
+        super().__init__(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries)
+        self.window_s = window_s
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        deadline = time.monotonic() + self.window_s
+        while True:
+            try:
+                return super().call_with_retry(do, fail, is_retryable, with_failure_count)
+            except MasterNotFoundError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def _await_master(client: Any, window_s: float) -> None:
