@@ -235,19 +235,18 @@ class TrainSide:
 
     async def _close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         closing, version = self.closing, result.trainer_version
-        closing.record(step, result, group_ids)
-        if (
+        behind = (
             self.overlap_publish
             and version < self.target_version
             and not closing.checkpoint_due(version)
-        ):
-            self._publishing = asyncio.create_task(
-                self._publish_behind(version), name=f"publish-v{version}"
-            )
+        )
+        if not behind:
+            await closing.close(step, result, group_ids)  # record, publish, checkpoint
             return
-        await closing.publish(version)
-        if closing.checkpoint_due(version):
-            await closing.checkpoint_and_release(version)
+        closing.record(step, result, group_ids)
+        self._publishing = asyncio.create_task(
+            self._publish_behind(version), name=f"publish-v{version}"
+        )
 
     async def _publish_behind(self, version: int) -> None:
         """Publish ``version`` while the pump goes on; a lost worker is handled here, as
