@@ -145,6 +145,7 @@ def read_timeline(
     published_ts = 0.0
     begun_since_finish = False  # a StepBegun between StepFinished and its publish
     behind_published_ts: float | None = None  # a publish that ran behind the open step
+    waited_in_line: dict[int, float] = {}  # version -> its in-line publish's seconds
     checkpoint: tuple[int, float] | None = None  # awaiting its payload release
     trainer_version = 0
     for _pos, event in events:
@@ -225,6 +226,7 @@ def read_timeline(
                     behind_published_ts = event.ts
                 else:
                     tl.refit_wait_s += event.ts - finished_ts
+                    waited_in_line[version] = event.ts - finished_ts
             last_finished = None
         elif kind is CheckpointSaved:
             # saved right after the step's weights were published
@@ -247,7 +249,7 @@ def read_timeline(
     if tl.progress:
         if last_finished is None:
             tl.refit_s -= rec.publish.get(trainer_version, 0.0)
-            tl.refit_wait_s -= rec.publish.get(trainer_version, 0.0)
+            tl.refit_wait_s -= waited_in_line.get(trainer_version, 0.0)
         tl.checkpoint_s -= rec.checkpoint.get(trainer_version, 0.0)
         tl.checkpoint_s -= rec.release.get(trainer_version, 0.0)
     return tl, rec
