@@ -170,6 +170,17 @@ class SentinelCluster:
         except (redis.RedisError, OSError):
             return False
 
+    def sentinel_state(self, sentinel_port: int) -> dict[str, object] | None:
+        """What one sentinel reports of the master (``SENTINEL MASTER``); None if it cannot say."""
+        client = redis.Redis(host=HOST, port=sentinel_port, password=self.sentinel_password,
+                             socket_timeout=2, decode_responses=True)
+        try:
+            return client.sentinel_master(MASTER)
+        except (redis.RedisError, OSError):
+            return None
+        finally:
+            client.close()
+
     def node_named_master(self) -> RedisServer | None:
         port = self.master_port()
         return next((n for n in self.nodes if n.port == port), None)

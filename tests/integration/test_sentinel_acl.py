@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import redis
 
 from events.errors import StorePermissionError
 from events.redis_store.acl import acl_rules
@@ -53,14 +52,9 @@ def cluster(tmp_path: Path):
 
 
 def _names_healthy_master(c: SentinelCluster, sentinel_port: int) -> bool:
-    client = redis.Redis(host="127.0.0.1", port=sentinel_port, password=c.sentinel_password,
-                         socket_timeout=2, decode_responses=True)
-    try:
-        state = client.sentinel_master(MASTER)
-    except (redis.RedisError, OSError):
+    state = c.sentinel_state(sentinel_port)
+    if state is None:
         return False
-    finally:
-        client.close()
     return (int(state["port"]) == c.replica.port and state.get("is_master")
             and not state.get("is_sdown") and not state.get("is_odown"))
 

@@ -35,15 +35,8 @@ RUN = "sentinel-down"
 
 
 def _flagged_down(c: SentinelCluster, sentinel_port: int) -> bool:
-    client = redis.Redis(host="127.0.0.1", port=sentinel_port, password=c.sentinel_password,
-                         socket_timeout=2, decode_responses=True)
-    try:
-        state = client.sentinel_master(MASTER)
-    except (redis.RedisError, OSError):
-        return False
-    finally:
-        client.close()
-    return bool(state.get("is_sdown") or state.get("is_odown"))
+    state = c.sentinel_state(sentinel_port)
+    return state is not None and bool(state.get("is_sdown") or state.get("is_odown"))
 
 
 def test_a_read_waits_while_every_sentinel_flags_the_primary_down(tmp_path: Path) -> None:
