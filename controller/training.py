@@ -103,12 +103,7 @@ class TrainSide:
             except _StepLost:
                 continue  # already aborted and recorded by the trainer's replacement
             except WorkerLostError as err:
-                if err.role == "trainer":
-                    await self.loss.trainer_lost(err)
-                else:  # a generator died while weights were published to it
-                    await self.loss.replace_generator(
-                        self.loss.generator(err.worker), err, publish_all=True
-                    )
+                await self._worker_lost(err)
             except Exception as err:
                 await self.abort_open_step(f"worker error: {type(err).__name__}: {err}")
                 self._aborts_in_row += 1
@@ -254,14 +249,17 @@ class TrainSide:
         try:
             await self.closing.publish(version)
         except WorkerLostError as err:
-            if err.role == "trainer":
-                await self.loss.trainer_lost(err)
-            else:
-                await self.loss.replace_generator(
-                    self.loss.generator(err.worker), err, publish_all=True
-                )
+            await self._worker_lost(err)
         finally:
             self.journal.wake()  # a pump waiting for data re-checks this task
+
+    async def _worker_lost(self, err: WorkerLostError) -> None:
+        if err.role == "trainer":
+            await self.loss.trainer_lost(err)
+        else:  # a generator died while weights were published to it
+            await self.loss.replace_generator(
+                self.loss.generator(err.worker), err, publish_all=True
+            )
 
     async def _publish_settled(self) -> None:
         task, self._publishing = self._publishing, None

@@ -10,9 +10,9 @@ one definition. From the events' ``ts`` (write-ahead: intent before, fact after)
 * microbatch 0 of a step = its ``MicrobatchTrained.ts - StepBegun.ts`` (begin included);
   microbatch i > 0 = its ts - max(previous microbatch's ts, latest commit of its groups)
   (the loop selects it as soon as both hold, then calls the trainer);
-* finishing = ``StepFinished.ts`` - max(the last microbatch's ts, the latest
-  ``WeightsPublished.ts``): the train pump publishes a version behind the next step and
-  that step's finish waits for the publish (``controller.training``);
+* finishing = ``StepFinished.ts`` - the last microbatch's ts, or the ts of the
+  ``WeightsPublished`` that ran behind the step if later (``controller.publish =
+  "behind"``: the step's finish waits for that publish, ``controller.training``);
 * refit = the next ``WeightsPublished.ts - StepFinished.ts``; a checkpoint = its
   ``CheckpointSaved.ts`` - that ``WeightsPublished.ts`` (the loop saves right after),
   plus the release of the payloads it covers (``PayloadsReleased.ts - CheckpointSaved.ts``:
@@ -28,6 +28,7 @@ Everything here is pure: it takes decoded ``(position, event)`` pairs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,7 +241,7 @@ def read_timeline(
             tl.checkpoint_s += event.ts - saved_ts
             checkpoint = None
     # Still generating when the log ends: the recorded run shows they took at least this.
-    end_ts = prev_ts if prev_ts == prev_ts else 0.0  # NaN when the log had no events
+    end_ts = 0.0 if math.isnan(prev_ts) else prev_ts  # NaN: the log had no events
     for gid, ts in admitted.items():
         if gid not in committed_ts or committed_ts[gid] < ts:
             rec.unfinished[gid] = end_ts - ts + latency.get(gid, 0.0)
