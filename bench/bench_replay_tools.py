@@ -10,11 +10,15 @@ releases), writes it into a fresh redis-server (temp dir, loopback) through
   (b) audit             -- (a) + the audit report (history, cross-check) + ``to_dict()``
   (c) staleness         -- (a) with the staleness trace + the analysis + ``to_dict()``
   (d) read only         -- the pages alone, for attribution
-  (e) audit with chain  -- (b) + the hash chain walk (``replay.chain_audit``) in a forked
-                           process meanwhile: what ``rl-controller audit`` runs
-  (f) audit, chain      -- the same one after the other in this process (attribution)
+  (e) audit with chain  -- what ``rl-controller audit`` runs (``replay.chain_audit.audit_log``):
+                           (b) with the page reads checking the hash chain's links, so
+                           the log is read once
+  (f) audit, chain      -- (b), then the separate chain walk in this process (attribution)
+  (g) audit + walk      -- (b) with the separate walk in a forked process meanwhile: how
+                           audit ran before (the log read twice), for the ratio (g)/(e)
 
-(client CPU is this process's; (e)'s chain walk runs in a child, not counted there)
+(client CPU is this process's; the page readers and (g)'s walk run in children, not
+counted there)
 (the CLI renders both reports from ``to_dict()``, tables and JSON alike). The machine's
 load average is printed with the results: on a shared machine, compare runs only at
 similar loads.
@@ -53,7 +57,7 @@ from bench_memory import check_memory  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from replay import staleness  # noqa: E402
 from replay.audit import build_report  # noqa: E402
-from replay.chain_audit import audit_chain, start_audit_chain  # noqa: E402
+from replay.chain_audit import audit_chain, audit_log, start_audit_chain  # noqa: E402
 from replay.reader import fold_log, iter_pages  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.unit.log_builder import stream_random_run  # noqa: E402
@@ -146,6 +150,12 @@ def main() -> None:
             report.to_dict()
 
         def audit_with_chain() -> None:  # as ``rl-controller audit`` runs it
+            result, chain = audit_log(store, run_id, None)
+            report = build_report(result)
+            assert report.ok and chain.status == "ok", (report.problem, chain)
+            report.to_dict()
+
+        def audit_and_walk() -> None:  # the two reads audit used to make
             verdict = start_audit_chain(store, run_id, None)
             audit()
             chain = verdict()
@@ -167,6 +177,7 @@ def main() -> None:
             ("(c) staleness", _best(stale, args.repeat)),
             ("(d) read only", _best(read_only, args.repeat)),
             ("(e) audit+chain", _best(audit_with_chain, args.repeat)),
+            ("(g) audit + walk", _best(audit_and_walk, args.repeat)),
             ("(f) audit, chain", _best(audit_then_chain, args.repeat)),
         ]
         store.close()
@@ -180,6 +191,8 @@ def main() -> None:
         verdict = "met" if wall < TARGET_S_PER_1M else "MISSED"
         print(f"per 1M events: {name[4:]:<12} {wall:5.2f} s wall ({verdict}: target "
               f"< {TARGET_S_PER_1M:.0f} s), {cpu:5.2f} s client CPU")
+    print(f"audit with chain, one read vs two: (g)/(e) = "
+          f"{per_1m['(g) audit + walk'][0] / per_1m['(e) audit+chain'][0]:.2f}x wall")
     audit_s = per_1m["(e) audit+chain"][0]
     if n >= LONG_RUN_EVENTS * 0.95:
         verdict = "met" if rows[4][1][0] < LONG_RUN_TARGET_S else "MISSED"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -169,11 +169,9 @@ def verify(
             continue
         if not stored:
             return ChainReport("broken", prev, position, "entry has no chain hash")
-        t = event_type if isinstance(event_type, bytes) else event_type.encode()
-        i = event_id if isinstance(event_id, bytes) else event_id.encode()
-        raw = digest(prev_raw + frame(position, len(t), len(i)) + t + i + data)
+        raw = _link_raw(digest, frame, prev_raw, position, event_type, event_id, data)
         if not hmac.compare_digest(raw.hex(), stored):
-            return ChainReport("broken", prev, position, _mismatch(chain, position))
+            return ChainReport("broken", prev, position, mismatch_reason(chain, position))
         prev, prev_raw = stored, raw
     if absent:
         return ChainReport("absent")
@@ -199,7 +197,55 @@ def verify(
     return ChainReport("ok", prev)
 
 
-def _mismatch(chain: Chain, position: int) -> str:
+def _link_raw(
+    digest: Callable[[bytes], bytes], frame: Callable[..., bytes], prev_raw: bytes,
+    position: int, event_type: str | bytes, event_id: str | bytes, data: bytes,
+) -> bytes:
+    t = event_type if isinstance(event_type, bytes) else event_type.encode()
+    i = event_id if isinstance(event_id, bytes) else event_id.encode()
+    return digest(prev_raw + frame(position, len(t), len(i)) + t + i + data)
+
+
+class LinkCheck(NamedTuple):
+    """What :func:`check_links` found on a run of consecutive chained entries."""
+
+    first: int
+    last: int
+    #: the stored hash of the last entry
+    head: str
+    #: the first entry whose link does not hold (None: every link holds) ...
+    bad: int | None = None
+    #: ... and the hash before it (what ``verify`` reports as its head there)
+    before_bad: str = ""
+
+
+def check_links(
+    chain: Chain, prev: str, entries: Sequence[tuple[int, str | bytes, str | bytes, bytes, str]]
+) -> LinkCheck:
+    """Check the links of consecutive, chained (position, type, id, data, hash) entries
+    (non-empty, every hash present) after ``prev``, the stored hash of the entry before
+    the first (the genesis hash before position 1).
+
+    Each link is H(stored previous hash || entry) == stored hash, exactly as ``verify``
+    checks it; so the pages of a log can be checked apart (each from the stored hash
+    before it) and the first bad entry over all of them is ``verify``'s.
+    """
+    first, last, head = entries[0][0], entries[-1][0], entries[-1][4]
+    try:
+        prev_raw = bytes.fromhex(prev)
+    except ValueError:  # not a hash: the entry before is bad, and is found there first
+        return LinkCheck(first, last, head, first, prev)
+    digest, frame = chain.raw_digest, _FRAME.pack
+    for position, event_type, event_id, data, stored in entries:
+        raw = _link_raw(digest, frame, prev_raw, position, event_type, event_id, data)
+        if not hmac.compare_digest(raw.hex(), stored):
+            return LinkCheck(first, last, head, position, prev)
+        prev, prev_raw = stored, raw
+    return LinkCheck(first, last, head)
+
+
+def mismatch_reason(chain: Chain, position: int) -> str:
+    """Why the entry at ``position`` breaks the chain (its link does not hold)."""
     how = "HMAC with the chain key" if chain.keyed else "SHA-256"
     return (
         f"chain hash mismatch ({how}): entry {position} was altered, moved or forged"

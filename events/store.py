@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
@@ -75,6 +75,9 @@ class EncodedPage(NamedTuple):
     first: int
     data: list[bytes] | list[str]
     positions: list[int] | None = None
+    #: what a checking read found on the page besides its data (``audit`` reads pages
+    #: that check their hash-chain links, ``replay.chain_pages``); None for a plain read
+    check: Any = None
 
     @property
     def next_position(self) -> int:

@@ -1,9 +1,11 @@
 """``audit``'s chain check: recompute every link of the run's hash chain (``events.chain``).
 
-Separate from the fold on purpose: the fold reads only the ``data`` field on its fast
-path, and the chain covers what the fold never looks at (ids, the ``type`` field, the
-head in meta). An HMAC chain can only be verified with its key; without one, audit
-says so rather than reporting every entry as tampered.
+The chain covers what the fold never looks at (ids, the ``type`` field, the head in
+meta). :func:`audit_log` is what ``rl-controller audit`` runs: the fold's own page
+reads check the links (``replay.chain_pages``), so the log is read once; the whole
+walk on its own (:func:`audit_chain`) stays for whatever that path cannot vouch for.
+An HMAC chain can only be verified with its key; without one, audit says so rather
+than reporting every entry as tampered.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 from events.chain import HMAC_SHA256, SHA256, Chain, verify
 from events.errors import ChainError
 from events.store import EventStore
-from replay.reader import gc_paused
+from replay import chain_pages, reader
+from replay.reader import FoldResult, fold_log, gc_paused
 
 #: entries per read while verifying
 PAGE = 20_000
@@ -76,6 +79,43 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
         head_position=0 if head is None else head.position,
         position=report.position, reason=report.reason,
     )
+
+
+def audit_log(
+    store: EventStore, run_id: str, key: bytes | None
+) -> tuple[FoldResult, ChainAudit]:
+    """Fold the whole log and verify its chain, as ``rl-controller audit`` does.
+
+    The common case reads the log once: the pages the fold reads check their own links
+    (``replay.chain_pages``). Anything that path cannot vouch for -- no chain head, an
+    HMAC chain without its key, a page it could not read whole, a fold that stopped
+    early -- gets the separate walk (started beside the fold when known up front).
+    """
+    head = store.chain_head(run_id)
+    verdict: Callable[[], ChainAudit] | None = None
+    fetch = None
+    if head is None or (key is None and head.algorithm == HMAC_SHA256):
+        verdict = start_audit_chain(store, run_id, key)  # no head, or no key: the walk says
+    else:
+        chain = Chain(run_id, key)
+        fetch = chain_pages.checked_fetch(store, run_id, chain, reader.PAGE_ENTRIES)
+        if fetch is None:
+            verdict = start_audit_chain(store, run_id, key)  # on another core
+    result = fold_log(store, run_id, read=fetch)
+    if verdict is not None:
+        return result, verdict()
+    found = chain_pages.page_verdict(chain, result.extras["page_checks"], head, result.log_end)
+    if found is None or head is None:
+        return result, audit_chain(store, run_id, key)
+    status, last, position, reason = found
+    algorithm = HMAC_SHA256 if key is not None else SHA256
+    if status == "ok":
+        err = chain_pages.snapshot_problem(store, run_id)
+        if err is not None:
+            return result, ChainAudit("broken", algorithm, last, position=err.position,
+                                      reason=err.reason)
+    return result, ChainAudit(status, algorithm, last, head_position=head.position,
+                              position=position, reason=reason)
 
 
 def start_audit_chain(store: EventStore, run_id: str, key: bytes | None) -> Callable[[], ChainAudit]:

@@ -275,15 +275,13 @@ def _register_audit(subparsers: Any) -> None:
 def cmd_audit(args: argparse.Namespace) -> int:
     from controller.cli_common import load_chain_key
     from replay.audit import build_report, write_csv
-    from replay.chain_audit import start_audit_chain
-    from replay.reader import fold_log
+    from replay.chain_audit import audit_log
 
     key = load_chain_key(args.chain_key_file)
     with open_store(args) as store:
         require_run(store, args.run)
-        chain_verdict = start_audit_chain(store, args.run, key)  # on another core
-        report = build_report(fold_log(store, args.run))
-        chain = chain_verdict()
+        result, chain = audit_log(store, args.run, key)
+        report = build_report(result)
     if args.json:
         render.write_json({**report.to_dict(), "chain": chain.to_dict()})
     else:

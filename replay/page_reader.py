@@ -84,8 +84,8 @@ def forked_pages(
                 return
             if message[0] == "end":
                 return
-            _, first, data = message
-            yield EncodedPage(first, data)
+            _, first, data, check = message
+            yield EncodedPage(first, data, None, check)
             if len(data) < page_entries:
                 return
             index += 1
@@ -112,7 +112,7 @@ def _read_pages(
             if page.positions is not None or page.first != position:
                 send.send_bytes(_STOPPED)  # a gap: only the in-process read reports it
                 return
-            send.send_bytes(_encode(("page", page.first, page.data)))
+            send.send_bytes(_encode(("page", page.first, page.data, page.check)))
             if len(page.data) < page_entries:
                 return
             index += readers

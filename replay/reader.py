@@ -115,16 +115,21 @@ def iter_pages(
 
 
 def _iter_pages(
-    store: EventStore, run_id: str, start: int = 1, end: int | None = None
+    store: EventStore, run_id: str, start: int = 1, end: int | None = None,
+    read: page_reader.Fetch | None = None,
 ) -> Iterator[EncodedPage]:
     """The store's bulk pages, read ahead of the caller: by a forked child for a long
     log (``replay.page_reader``: the read's parsing then runs on another core), else by
-    a helper thread (the server's work and the socket wait overlap the caller's)."""
+    a helper thread (the server's work and the socket wait overlap the caller's).
+    ``read(position)`` reads a whole page (default: ``store.read_page``); with ``end``
+    given, pages are read plainly up to it."""
 
     def fetch(position: int) -> EncodedPage:
         want = PAGE_ENTRIES if end is None else min(PAGE_ENTRIES, end - position + 1)
         if want <= 0:
             return EncodedPage(position, [])
+        if read is not None and want == PAGE_ENTRIES:
+            return read(position)
         return store.read_page(run_id, position, want)
 
     if page_reader.can_fork() and _long(store, run_id, start, end):
@@ -167,13 +172,16 @@ def fold_log(
     stop_step: int | None = None,
     observers: dict[type, Observer] | None = None,
     use_snapshot: bool = False,
+    read: page_reader.Fetch | None = None,
 ) -> FoldResult:
     """Fold the run's log (up to position ``until``, or through step ``stop_step``'s end).
 
     ``observers`` maps an event type to a callback run after that event is applied
     (staleness traces); other events cost nothing extra. With ``use_snapshot`` the fold
     starts from the store's snapshot when it lies before ``until`` (replay only: audit
-    must check every event).
+    must check every event). ``read`` reads a page of ``PAGE_ENTRIES`` from a position
+    (audit's reads check the hash chain too); what each folded page's ``check`` says
+    is kept, in order, in ``extras["page_checks"]``.
     """
     state, start = _starting_state(store, run_id, until, stop_step, use_snapshot)
     result = FoldResult(state=state)
@@ -182,9 +190,11 @@ def fold_log(
         for cls in (StepFinished, StepAborted):
             watch[cls] = _stop_at(stop_step, watch.get(cls))
     last: AnyEvent | None = None
+    checks: list[Any] = result.extras.setdefault("page_checks", [])
     try:
-        for page in _iter_pages(store, run_id, start, until):
+        for page in _iter_pages(store, run_id, start, until, read):
             last = apply_raw(state, page.entries(), watch) or last
+            checks.append(page.check)
     except _StepReached as reached:
         result.reached = True
         last = reached.event
