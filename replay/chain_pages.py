@@ -41,18 +41,13 @@ def checked_fetch(
     def fetch(position: int) -> EncodedPage:
         before = 1 if position > 1 else 0  # the entry before the page: its stored hash
         entries = read(run_id, position - before, page_entries + before)
-        if entries is None or len(entries) <= before:  # not vouched for, or past the end
-            return _plain(store, run_id, position, page_entries)
+        if entries is None or len(entries) <= before:  # not vouched for, or past the end:
+            return store.read_page(run_id, position, page_entries)  # no check, the walk
         prev = entries[0][4] if before else chain.genesis
         page = entries[before:]
         return EncodedPage(position, [e[3] for e in page], None, check_links(chain, prev, page))
 
     return fetch
-
-
-def _plain(store: EventStore, run_id: str, position: int, count: int) -> EncodedPage:
-    """The page as a plain read has it (no check: the caller walks the chain apart)."""
-    return store.read_page(run_id, position, count)
 
 
 def page_verdict(
