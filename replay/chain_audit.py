@@ -82,7 +82,7 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
 
 
 def audit_log(
-    store: EventStore, run_id: str, key: bytes | None
+    store: EventStore, run_id: str, key: bytes | None, progress: reader.Progress | None = None
 ) -> tuple[FoldResult, ChainAudit]:
     """Fold the whole log and verify its chain, as ``rl-controller audit`` does.
 
@@ -101,7 +101,7 @@ def audit_log(
         fetch = chain_pages.checked_fetch(store, run_id, chain, reader.PAGE_ENTRIES)
         if fetch is None:
             verdict = start_audit_chain(store, run_id, key)  # on another core
-    result = fold_log(store, run_id, read=fetch)
+    result = fold_log(store, run_id, read=fetch, progress=progress)
     if verdict is not None:
         return result, verdict()
     found = chain_pages.page_verdict(chain, result.extras["page_checks"], head, result.log_end)

@@ -125,7 +125,7 @@ def replay_point(args: argparse.Namespace, store: Any) -> Any:
     if at is not None and at > end:
         raise CliError(f"--at {at} is past the end of run {args.run!r} (last position {end})")
     result = fold_log(store, args.run, until=at, stop_step=args.step,
-                      use_snapshot=not args.no_snapshot)
+                      use_snapshot=not args.no_snapshot, progress=render.progress("replay"))
     if result.problem is not None:
         raise CliError(result.problem.describe(), 1)
     if args.step is not None and not result.reached:
@@ -220,7 +220,8 @@ def cmd_staleness(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         require_run(store, args.run)
         trace = staleness.Trace()
-        result = fold_log(store, args.run, observers=trace.observers())
+        result = fold_log(store, args.run, observers=trace.observers(),
+                          progress=render.progress("staleness"))
         if result.problem is not None:
             raise CliError(result.problem.describe(), 1)
         report = staleness.analyze(result.state, trace)
@@ -280,7 +281,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     key = load_chain_key(args.chain_key_file)
     with open_store(args) as store:
         require_run(store, args.run)
-        result, chain = audit_log(store, args.run, key)
+        result, chain = audit_log(store, args.run, key, render.progress("audit"))
         report = build_report(result)
     if args.json:
         render.write_json({**report.to_dict(), "chain": chain.to_dict()})

@@ -34,6 +34,12 @@ from replay import page_reader
 #: Entries per page (one server round trip each against Redis).
 PAGE_ENTRIES = BULK_PAGE_SIZE
 
+#: a long fold reports its progress each time it passes a multiple of this many events
+PROGRESS_EVERY = 1_000_000
+
+#: called with (position folded, the log's last position) as a long fold goes on
+Progress = Callable[[int, int], None]
+
 #: (position, encoded event) -- what the fold consumes. The event is JSON text, as bytes
 #: or str; ``events.codec.decode`` takes either.
 Entry = tuple[int, bytes | str]
@@ -173,6 +179,7 @@ def fold_log(
     observers: dict[type, Observer] | None = None,
     use_snapshot: bool = False,
     read: page_reader.Fetch | None = None,
+    progress: Progress | None = None,
 ) -> FoldResult:
     """Fold the run's log (up to position ``until``, or through step ``stop_step``'s end).
 
@@ -181,7 +188,8 @@ def fold_log(
     starts from the store's snapshot when it lies before ``until`` (replay only: audit
     must check every event). ``read`` reads a page of ``PAGE_ENTRIES`` from a position
     (audit's reads check the hash chain too); what each folded page's ``check`` says
-    is kept, in order, in ``extras["page_checks"]``.
+    is kept, in order, in ``extras["page_checks"]``. ``progress`` is called each time
+    the fold passes a multiple of :data:`PROGRESS_EVERY` events (minutes of work at 10^7).
     """
     state, start = _starting_state(store, run_id, until, stop_step, use_snapshot)
     result = FoldResult(state=state)
@@ -191,10 +199,14 @@ def fold_log(
             watch[cls] = _stop_at(stop_step, watch.get(cls))
     last: AnyEvent | None = None
     checks: list[Any] = result.extras.setdefault("page_checks", [])
+    end = 0 if progress is None else store.last_position(run_id) if until is None else until
     try:
         for page in _iter_pages(store, run_id, start, until, read):
+            before = state.position
             last = apply_raw(state, page.entries(), watch) or last
             checks.append(page.check)
+            if progress is not None and state.position // PROGRESS_EVERY > before // PROGRESS_EVERY:
+                progress(state.position, end)
     except _StepReached as reached:
         result.reached = True
         last = reached.event

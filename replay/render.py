@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
@@ -26,6 +28,20 @@ def write_json(obj: Any, file: TextIO | None = None) -> None:
     out = file or sys.stdout
     out.write(msgspec.json.encode(obj).decode())
     out.write("\n")
+
+
+def progress(what: str, file: TextIO | None = None) -> Callable[[int, int], None]:
+    """A fold's progress callback: one line on stderr per report (stdout stays the
+    report's, JSON included)."""
+    out = file or sys.stderr
+    started = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        share = f" ({done / total:.0%})" if total else ""
+        print(f"{what}: {done:,} of {total:,} events{share} after "
+              f"{time.perf_counter() - started:.0f}s", file=out, flush=True)
+
+    return report
 
 
 def iso(ts: float) -> str:

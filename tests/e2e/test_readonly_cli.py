@@ -248,3 +248,24 @@ def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("command", [["audit", "--json"], ["staleness", "--json"],
+                                     ["replay", "--json"]])
+def test_long_folds_report_progress_on_stderr_only(capsys, redis_url, run, monkeypatch, command):
+    """Progress lines (here every 100 events, on 50-entry pages) go to stderr, one per
+    multiple passed, and leave stdout's JSON whole."""
+    from replay import reader
+
+    monkeypatch.setattr(reader, "PROGRESS_EVERY", 100)
+    monkeypatch.setattr(reader, "PAGE_ENTRIES", 50)
+    code, out, err = cli(capsys, redis_url, command[0], "--run", run.run_id, *command[1:],
+                         *(["--no-snapshot"] if command[0] == "replay" else []))
+    assert code == 0, err
+    json.loads(out)
+    end = len(run.events)
+    lines = [line for line in err.splitlines() if line.startswith(f"{command[0]}: ")]
+    assert [int(line.split()[1].replace(",", "")) for line in lines] == [
+        100 * k for k in range(1, end // 100 + 1)
+    ]
+    assert end // 100 >= 3 and all(f"of {end:,} events" in line for line in lines)
