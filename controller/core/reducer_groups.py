@@ -12,6 +12,9 @@ from controller.core.state import (
     GroupRecord,
     GroupStatus,
     RunState,
+    pack_f64,
+    pack_i64,
+    pack_keys,
 )
 from events.schema import (
     GroupCommitted,
@@ -102,14 +105,18 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
     start, end = ev.weight_version_start, ev.weight_version_end
     if not n or len(rewards) != n or len(lengths) != n or end < start:
         _check_commit(ev, pos)
+    try:
+        packed_lengths = pack_i64(lengths)
+    except OverflowError:
+        _violation(pos, ev, f"group {gid}: a length is outside the int64 range")
     group.status = _COMMITTED
     group.committed_ts = ev.ts
     group.committed_position = pos
     group.weight_version_start = start
     group.weight_version_end = end
-    group.payload_keys = tuple(keys)
-    group.rewards = tuple(rewards)
-    group.lengths = tuple(lengths)
+    group.packed_keys = pack_keys(keys)
+    group.rewards_f64 = pack_f64(rewards)
+    group.lengths_i64 = packed_lengths
     del state.admitted[gid]
     state.buffer[gid] = None
 

@@ -85,13 +85,16 @@ def _on_microbatch_trained(state: RunState, ev: MicrobatchTrained, pos: int) -> 
                 f"[0, {window}]",
             )
     step = ev.step
+    claimed = []
     for gid in ids:
         del buffer[gid]
         group = groups[gid]
         group.status = _CLAIMED
         group.claimed_step = step
         group.lag = base - group.weight_version_start  # type: ignore[operator]
-    microbatches.append(tuple(ids))
+        # the record's own id string: the step keeps no second copy of each id
+        claimed.append(group.group_id)
+    microbatches.append(tuple(claimed))
     open_step.num_sequences += ev.num_sequences
     open_step.num_tokens += ev.num_tokens
 
