@@ -64,7 +64,7 @@ RUN_OPTIONS = dict(
 )
 FOLD_TARGET = 0.5
 #: RSS growth of a fold per event with the settings above (every group stays in the state)
-STATE_BYTES_PER_EVENT = 700
+STATE_BYTES_PER_EVENT = 500
 
 
 def _best_interleaved(

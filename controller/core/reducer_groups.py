@@ -6,6 +6,7 @@ validate first, mutate after, violations name the position. Pure.
 
 from __future__ import annotations
 
+import struct
 
 from controller.core.errors import violation as _violation
 from controller.core.state import (
@@ -107,8 +108,8 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
         _check_commit(ev, pos)
     try:
         packed_lengths = pack_i64(lengths)
-    except OverflowError:
-        _violation(pos, ev, f"group {gid}: a length is outside the int64 range")
+    except struct.error:
+        _violation(pos, ev, f"group {gid}: a length is not an int64")
     group.status = _COMMITTED
     group.committed_ts = ev.ts
     group.committed_position = pos

@@ -11,8 +11,7 @@ Pure: no I/O, no clock, no randomness.
 from __future__ import annotations
 
 import enum
-import sys
-from array import array
+import struct
 from typing import Any, Final, Iterator, Sequence
 
 import msgspec
@@ -26,7 +25,6 @@ STATE_FORMAT_VERSION: Final = 2
 
 #: joins a committed group's payload keys into one string (see ``pack_keys``)
 KEY_SEPARATOR: Final = "\x00"
-_SWAP: Final = sys.byteorder == "big"  # packed numbers are little-endian everywhere
 
 
 class GroupStatus(enum.Enum):
@@ -124,11 +122,13 @@ class GroupRecord(msgspec.Struct, kw_only=True, gc=False):
 
     @property
     def rewards(self) -> tuple[float, ...]:
-        return _unpack(array("d"), self.rewards_f64)
+        data = self.rewards_f64
+        return _packer(_F64, "d", len(data) >> 3).unpack(data)
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        return _unpack(array("q"), self.lengths_i64)
+        data = self.lengths_i64
+        return _packer(_I64, "q", len(data) >> 3).unpack(data)
 
 
 def pack_keys(keys: Sequence[str]) -> str | tuple[str, ...]:
@@ -138,25 +138,25 @@ def pack_keys(keys: Sequence[str]) -> str | tuple[str, ...]:
 
 
 def pack_f64(values: Sequence[float]) -> bytes:
-    return _pack(array("d", values))
+    return _packer(_F64, "d", len(values)).pack(*values)
 
 
 def pack_i64(values: Sequence[int]) -> bytes:
-    """Raises OverflowError for a value outside int64 (the reducer names the event)."""
-    return _pack(array("q", values))
+    """Raises struct.error for a value that is not an int64 (the reducer names the event)."""
+    return _packer(_I64, "q", len(values)).pack(*values)
 
 
-def _pack(packed: array) -> bytes:  # type: ignore[type-arg]
-    if _SWAP:
-        packed.byteswap()
-    return packed.tobytes()
+# Little-endian on every machine, so a snapshot reads the same wherever it is decoded.
+# One compiled ``struct.Struct`` per sample count (a run has few distinct counts).
+_F64: dict[int, struct.Struct] = {}
+_I64: dict[int, struct.Struct] = {}
 
 
-def _unpack(into: array, data: bytes) -> tuple:  # type: ignore[type-arg]
-    into.frombytes(data)
-    if _SWAP:
-        into.byteswap()
-    return tuple(into)
+def _packer(cache: dict[int, struct.Struct], code: str, n: int) -> struct.Struct:
+    packer = cache.get(n)
+    if packer is None:
+        packer = cache[n] = struct.Struct(f"<{n}{code}")
+    return packer
 
 
 class OpenStep(msgspec.Struct, kw_only=True):

@@ -60,7 +60,7 @@ VIOLATIONS: list[Any] = [
     pytest.param(lambda b: b.start().admit("g1").commit("g1", rewards=[1.0]), "same non-zero length, got 2/1/2", id="commit-ragged"),
     pytest.param(lambda b: b.start().admit("g1").commit("g1", n=0), "same non-zero length, got 0/0/0", id="commit-empty"),
     pytest.param(lambda b: b.start().admit("g1").commit("g1", start=1, end=0), "weight_version_end 0 < start 1", id="commit-end-before-start"),
-    pytest.param(lambda b: b.start().admit("g1").commit("g1", lengths=[2**63, 1]), "outside the int64 range", id="commit-length-overflow"),
+    pytest.param(lambda b: b.start().admit("g1").commit("g1", lengths=[2**63, 1]), "a length is not an int64", id="commit-length-overflow"),
     pytest.param(lambda b: b.start().admit("g1").fail("g1").commit("g1"), "is failed, not admitted", id="commit-failed"),
     pytest.param(lambda b: b.start().group("g1").fail("g1"), "is committed, not admitted", id="fail-committed"),
     pytest.param(lambda b: b.start().admit("g1").fail("g1", attempt=2), "does not match", id="fail-wrong-attempt"),
