@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import struct
 
+import msgspec
 import pytest
 
+from controller.core.errors import SnapshotDecodeError
 from controller.core.fold import fold, fold_raw
+from controller.startup import load_state
+from events.codec import encode
+from events.memory_store import MemoryEventStore
 from controller.core.state import KEY_SEPARATOR, decode_state, encode_state, pack_keys
 from tests.unit.log_builder import LogBuilder
 
@@ -65,3 +70,24 @@ def test_an_uncommitted_group_has_no_payload() -> None:
     b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2)
     group = fold(b.start().admit("g1").build()).groups["g1"]
     assert (group.payload_keys, group.rewards, group.lengths) == ((), (), ())
+
+
+def test_resume_over_a_format_1_snapshot_folds_the_log_from_the_start() -> None:
+    # A snapshot written before the packing (format 1: the per-sample lists) is a cache
+    # this code cannot read: a resume folds the whole log instead, to the same state.
+    b = _log(["k0", "k1"], [0.5, 1.0], [3, 4]).admit("g2").commit("g2")
+    store = MemoryEventStore()
+    for stored in b.build():
+        store.append_raw("r1", encode(stored.event), event_type=type(stored.event).__name__)
+    full = fold_raw(b.encoded())
+    old = msgspec.to_builtins(full)
+    old["state_format"] = 1
+    for group in old["groups"].values():
+        group["payload_keys"] = list(full.groups[group["group_id"]].payload_keys)
+        group["rewards"] = list(full.groups[group["group_id"]].rewards)
+        group["lengths"] = list(full.groups[group["group_id"]].lengths)
+        del group["packed_keys"], group["rewards_f64"], group["lengths_i64"]
+    store.save_snapshot("r1", full.position, msgspec.msgpack.encode(old))
+    with pytest.raises(SnapshotDecodeError, match="state format 1"):
+        decode_state(store.load_snapshot("r1")[1])  # type: ignore[index]
+    assert encode_state(load_state(store, "r1")) == encode_state(full)
