@@ -19,7 +19,7 @@ Above ``--stream-above`` events (default 2M; e.g. ``--events 20000000``, a 10k-s
 of ~2000 events per step) the log is generated, encoded and folded chunk by chunk
 (``stream_random_run``), one pass: (a) and (b) are timed per chunk and summed, and the
 log is never held whole (only the folded state grows, ~``STATE_BYTES_PER_EVENT`` per
-event: ~14 GB at 20M; the bench refuses to start when the machine's available memory is
+event: ~10 GB at 20M; the bench refuses to start when the machine's available memory is
 below its estimate, ``--force`` to run anyway). The chain comparison is skipped.
 
 Then the hash chain's cost on the read path: the first ``--redis-events`` entries are

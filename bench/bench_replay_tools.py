@@ -35,7 +35,7 @@ time moves with the load, the CPU of this process much less.
 Logs are generated and appended page by page (``stream_random_run``), and every tool
 folds page by page: the log itself is never held by this process. What does grow is
 redis-server (the log) and the folded state (every group of the run), about
-``STATE_BYTES_PER_EVENT`` + ``REDIS_BYTES_PER_EVENT`` per event (~20 GB at 20M): the
+``STATE_BYTES_PER_EVENT`` + ``REDIS_BYTES_PER_EVENT`` per event (~18 GB at 20M): the
 bench prints that estimate and refuses to start when the machine's available memory
 is below it (``--force`` to run anyway). At 20M events it also prints the measured
 audit time against the one-minute target.
