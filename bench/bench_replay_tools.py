@@ -55,6 +55,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_fold import EVENTS_PER_STEP, RUN_OPTIONS, STATE_BYTES_PER_EVENT  # noqa: E402
 from bench_memory import check_memory  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from replay import staleness  # noqa: E402
@@ -64,12 +65,11 @@ from replay.reader import fold_log, iter_pages  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.unit.log_builder import stream_random_run  # noqa: E402
 
-EVENTS_PER_STEP = 30  # with the settings below
 TARGET_S_PER_1M = 3.0
 #: the long-run point of the issue: a 10k-step x 512-group log, audited within a minute
 LONG_RUN_EVENTS, LONG_RUN_TARGET_S = 20_000_000, 60.0
-#: measured with the settings below (RSS growth of a fold; redis-server's used_memory)
-STATE_BYTES_PER_EVENT = 500
+#: redis-server's used_memory per event, measured with bench_fold's RUN_OPTIONS (the log
+#: is generated with them, so the fold's STATE_BYTES_PER_EVENT holds here too)
 REDIS_BYTES_PER_EVENT = 450
 ALL_MEASURES = "abcdegf"
 
@@ -137,17 +137,13 @@ def main() -> None:
     check_memory(args.events, STATE_BYTES_PER_EVENT + REDIS_BYTES_PER_EVENT,
                  "folded state + redis-server", args.force)
 
-    options = dict(
-        window=2, groups_per_step=8, samples_per_group=8, microbatch_groups=2, p_fail=0.01,
-        p_abort=0.005, p_restart=0.001, checkpoint_every=20,
-    )
     steps = max(1, args.events // EVENTS_PER_STEP)
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp), appendfsync="everysec") as server:
         store = RedisEventStore(server.url)
         t0 = time.perf_counter()
         n, pending = 0, []
-        for chunk in stream_random_run(args.seed, steps, **options):
+        for chunk in stream_random_run(args.seed, steps, **RUN_OPTIONS):
             pending += (s.event for s in chunk)
             if len(pending) >= 100_000:
                 n = write_log(store, f"sim-{args.seed}", pending, position=n)
