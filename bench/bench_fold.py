@@ -14,6 +14,8 @@ by side in one run (best of ``--repeat``):
 
 and prints events/s and the ratio (b)/(a), all by this process's CPU time (the machine
 may be shared: CPU time moves much less with other work than wall time does). Targets: (b) >= 300k events/s and >= 0.5x (a).
+Then (c) by event type: what each handler costs per call, beside the average the 0.5x
+target leaves the reducer (as much again as decoding, per event).
 
 Above ``--stream-above`` events (default 2M; e.g. ``--events 20000000``, a 10k-step run
 of ~2000 events per step) the log is generated, encoded and folded chunk by chunk
@@ -152,9 +154,52 @@ def main() -> None:
     verdict = "met" if ratio >= FOLD_TARGET and n / t_fold >= 300_000 else "MISSED"
     print(f"ratio (b)/(a) throughput: {ratio:.2f}x   (targets: (b) >= 300,000/s, "
           f"ratio >= {FOLD_TARGET:.2f}: {verdict})")
+    by_type(events, t_raw / n, t_reduce / n)
     if args.redis_events:
         chain_cost(builder, entries[: args.redis_events], args.repeat)
     print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+
+
+def by_type(events: list, decode_s_per_event: float, reduce_s_per_event: float) -> None:
+    """Reduce-only time per event type, against what the 0.5x target leaves the reducer.
+
+    decode + reduce <= decode / FOLD_TARGET means the reducer may take at most
+    (1 / FOLD_TARGET - 1) x the decode time per event, on average over the log.
+    Each call is timed alone by the wall clock (a CPU clock costs a system call, about
+    as much as a handler); the clock's own cost, measured, is taken off, and the
+    average is printed beside (c)'s, timed whole by CPU, as a check.
+    """
+    clock = time.perf_counter
+    spent: dict[str, float] = {}
+    count: dict[str, int] = {}
+    gc.disable()
+    try:
+        state = initial_state()
+        for pos, event in events:
+            t0 = clock()
+            apply_event(state, event, pos)
+            name = type(event).__name__
+            spent[name] = spent.get(name, 0.0) + clock() - t0
+            count[name] = count.get(name, 0) + 1
+        t0 = clock()
+        for _ in events:
+            clock()
+        overhead = (clock() - t0) / len(events)
+    finally:
+        gc.enable()
+    per = {name: max(spent[name] / count[name] - overhead, 0.0) for name in spent}
+    total = sum(per[name] * count[name] for name in per)
+    budget = (1 / FOLD_TARGET - 1) * decode_s_per_event
+    print(f"reducer by event type (each call timed alone; {overhead * 1e6:.2f} us of clock "
+          f"overhead taken off):")
+    print(f"  {'event':<20} {'events':>9} {'share':>6} {'us/event':>9} {'share of time':>14}")
+    for name in sorted(per, key=lambda k: -per[k] * count[k]):
+        print(f"  {name:<20} {count[name]:>9} {count[name] / len(events):>6.1%} "
+              f"{per[name] * 1e6:>9.2f} {per[name] * count[name] / total:>14.1%}")
+    print(f"  reducer average {total / len(events) * 1e6:.2f} us/event ((c): "
+          f"{reduce_s_per_event * 1e6:.2f}); the {FOLD_TARGET}x "
+          f"target leaves it {budget * 1e6:.2f} us/event (decode here: "
+          f"{decode_s_per_event * 1e6:.2f} us/event)")
 
 
 def stream_point(events: int, seed: int) -> None:
