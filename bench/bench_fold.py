@@ -14,8 +14,8 @@ by side in one run (best of ``--repeat``):
 
 and prints events/s and the ratio (b)/(a), all by this process's CPU time (the machine
 may be shared: CPU time moves much less with other work than wall time does). Targets: (b) >= 300k events/s and >= 0.5x (a).
-Then (c) by event type: what each handler costs per call, beside the average the 0.5x
-target leaves the reducer (as much again as decoding, per event).
+Then (c) split by event type: what each handler costs per call, beside the average the
+0.5x target leaves the reducer (as much again as decoding, per event).
 
 Above ``--stream-above`` events (default 2M; e.g. ``--events 20000000``, a 10k-step run
 of ~2000 events per step) the log is generated, encoded and folded chunk by chunk
