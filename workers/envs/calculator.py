@@ -1,0 +1,137 @@
+"""``calculator``: multiply two numbers with a calculator tool; ``calculator-notool``: without.
+
+An episode of ``calculator`` (prompt ``47*38=``)::
+
+    model:  47*38<eos>         a call to the calculator (an expression is a call)
+    env:    >1786              the tool's result, appended as observation tokens
+    model:  1786<eos>          the answer: the episode ends
+
+The product of two two-digit numbers is beyond what the tiny model can compute, but
+copying the expression into a call and the result into the answer is within reach
+(the ``copy`` and ``reverse`` tasks are learnt in minutes). ``calculator-notool`` asks
+the same questions with no tool: the model must answer in its first turn.
+
+Rewards, per turn (the episode's return is their sum, in [0, 1]):
+
+* the call turn earns ``call_weight * shaped_match(call, expression)``: without this
+  credit a random model would never find a call worth making (a whole expression
+  copied by chance);
+* the answer turn earns ``answer_weight * shaped_match(answer, product)`` where
+  ``answer_weight = 1 - call_weight`` with the tool and 1 without it. So the tool
+  variant's return reaches 0.8 only with answers that are right most of the time.
+
+A call that does not parse returns ``>?`` (its turn earns the partial credit of its
+text, its ``info['error']`` says why) and the model answers next, as after a good
+call; a second call is taken as the answer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from workers.envs.base import Action, EnvStep, Observation, StepKey, ToolCallParseError
+from workers.envs.task import single_turn_reward
+from workers.envs.tools import Calculator, ToolCallFormat
+from workers.tasks.base import Example, register_task, shaped_match_reward
+
+#: the format the calculator task's model speaks
+CALCULATOR_FORMAT = ToolCallFormat(tools=(Calculator(),))
+#: what a call that does not parse returns (after the result marker)
+ERROR = "?"
+
+
+@dataclass
+class CalculatorEnv:
+    """One episode: the call turn (with the tool), then the answer."""
+
+    example: Example
+    use_tool: bool
+    call_weight: float
+    #: the calculator is pure: re-running a call has no side effect to repeat
+    dedupes_by_key: bool = True
+
+    def reset(self, key: StepKey) -> Observation:
+        self._steps = 0
+        self._result_shown = False
+        return Observation(text=self.example.prompt)
+
+    def step(self, action: Action, key: StepKey) -> EnvStep:
+        self._steps += 1
+        if self.use_tool and self._steps == 1:
+            return self._call(action)
+        if self.use_tool and not self._result_shown:
+            # the task is to consult the calculator: an answer given without a result to
+            # read earns nothing (else a constant guess with the right digits pays)
+            return EnvStep(Observation(text=""), 0.0, True, {"error": "answered without a result"})
+        weight = 1.0 - self.call_weight if self.use_tool else 1.0
+        score = shaped_match_reward(action.text, self.example.answer, action.stopped)
+        return EnvStep(Observation(text=""), weight * score, True, {})
+
+    def _call(self, action: Action) -> EnvStep:
+        """The first turn: credit for its likeness to the right call, then the result."""
+        tool = CALCULATOR_FORMAT.tools[0]
+        right_call = CALCULATOR_FORMAT.render_call(tool.name, self.example.prompt.rstrip("="))
+        reward = self.call_weight * shaped_match_reward(action.text, right_call, action.stopped)
+        try:
+            call = CALCULATOR_FORMAT.parse(action.text)
+            tool.parse(action.text)  # the tool's own words for what is wrong, if anything
+        except ToolCallParseError as err:
+            call, error = None, str(err)
+        if call is None:
+            # the model still answers: a failed call costs its turn, not the episode
+            return EnvStep(Observation(text=CALCULATOR_FORMAT.render_result(ERROR)), reward,
+                           False, {"error": error})
+        self._result_shown = True
+        result = CALCULATOR_FORMAT.render_result(tool.run(call.arguments))
+        return EnvStep(Observation(text=result), reward, False, {"tool": call.name})
+
+
+@dataclass(frozen=True)
+class _CalculatorTask:
+    """Products of two ``digits``-digit numbers."""
+
+    digits: int = 2
+    call_weight: float = 0.2
+    use_tool: bool = True
+    name = "calculator"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 4:
+            raise ValueError(f"{self.name}: digits must be in 1..4, got {self.digits}")
+        if not 0.0 <= self.call_weight < 1.0:
+            raise ValueError(f"{self.name}: call_weight must be in [0, 1), got {self.call_weight}")
+
+    @property
+    def max_turns(self) -> int:
+        return 2 if self.use_tool else 1
+
+    def examples(self, count: int, seed: int) -> list[Example]:
+        rng = random.Random(seed)
+        lo, hi = 10 ** (self.digits - 1), 10**self.digits - 1
+        out = []
+        for _ in range(count):
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            out.append(Example(prompt=f"{a}*{b}=", answer=str(a * b)))
+        return out
+
+    def make_env(self, example: Example) -> CalculatorEnv:
+        return CalculatorEnv(example, self.use_tool, self.call_weight if self.use_tool else 0.0)
+
+    def reward(self, example: Example, completion: str, stopped: bool) -> float:
+        return single_turn_reward(self, example, completion, stopped)
+
+
+@register_task("calculator")
+@dataclass(frozen=True)
+class CalculatorTask(_CalculatorTask):
+    """Multiply with a calculator tool (two turns: call, answer)."""
+
+
+@register_task("calculator-notool")
+@dataclass(frozen=True)
+class CalculatorNoToolTask(_CalculatorTask):
+    """The same products, answered in one turn without a tool."""
+
+    use_tool: bool = False
+    name = "calculator-notool"
