@@ -29,10 +29,11 @@ from workers.envs.recorder import InMemoryTurnRecorder
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.task import as_episode_task
-from workers.envs.trajectory import describe
+from workers.envs.trajectory import describe, per_token_advantages
 from workers.loss import LossConfig
 from workers.models.factory import ModelConfig, build_model
 from workers.models.sampling import SamplingConfig
+from workers.models.tokenizer import EOS_ID
 from workers.tasks import make_task
 from workers.trainer.config import BuiltModelFactory, OptimizerConfig, TrainerConfig
 from workers.trainer.torch_backend import TorchTrainer
@@ -56,6 +57,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--advantages", choices=("sample", "token"), default="sample",
+                   help="GRPO per sample, or reward-to-go per token (needs per-token TrainBatch)")
     p.add_argument("--show", type=int, default=0, help="print an episode every N steps")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per step")
     return p.parse_args(argv)
@@ -87,43 +90,57 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return trainer, tokenizer
 
 
-def step_stats(trajs, examples) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def step_stats(trajs, examples, decode) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Tool-call rate, exact-answer rate and turns per episode of one group."""
     n = len(trajs)
     called = sum(1 for t in trajs if t.turns and t.turns[0].info.get("tool"))
     exact = 0
     for t, ex in zip(trajs, examples):
         last = t.turns[-1]
-        answer_ids = [i for i in t.input_ids[last.start:last.end]]
-        exact += int(answer_ids[-1:] == [1] and _decode(t, answer_ids) == ex.answer)
+        ids = t.input_ids[last.start:last.end]
+        exact += int(ids[-1:] == [EOS_ID] and decode(ids) == ex.answer)
     return {"tool_rate": called / n, "exact": exact / n,
             "turns": sum(len(t.turns) for t in trajs) / n}
 
 
-_TOKENIZER = None
-
-
-def _decode(t, ids):  # type: ignore[no-untyped-def]
-    assert _TOKENIZER is not None
-    return _TOKENIZER.decode(ids)
+def train_batch(groups, per_token: bool):  # type: ignore[no-untyped-def]
+    """The step's batch: GRPO advantages per sample, or reward-to-go per token."""
+    rows, advs = [], []
+    for group in groups:
+        rows += [t.row() for t in group]
+        if per_token:
+            adv, _ = per_token_advantages([t.token_rewards() for t in group],
+                                          [t.loss_mask for t in group])
+            advs += adv
+        else:
+            advs += group_advantages([t.reward for t in group])[0]
+    if not per_token:
+        return collate(rows, advs)
+    batch = collate(rows, [0.0] * len(rows))
+    padded = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+    for i, a in enumerate(advs):
+        padded[i, :len(a)] = torch.tensor(a)
+    try:
+        return type(batch)(**{**{k: getattr(batch, k) for k in ("input_ids", "attention_mask",
+                              "loss_mask", "generator_logprobs")}, "advantages": padded})
+    except ValueError as err:
+        raise SystemExit(f"--advantages token: this TrainBatch takes one advantage per "
+                         f"sample ({err})") from None
 
 
 def main(argv: list[str]) -> int:
-    global _TOKENIZER
     args = parse(argv)
     torch.set_num_threads(args.threads)
     task = as_episode_task(make_task(args.task, **task_options(args.task_option)))
     trainer, tokenizer = build(args)
-    _TOKENIZER = tokenizer
     prompts = task.examples(args.prompts, args.seed)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    loss = LossConfig()
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     out = args.out.open("a") if args.out else None
     t0, c0 = time.perf_counter(), time.process_time()
     step = 0
     while step < args.max_steps and time.perf_counter() - t0 < args.budget_s:
-        rows, advs, rewards, stats = [], [], [], []
         trainer.model.eval()
         # every group of the step in one runner call: turns batch across groups
         chosen = [prompts[rng.randrange(len(prompts))] for _ in range(args.groups)]
@@ -134,21 +151,16 @@ def main(argv: list[str]) -> int:
         )
         keys = [StepKey("probe", f"{step}-{g}", i, 0) for g in range(args.groups) for i in range(args.n)]
         trajs = runner.run(keys, [task.make_env(ex) for ex in chosen for _ in range(args.n)])
-        for g, ex in enumerate(chosen):
-            group = trajs[g * args.n:(g + 1) * args.n]
-            adv, _ = group_advantages([t.reward for t in group])
-            rows += [t.row() for t in group]
-            advs += adv
-            rewards += [t.reward for t in group]
-            stats.append(step_stats(group, [ex] * args.n))
+        groups = [trajs[g * args.n:(g + 1) * args.n] for g in range(args.groups)]
         trainer.model.train()
-        result = trainer.train(collate(rows, advs), loss, step=step)
+        result = trainer.train(train_batch(groups, args.advantages == "token"), LossConfig(), step=step)
         step += 1
+        stats = [step_stats(g, [ex] * args.n, tokenizer.decode) for g, ex in zip(groups, chosen)]
         line = {
             "step": step, "time_s": round(time.perf_counter() - t0, 2),
             # this process's CPU seconds: on a shared machine, wall time also counts others
             "cpu_s": round(time.process_time() - c0, 2),
-            "reward": sum(rewards) / len(rewards),
+            "reward": sum(t.reward for t in trajs) / len(trajs),
             **{k: sum(s[k] for s in stats) / len(stats) for k in stats[0]},
             "grad_norm": result.grad_norm,
         }

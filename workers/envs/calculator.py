@@ -1,4 +1,4 @@
-"""``calculator``: multiply two numbers with a calculator tool; ``calculator-notool``: without.
+"""``calculator``: arithmetic with a calculator tool; ``calculator-notool``: without it.
 
 An episode of ``calculator`` (prompt ``47*38=``)::
 
@@ -6,23 +6,28 @@ An episode of ``calculator`` (prompt ``47*38=``)::
     env:    >1786              the tool's result, appended as observation tokens
     model:  1786<eos>          the answer: the episode ends
 
-The product of two two-digit numbers is beyond what the tiny model can compute, but
-copying the expression into a call and the result into the answer is within reach
-(the ``copy`` and ``reverse`` tasks are learnt in minutes). ``calculator-notool`` asks
-the same questions with no tool: the model must answer in its first turn.
+Questions are sums, differences and products of two two-digit numbers (``ops``).
+Products and most sums are beyond what the tiny model can compute, but copying the
+expression into a call and the result into the answer is within its reach (the
+``copy`` and ``reverse`` tasks are learnt in minutes). ``calculator-notool`` asks the
+same questions with no tool: the model must answer in its first turn.
 
 Rewards, per turn (the episode's return is their sum, in [0, 1]):
 
-* the call turn earns ``call_weight * shaped_match(call, expression)``: without this
-  credit a random model would never find a call worth making (a whole expression
-  copied by chance);
-* the answer turn earns ``answer_weight * shaped_match(answer, product)`` where
-  ``answer_weight = 1 - call_weight`` with the tool and 1 without it. So the tool
-  variant's return reaches 0.8 only with answers that are right most of the time.
+* the first turn earns ``call_weight * shaped_match(turn, expression)``, whatever it
+  is: without this credit a random model would never find a call worth making (a
+  whole expression copied by chance);
+* the answer earns ``(1 - call_weight) * shaped_match(answer, result)``, but only after
+  a call that parsed: answering without reading a result earns nothing (otherwise a
+  constant guess with common digits pays, and the policy settles there). Without the
+  tool the answer earns ``shaped_match(answer, result)``. So the tool variant's return
+  reaches 0.8 only with answers that are right most of the time.
 
-A call that does not parse returns ``>?`` (its turn earns the partial credit of its
-text, its ``info['error']`` says why) and the model answers next, as after a good
-call; a second call is taken as the answer.
+A first turn that is not a well-formed call shows ``>?`` (``info['error']`` says why)
+and the model answers next, as after a good call; a second call is taken as the answer.
+
+The operators vary because a constant character in every call (``*``) is the one
+thing a random policy matches every time: it learnt to repeat it and collapsed there.
 """
 
 from __future__ import annotations
@@ -89,9 +94,11 @@ class CalculatorEnv:
 
 @dataclass(frozen=True)
 class _CalculatorTask:
-    """Products of two ``digits``-digit numbers."""
+    """Sums, differences and products of two ``digits``-digit numbers."""
 
     digits: int = 2
+    #: operators drawn from (one per question)
+    ops: str = "+-*"
     call_weight: float = 0.2
     use_tool: bool = True
     name = "calculator"
@@ -99,6 +106,8 @@ class _CalculatorTask:
     def __post_init__(self) -> None:
         if not 1 <= self.digits <= 4:
             raise ValueError(f"{self.name}: digits must be in 1..4, got {self.digits}")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"{self.name}: ops must be a non-empty subset of '+-*', got {self.ops!r}")
         if not 0.0 <= self.call_weight < 1.0:
             raise ValueError(f"{self.name}: call_weight must be in [0, 1), got {self.call_weight}")
 
@@ -109,10 +118,12 @@ class _CalculatorTask:
     def examples(self, count: int, seed: int) -> list[Example]:
         rng = random.Random(seed)
         lo, hi = 10 ** (self.digits - 1), 10**self.digits - 1
+        tool = CALCULATOR_FORMAT.tools[0]
         out = []
         for _ in range(count):
-            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-            out.append(Example(prompt=f"{a}*{b}=", answer=str(a * b)))
+            expression = f"{rng.randint(lo, hi)}{rng.choice(self.ops)}{rng.randint(lo, hi)}"
+            answer = tool.run(tool.parse(expression))
+            out.append(Example(prompt=f"{expression}=", answer=answer))
         return out
 
     def make_env(self, example: Example) -> CalculatorEnv:

@@ -93,7 +93,7 @@ class ChatSession:
                     f"message {i}: an assistant message this session did not generate"
                 )
             ids += self.template.render(messages[i], i)
-            self.history.append(_canonical(messages[i]))
+            self.history.append(dict(messages[i]))
         if not self.trajectory.turns:
             self.trajectory.append_observation(ids)
         else:
@@ -124,7 +124,7 @@ class ChatSession:
                 "type": "function",
                 "function": {"name": call.name, "arguments": json.dumps(dict(call.arguments))},
             }]}
-        self.history.append(_canonical(message))
+        self.history.append(message)
         return message
 
 

@@ -75,7 +75,9 @@ class OpenAIServer:
         return f"{self.url}/sessions/{session_id}/v1"
 
     def start(self) -> OpenAIServer:
-        self._thread.start()
+        """Serve in a background thread (a no-op if already serving)."""
+        if not self._thread.is_alive():
+            self._thread.start()
         return self
 
     def close(self) -> None:
@@ -138,8 +140,9 @@ class OpenAIServer:
                 f"temperature must be {self.temperature} (the run's sampling temperature, "
                 f"which the trainer's logprobs assume), got {temperature}"
             )
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.max_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ChatRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         return max_tokens
 
