@@ -214,7 +214,7 @@ class GeneratorWorker(Fenced):
         self.spec = spec
         self.name = name
         self.fence = EpochFence(spec.run_id, name)
-        task = make_task(spec.task.name, **dict(spec.task_options))
+        task = make_task(spec.task.name, **{**spec.task.options, **spec.task_options})
         self.prompts = prompt_set(task, spec.task.num_prompts, spec.seed, spec.task.dataset or None)
         self.sampling = spec.sampling.sampling_config()
         plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)

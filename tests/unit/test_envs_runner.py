@@ -202,9 +202,11 @@ def test_equal_returns_give_exactly_zero_advantages():
 def test_calculator_tasks_register_and_answer_in_the_right_number_of_turns():
     tool, plain = make_task("calculator"), make_task("calculator-notool")
     assert (tool.max_turns, plain.max_turns) == (2, 1)
-    ex = tool.examples(1, seed=0)[0]
-    a, b = ex.prompt.rstrip("=").split("*")
-    assert ex.answer == str(int(a) * int(b)) and 10 <= int(a) <= 99
+    examples = tool.examples(30, seed=0)
+    assert {e.prompt[2] for e in examples} == {"+", "-", "*"}
+    for e in examples:
+        assert e.answer == str(eval(e.prompt.rstrip("="))) and 10 <= int(e.prompt[:2]) <= 99
+    ex = examples[0]
     assert plain.reward(ex, ex.answer, True) == pytest.approx(1.0)
     # with the tool, a first-turn answer is no call: it earns nothing for the answer
     assert tool.reward(ex, ex.answer, True) < 0.2
@@ -217,4 +219,4 @@ def test_calculator_call_that_does_not_parse_shows_an_error_and_lets_the_model_a
     assert step.observation.text == ">?" and not step.done
     assert "calculator call '47*' does not parse" in step.info["error"]
     final = env.step(Action("1786", (), True), KEYS[0].at(2))
-    assert final.done and final.reward == 0.0 and final.info["error"] == "answered without a result"
+    assert final.done and final.reward == 0.0 and final.info["error"] == "answered without the right result to read"

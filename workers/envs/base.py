@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from workers.tasks.base import UnknownTaskError
+
 
 @dataclass(frozen=True, order=True)
 class StepKey:
@@ -98,7 +100,7 @@ class EnvError(RuntimeError):
     """An environment failed; the message names the environment and the step."""
 
 
-class UnknownEnvError(ValueError):
+class UnknownEnvError(UnknownTaskError):
     """An environment or dataset name that no adapter knows (the message lists them)."""
 
 

@@ -18,10 +18,11 @@ Rewards, per turn (the episode's return is their sum, in [0, 1]):
   is: without this credit a random model would never find a call worth making (a
   whole expression copied by chance);
 * the answer earns ``(1 - call_weight) * shaped_match(answer, result)``, but only after
-  a call that parsed: answering without reading a result earns nothing (otherwise a
-  constant guess with common digits pays, and the policy settles there). Without the
-  tool the answer earns ``shaped_match(answer, result)``. So the tool variant's return
-  reaches 0.8 only with answers that are right most of the time.
+  a call that computed the right value: answering without the right result to read
+  earns nothing (otherwise guesses with common digits pay, the policy settles there,
+  and their noise drowns the call's credit). Without the tool the answer earns
+  ``shaped_match(answer, result)``. So the tool variant's return reaches 0.8 only with
+  answers that are right most of the time.
 
 A first turn that is not a well-formed call shows ``>?`` (``info['error']`` says why)
 and the model answers next, as after a good call; a second call is taken as the answer.
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from workers.envs.base import Action, EnvStep, Observation, StepKey, ToolCallParseError
 from workers.envs.task import single_turn_reward
 from workers.envs.tools import Calculator, ToolCallFormat
-from workers.tasks.base import Example, register_task, shaped_match_reward
+from workers.tasks.base import Example, shaped_match_reward
 
 #: the format the calculator task's model speaks
 CALCULATOR_FORMAT = ToolCallFormat(tools=(Calculator(),))
@@ -58,17 +59,19 @@ class CalculatorEnv:
 
     def reset(self, key: StepKey) -> Observation:
         self._steps = 0
-        self._result_shown = False
+        self._right_result_shown = False
         return Observation(text=self.example.prompt)
 
     def step(self, action: Action, key: StepKey) -> EnvStep:
         self._steps += 1
         if self.use_tool and self._steps == 1:
             return self._call(action)
-        if self.use_tool and not self._result_shown:
-            # the task is to consult the calculator: an answer given without a result to
-            # read earns nothing (else a constant guess with the right digits pays)
-            return EnvStep(Observation(text=""), 0.0, True, {"error": "answered without a result"})
+        if self.use_tool and not self._right_result_shown:
+            # the task is to consult the calculator: an answer given without the right
+            # result to read earns nothing (else guesses with common digits pay, and
+            # their noise drowns the credit for getting the call right)
+            return EnvStep(Observation(text=""), 0.0, True,
+                           {"error": "answered without the right result to read"})
         weight = 1.0 - self.call_weight if self.use_tool else 1.0
         score = shaped_match_reward(action.text, self.example.answer, action.stopped)
         return EnvStep(Observation(text=""), weight * score, True, {})
@@ -87,9 +90,10 @@ class CalculatorEnv:
             # the model still answers: a failed call costs its turn, not the episode
             return EnvStep(Observation(text=CALCULATOR_FORMAT.render_result(ERROR)), reward,
                            False, {"error": error})
-        self._result_shown = True
-        result = CALCULATOR_FORMAT.render_result(tool.run(call.arguments))
-        return EnvStep(Observation(text=result), reward, False, {"tool": call.name})
+        result = tool.run(call.arguments)
+        self._right_result_shown = result == self.example.answer
+        return EnvStep(Observation(text=CALCULATOR_FORMAT.render_result(result)), reward, False,
+                       {"tool": call.name})
 
 
 @dataclass(frozen=True)
@@ -133,13 +137,11 @@ class _CalculatorTask:
         return single_turn_reward(self, example, completion, stopped)
 
 
-@register_task("calculator")
 @dataclass(frozen=True)
 class CalculatorTask(_CalculatorTask):
     """Multiply with a calculator tool (two turns: call, answer)."""
 
 
-@register_task("calculator-notool")
 @dataclass(frozen=True)
 class CalculatorNoToolTask(_CalculatorTask):
     """The same products, answered in one turn without a tool."""

@@ -10,9 +10,10 @@ read at each turn's start and end; a refit lands between token steps or between 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from workers.envs.base import StepKey
 from workers.envs.recorder import InMemoryTurnRecorder, TurnRecorder
@@ -20,12 +21,24 @@ from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.task import EpisodeTask
 from workers.envs.trajectory import Trajectory
-from workers.models.factory import context_len
+from workers.dataplane.api import DataPlane
+from workers.models.factory import Tokenizer, context_len
 from workers.models.sampling import SamplingConfig
 from workers.tasks.base import Example
+from workers.weight_sync import VersionedWeights
 
-if TYPE_CHECKING:
-    from workers.generator.generator import Generator, GroupResult
+
+
+class EpisodeHost(Protocol):
+    """What a generator lends the episode runner (``workers.generator.Generator``)."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    task: Any
+    dataplane: DataPlane
+    run_id: str
+    use_cache: bool
+    weights: VersionedWeights
 
 
 def episode_keys(run_id: str, group_id: str, n: int) -> list[StepKey]:
@@ -33,7 +46,7 @@ def episode_keys(run_id: str, group_id: str, n: int) -> list[StepKey]:
 
 
 def run_episodes(
-    gen: Generator,
+    gen: EpisodeHost,
     task: EpisodeTask,
     group_id: str,
     prompt: Example,
@@ -58,17 +71,17 @@ def run_episodes(
 
 
 def generate_episode_group(
-    gen: Generator,
+    gen: EpisodeHost,
+    keys: list[str],
     group_id: str,
     prompt: Example,
     n: int,
     sampling: SamplingConfig,
     seed: int,
     attempt: int = 0,
-) -> GroupResult:
-    """The episode counterpart of ``Generator.generate_group`` (same result, same keys)."""
-    from workers.generator.generator import GroupResult, row_key
-
+) -> dict[str, Any]:
+    """The episode counterpart of ``Generator.generate_group``: stores the rows under
+    ``keys`` and returns the ``GroupResult`` fields (same result, same keys)."""
     task = gen.task
     assert isinstance(task, EpisodeTask)
     start = gen.weights.begin_group()
@@ -80,12 +93,12 @@ def generate_episode_group(
     bad = [r for r in rewards if not math.isfinite(r)]
     if bad:
         raise ValueError(f"task {task.name!r} returned non-finite rewards {bad}")
-    keys = [row_key(gen.run_id, group_id, attempt, i) for i in range(n)]
     tag = {"group": group_id, "attempt": attempt, "v_start": start, "v_end": end}
     gen.dataplane.put(gen.run_id, keys, [t.row() for t in trajs],
                       [dict(tag, sample=i, turns=len(t.turns)) for i, t in enumerate(trajs)])
-    return GroupResult(
-        group_id=group_id, attempt=attempt, partition=gen.run_id, keys=keys, rewards=rewards,
-        completion_lens=[t.completion_len for t in trajs], prompt_len=trajs[0].prompt_len,
-        weight_version_start=start, weight_version_end=end,
-    )
+    return {
+        "group_id": group_id, "attempt": attempt, "partition": gen.run_id, "keys": keys,
+        "rewards": rewards, "completion_lens": [t.completion_len for t in trajs],
+        "prompt_len": trajs[0].prompt_len, "weight_version_start": start,
+        "weight_version_end": end,
+    }

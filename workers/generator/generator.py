@@ -121,7 +121,9 @@ class Generator:
         if isinstance(self.task, EpisodeTask):  # multi-turn: the episode runner's group
             from workers.envs.group import generate_episode_group
 
-            return generate_episode_group(self, group_id, prompt, n, sampling, seed, attempt)
+            keys = [row_key(self.run_id, group_id, attempt, i) for i in range(n)]
+            return GroupResult(**generate_episode_group(
+                self, keys, group_id, prompt, n, sampling, seed, attempt))
         prompt_ids = self.tokenizer.encode(prompt.prompt)
         check_prompts_fit(
             [prompt], self.tokenizer.encode, context_len(self.model), sampling.max_new_tokens

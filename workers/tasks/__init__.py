@@ -23,10 +23,6 @@ from workers.tasks.dataset import (
     prompt_set,
 )
 
-# the multi-turn built-ins (``calculator``, ``calculator-notool``) register themselves;
-# imported last because they build on ``workers.tasks.base``
-import workers.envs.calculator  # noqa: E402,F401  (registers its tasks)
-
 __all__ = [
     "DEFAULT_TASK",
     "AdditionTask",

@@ -64,6 +64,13 @@ def register_task(name: str) -> Callable[[T], T]:
     return add
 
 
+#: built-ins that live elsewhere (the multi-turn ones in ``workers.envs``, which builds on
+#: this module): name -> "module:Class", imported on first use
+_ELSEWHERE: dict[str, str] = {
+    "calculator": "workers.envs.calculator:CalculatorTask",
+    "calculator-notool": "workers.envs.calculator:CalculatorNoToolTask",
+}
+
 #: task families named "<prefix><name>" (e.g. "reasoning-gym/leg_counting"): prefix ->
 #: "module:function" building the task from the rest of the name; imported on first use
 #: so that a family's package is loaded only by the runs that use it
@@ -75,7 +82,8 @@ _FAMILIES: dict[str, str] = {
 
 def available_tasks() -> list[str]:
     """Names of the registered tasks, sorted (families as ``prefix<name>``)."""
-    return sorted(_REGISTRY) + [f"{prefix}<name>" for prefix in sorted(_FAMILIES)]
+    names = sorted({*_REGISTRY, *_ELSEWHERE})
+    return names + [f"{prefix}<name>" for prefix in sorted(_FAMILIES)]
 
 
 def make_task(spec: str, **options: Any) -> Task:
@@ -83,6 +91,8 @@ def make_task(spec: str, **options: Any) -> Task:
     family = next((p for p in _FAMILIES if spec.startswith(p)), None)
     if spec in _REGISTRY:
         task = _REGISTRY[spec](**options)
+    elif spec in _ELSEWHERE:
+        task = _load_plugin(_ELSEWHERE[spec])(**options)
     elif family is not None:
         task = _load_plugin(_FAMILIES[family])(spec[len(family):], **options)
     elif ":" in spec:
