@@ -168,3 +168,29 @@ def test_the_session_may_come_in_the_body_on_the_plain_path():
         plain.chat.completions.create(model="p", messages=[{"role": "user", "content": "47*38="}],
                                       extra_body={"session_id": "ep-6"})
         assert server.trajectory("ep-6").input_ids[:6] == TOK.encode("47*38=")
+
+
+def test_a_generator_serves_its_model_and_the_turn_records_the_weight_version():
+    from workers.dataplane import MemoryDataPlane
+    from workers.generator import Generator
+    from workers.models.factory import ModelConfig, build_model
+    from workers.tasks import make_task
+    from workers.weight_sync import cpu_state_dict
+
+    model, tok = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=1))
+    gen = Generator(model, tok, make_task("calculator"), MemoryDataPlane(), "run-9")
+    newer, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=2))
+    sampling = SamplingConfig(max_new_tokens=8)
+    with OpenAIServer.for_generator(gen, sampling, CALCULATOR_FORMAT) as server:
+        llm = client(server, "ep-7")
+        messages = [{"role": "user", "content": "12+34="}]
+        first = llm.chat.completions.create(model="policy", messages=messages)
+        gen.update_weights(3, cpu_state_dict(newer))  # a refit between two turns
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "?"}]
+        second = llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-7")
+    assert first.model_extra["weight_version"] == [0, 0]
+    assert second.model_extra["weight_version"] == [3, 3]
+    assert [(t.version_start, t.version_end) for t in traj.turns] == [(0, 0), (3, 3)]
+    assert traj.key.run == "run-9"

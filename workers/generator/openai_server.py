@@ -26,15 +26,21 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+
 from workers.envs.base import StepKey
 from workers.envs.chat import ChatRequestError, ChatSession, PlainTemplate, serve_turn
-from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder
-from workers.envs.sampler import TurnSampler
+from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder, TurnRequest
+from workers.envs.sampler import TorchTurnSampler, TurnSampler
+from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
+from workers.models.factory import context_len
+from workers.models.sampling import SamplingConfig
 
 #: request fields the endpoint accepts (others are refused, not silently ignored)
 _KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "n",
@@ -64,6 +70,27 @@ class OpenAIServer:
         self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self.handle))
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+
+    @classmethod
+    def for_generator(
+        cls, gen: Any, sampling: SamplingConfig, tools: ToolCallFormat | None = None,
+        *, seed: int = 0, **kwargs: Any,
+    ) -> OpenAIServer:
+        """Serve ``gen``'s model (a ``workers.generator.Generator``) at its current weights.
+
+        Each completion holds the generator's weights like a group does (a refit lands
+        between token steps and the turn records both versions), so the generator serves
+        either a group or a completion at a time, never both at once.
+        """
+        sampler = TorchTurnSampler(
+            gen.model, gen.tokenizer.eos_id, sampling, torch.Generator().manual_seed(seed),
+            version=lambda: gen.weights.version, between_steps=gen.weights.at_step_boundary,
+            use_cache=gen.use_cache,
+        )
+        kwargs.setdefault("run_id", gen.run_id)
+        return cls(_HoldingWeights(sampler, gen.weights), PlainTemplate(gen.tokenizer, tools),
+                   context_len(gen.model), temperature=sampling.temperature,
+                   max_tokens=sampling.max_new_tokens, **kwargs)
 
     @property
     def url(self) -> str:
@@ -145,6 +172,21 @@ class OpenAIServer:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ChatRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         return max_tokens
+
+
+@dataclass
+class _HoldingWeights:
+    """A sampler that marks the generator's weights in use while it samples."""
+
+    sampler: TurnSampler
+    weights: Any
+
+    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]:
+        self.weights.begin_group()
+        try:
+            return self.sampler.generate(requests)
+        finally:
+            self.weights.end_group()
 
 
 def _response(
