@@ -1,4 +1,4 @@
-"""Who may import what, checked over the source (DESIGN.md, "Dependency direction").
+"""Who may import what, checked over the source (docs/DESIGN.md, "Layout").
 
 Only the Redis event store's own modules import ``redis`` (the store, its pinned
 connection, WAIT replication and Sentinel discovery) -- never ``replay/``, the
