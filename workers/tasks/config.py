@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from events.config_checks import positive
+
 
 class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[task]``: the prompts and the reward (``workers.tasks``)."""
@@ -22,3 +24,6 @@ class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of the task's constructor, e.g. ``{ digits = 2 }`` or a
     reasoning-gym dataset's config keys; an unknown one is an error naming it."""
+
+    def __post_init__(self) -> None:
+        positive("task", self, "num_prompts")
