@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cli.cli_common import CliError
-from controller.config import load_config
+from cli.common import CliError
 from cli.preflight import check_config
+from controller.config import load_config
 from tests.hf_fixture import save_tiny_hf_lm
 
 pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]')")
