@@ -212,11 +212,35 @@ def test_calculator_tasks_register_and_answer_in_the_right_number_of_turns():
     assert tool.reward(ex, ex.answer, True) < 0.2
 
 
-def test_calculator_call_that_does_not_parse_shows_an_error_and_lets_the_model_answer():
+def test_calculator_call_that_does_not_parse_ends_the_episode_naming_why():
     env = calc_env()
     env.reset(KEYS[0])
     step = env.step(Action("47*", (), True), KEYS[0].at(1))
-    assert step.observation.text == ">?" and not step.done
+    assert step.done and step.observation.text == ""
     assert "calculator call '47*' does not parse" in step.info["error"]
-    final = env.step(Action("1786", (), True), KEYS[0].at(2))
-    assert final.done and final.reward == 0.0 and final.info["error"] == "answered without the right result to read"
+    assert 0 < step.reward < 0.2  # partial credit: two characters of the call in place
+
+
+def test_calculator_answer_after_a_call_that_computed_something_else_earns_nothing():
+    env = calc_env()
+    env.reset(KEYS[0])
+    wrong = env.step(Action("47*39", (), True), KEYS[0].at(1))
+    assert wrong.observation.text == ">1833" and not wrong.done
+    final = env.step(Action("1833", (), True), KEYS[0].at(2))
+    assert final.done and final.reward == 0.0
+    assert final.info["error"] == "answered without the right result to read"
+
+
+def test_sample_takes_one_prompt_per_row_when_they_share_a_length():
+    from workers.models.sampling import sample
+
+    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=6))
+    rows = [TOK.encode("12+3="), TOK.encode("45*6="), TOK.encode("78-9=")]
+    cfg = SamplingConfig(max_new_tokens=5)
+    out = sample(model, rows, 3, cfg, torch.Generator().manual_seed(0), EOS_ID)
+    for prompt, c in zip(rows, out):
+        ids = torch.tensor(prompt + c.tokens)
+        ref = sequence_logprobs(model, ids)[len(prompt):]
+        torch.testing.assert_close(c.logprobs, ref, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="prompts of equal length"):
+        sample(model, [TOK.encode("1="), TOK.encode("12=")], 2, cfg, torch.Generator(), EOS_ID)

@@ -24,8 +24,8 @@ Rewards, per turn (the episode's return is their sum, in [0, 1]):
   ``shaped_match(answer, result)``. So the tool variant's return reaches 0.8 only with
   answers that are right most of the time.
 
-A first turn that is not a well-formed call shows ``>?`` (``info['error']`` says why)
-and the model answers next, as after a good call; a second call is taken as the answer.
+A first turn that is not a well-formed call ends the episode (``info['error']`` says
+why); a second call is taken as the answer.
 
 The operators vary because a constant character in every call (``*``) is the one
 thing a random policy matches every time: it learnt to repeat it and collapsed there.
@@ -43,8 +43,6 @@ from workers.tasks.base import Example, shaped_match_reward
 
 #: the format the calculator task's model speaks
 CALCULATOR_FORMAT = ToolCallFormat(tools=(Calculator(),))
-#: what a call that does not parse returns (after the result marker)
-ERROR = "?"
 
 
 @dataclass
@@ -87,9 +85,9 @@ class CalculatorEnv:
         except ToolCallParseError as err:
             call, error = None, str(err)
         if call is None:
-            # the model still answers: a failed call costs its turn, not the episode
-            return EnvStep(Observation(text=CALCULATOR_FORMAT.render_result(ERROR)), reward,
-                           False, {"error": error})
+            # no result to read, so nothing to answer from: the episode ends here (its
+            # turns after a failed call would only add tokens whose credit is noise)
+            return EnvStep(Observation(text=""), reward, True, {"error": error})
         result = tool.run(call.arguments)
         self._right_result_shown = result == self.example.answer
         return EnvStep(Observation(text=CALCULATOR_FORMAT.render_result(result)), reward, False,
