@@ -295,7 +295,7 @@ def _train(args, cfg: Config, writer, store) -> int:
                 restarter=workers,
             )
             reason = asyncio.run(controller.run())
-            writer.append(writer.make(ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}", reason=reason))
+            writer.append(writer.make(ev.RunFinished, event_id=ev.run_finished_id(writer.epoch, writer.position), reason=reason))
     except FencedError as err:
         raise CliError(f"stopped: {err}", 3) from None
     except (StallError, StepRetriesExhausted) as err:

@@ -16,7 +16,7 @@ import os
 import socket
 from typing import Any
 
-from controller.crashpoints import crash_point
+from controller.core import decisions
 from controller.core.fold import fold_raw, fold_raw_from_snapshot
 from controller.log_writer import LogWriter
 from controller.core.state import RunState, initial_state
@@ -86,7 +86,6 @@ def create_run(
         ),
         _controller_started(writer),
     )
-    crash_point("after_run_started", run_id)
     return writer
 
 
@@ -98,38 +97,15 @@ def resume_run(store: EventStore, run_id: str) -> LogWriter:
     epoch = store.claim_epoch(run_id)
     writer = LogWriter(store, run_id, epoch, load_state(store, run_id))
     writer.append(_controller_started(writer))
-    crash_point("after_controller_started", epoch)
     repair_log(writer, reason="restart")
     return writer
 
 
 def repair_log(writer: LogWriter, *, reason: str) -> None:
     """Abort the open step and fail in-flight generations (both were in the old process)."""
-    state = writer.state
-    events: list[ev.Event] = []
-    if state.open_step is not None:
-        events.append(
-            writer.make(
-                ev.StepAborted,
-                event_id=ev.step_event_id(state.open_step.step, "aborted"),
-                step=state.open_step.step,
-                reason=reason,
-            )
-        )
-    for gid in list(state.admitted):
-        group = state.groups[gid]
-        events.append(
-            writer.make(
-                ev.GroupFailed,
-                event_id=ev.group_event_id(gid, "failed", group.attempt),
-                group_id=gid,
-                attempt=group.attempt,
-                reason=f"{reason}: generation was in flight",
-            )
-        )
+    events = decisions.log_repair(writer.state, reason, writer.stamp())
     if events:
-        writer.append(*events)
-        crash_point("after_log_repaired", writer.epoch)
+        writer.append(*events, batch_point="after_log_repaired")
 
 
 def _controller_started(writer: LogWriter) -> ev.ControllerStarted:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from controller.config import config_from_dict
-from controller.recovery import missing_payloads, retrain_step, steps_after
+from controller.retraining import missing_payloads, retrain_step
 from controller.core.state import CheckpointRecord, RunState
 
 
@@ -129,7 +129,7 @@ async def retrain(
     on_step: Callable[[StepCheck], None] | None = None,
 ) -> RetrainReport:
     base = 0 if from_checkpoint is None else from_checkpoint.trainer_version
-    records = steps_after(state, base)
+    records = state.steps_after(base)
     lost = missing_payloads(state, records, present)
     if lost:
         raise RetrainError(

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from controller.core import policies
+from controller.core import decisions, policies
 from controller.core.reducer import apply_event
 from controller.core.state import GroupStatus, RunState, initial_state
 from events.schema import (
     AnyEvent,
     Event,
     GroupCommitted,
-    GroupEvicted,
     GroupFailed,
     MicrobatchTrained,
     RolloutAdmitted,
@@ -35,6 +34,9 @@ from events.schema import (
     StepAborted,
     StepBegun,
     StepFinished,
+    microbatch_event_id,
+    run_started_id,
+    step_event_id,
 )
 
 if TYPE_CHECKING:
@@ -83,7 +85,7 @@ class Simulation:
         self.s = settings
         self.state = initial_state()
         self._apply(RunStarted(
-            event_id="what-if:started", epoch=_EPOCH, ts=0.0, run_id="what-if", config={},
+            event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if", config={},
             seed=0, code_version="what-if", window_versions=settings.window,
             groups_per_step=settings.groups_per_step, samples_per_group=1,
         ))
@@ -220,7 +222,7 @@ class Simulation:
         state = self.state
         ts = event.ts + self.lateness
         self._apply(StepBegun(
-            event_id=f"what-if:step:{state.next_step}", epoch=_EPOCH, ts=ts,
+            event_id=step_event_id(state.next_step, "begun"), epoch=_EPOCH, ts=ts,
             step=state.next_step, base_trainer_version=state.trainer_version,
         ))
         self.current = SimStep(
@@ -247,20 +249,18 @@ class Simulation:
         plan = policies.plan_microbatch(
             state, window=s.window, selection=s.policy, groups_per_step=s.groups_per_step,
             groups_per_microbatch=s.groups_per_microbatch,
+            at=decisions.Stamp(epoch=_EPOCH, ts=0.0, position=state.position),
         )
-        for gid, lag in plan.evict:
-            self._apply(GroupEvicted(
-                event_id=f"what-if:{gid}:evicted", epoch=_EPOCH, ts=0.0, group_id=gid,
-                reason=f"lag {lag} > window {s.window}", lag=lag,
-            ))
-            self.evicted.append((gid, lag))
+        for evicted in plan.evictions:
+            self._apply(evicted)
+            self.evicted.append((evicted.group_id, evicted.lag))
         if not plan.ready:
             return False
         step, open_step = self.current, state.open_step
         assert step is not None and open_step is not None
         ids = list(plan.group_ids)
         self._apply(MicrobatchTrained(
-            event_id=f"what-if:step:{open_step.step}:mb:{len(open_step.microbatches)}",
+            event_id=microbatch_event_id(open_step.step, len(open_step.microbatches)),
             epoch=_EPOCH, ts=0.0, step=open_step.step, index=len(open_step.microbatches),
             group_ids=ids, num_sequences=0, num_tokens=0,
         ))
@@ -277,14 +277,13 @@ class Simulation:
         step.status, step.ended_ts = status, ts
         if status == "finished":
             self._apply(StepFinished(
-                event_id=f"what-if:step:{open_step.step}:finished", epoch=_EPOCH, ts=ts,
+                event_id=step_event_id(open_step.step, "finished"), epoch=_EPOCH, ts=ts,
                 step=open_step.step, trainer_version=open_step.base_trainer_version + 1,
                 metrics={}, grad_norm=0.0, weights_digest="",
             ))
         else:
-            self._apply(StepAborted(
-                event_id=f"what-if:step:{open_step.step}:aborted", epoch=_EPOCH, ts=ts,
-                step=open_step.step, reason="recorded step aborted",
+            self._apply(decisions.step_aborted(
+                self.state, "recorded step aborted", decisions.Stamp(_EPOCH, ts, self.state.position)
             ))
         self.steps.append(step)
         self.current = None

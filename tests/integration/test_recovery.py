@@ -14,6 +14,7 @@ import torch
 
 from controller import crashpoints
 from controller.config import config_to_dict
+from controller.journal import Journal
 from controller.recovery import DigestMismatchError, bring_trainer_to_log
 from controller.startup import create_run, resume_run
 from events.redis_store import RedisEventStore
@@ -78,7 +79,7 @@ def test_trainer_that_matches_the_log_is_kept(redis_url: str, tmp_path) -> None:
     run = _train(cfg, writer, tmp_path)
     writer2 = resume_run(RedisEventStore(redis_url), RUN)
     run.calls.phase = "reconcile"
-    asyncio.run(bring_trainer_to_log(writer2, run.workers.trainer, run.workers.payloads))
+    asyncio.run(bring_trainer_to_log(Journal(writer2), run.workers.trainer, run.workers.payloads))
     assert run.calls.during("reconcile") == [("trainer", "version_and_digest")]
     run.workers.close()
     store.close()
