@@ -76,6 +76,8 @@ class SimResult:
 
 _GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed)
 _TRAINER_EVENTS = (StepBegun, MicrobatchTrained, StepFinished, StepAborted)
+#: every event type :meth:`Simulation.feed` acts on
+FED_EVENTS = (*_GROUP_EVENTS, *_TRAINER_EVENTS, RunRewound)
 
 
 class Simulation:
@@ -98,6 +100,7 @@ class Simulation:
         self.evicted: list[tuple[str, int]] = []
         self.lengths: dict[str, int] = {}
         self.stopped = "end of log"
+        self.rewound = False
         self.seen_steps = 0
         #: the recorded trainer_version as the stream goes, and each group's version
         #: deficit (recorded - what-if) at its admission
@@ -109,28 +112,33 @@ class Simulation:
 
     # -- the stream ----------------------------------------------------------------
 
-    def run(self, events: Iterable[tuple[int, AnyEvent]]) -> SimResult:
-        for position, event in events:
-            kind = type(event)
-            if kind in _GROUP_EVENTS:
-                self._drain(event.ts)
-                self._apply_group(event)
-                self._on_change(event.ts)
-            elif kind in _TRAINER_EVENTS:
-                self.seen_steps += kind is StepBegun
-                self.recorded_tv += kind is StepFinished
-                self.queue.append(event)
-                if (
-                    kind is StepAborted
-                    and self.blocked_due is not None
-                    and self.current is not None
-                    and self.current.step == event.step
-                ):
-                    self._abort_while_blocked()
-                self._drain(event.ts)
-            elif kind is RunRewound:
-                self.stopped = f"RunRewound at position {position}"
-                break
+    def feed(self, position: int, event: AnyEvent) -> None:
+        """The next recorded event, in log order (nothing after the first RunRewound)."""
+        if self.rewound:
+            return
+        kind = type(event)
+        if kind in _GROUP_EVENTS:
+            self._drain(event.ts)
+            self._apply_group(event)
+            self._on_change(event.ts)
+        elif kind in _TRAINER_EVENTS:
+            self.seen_steps += kind is StepBegun
+            self.recorded_tv += kind is StepFinished
+            self.queue.append(event)
+            if (
+                kind is StepAborted
+                and self.blocked_due is not None
+                and self.current is not None
+                and self.current.step == event.step
+            ):
+                self._abort_while_blocked()
+            self._drain(event.ts)
+        elif kind is RunRewound:
+            self.stopped = f"RunRewound at position {position}"
+            self.rewound = True
+
+    def finish(self) -> SimResult:
+        """The log ended: run what is left of the recorded schedule; the result."""
         self._drain(float("inf"))
         if self.queue:
             self.stopped = (
@@ -290,8 +298,12 @@ class Simulation:
 
 
 def simulate(events: Iterable[tuple[int, AnyEvent]], settings: "WhatIfSettings") -> SimResult:
-    """Re-run the policies with ``settings`` over recorded ``(position, event)`` pairs."""
-    return Simulation(settings).run(events)
+    """Re-run the policies with ``settings`` over recorded ``(position, event)`` pairs
+    (the CLI feeds the simulation from the projector's fold: ``replay.whatif.WhatIf``)."""
+    sim = Simulation(settings)
+    for position, event in events:
+        sim.feed(position, event)
+    return sim.finish()
 
 
-__all__ = ["RunState", "SimResult", "SimStep", "Simulation", "simulate"]
+__all__ = ["FED_EVENTS", "RunState", "SimResult", "SimStep", "Simulation", "simulate"]
