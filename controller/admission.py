@@ -310,16 +310,21 @@ class AdmissionSide:
         ))
 
     async def _on_generation_failed(self, reqs: list[GenerationRequest], reason: str) -> None:
-        """A call failed: each of its groups' attempt failed (one append each), and is
-        queued for its next attempt while it has attempts left."""
+        """A call failed: each of its groups' attempt failed (one append each), then
+        :meth:`_retry_later` decides its next attempt."""
         j = self.journal
         for req in reqs:
             log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt,
                         reason=reason)
             await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()))
             j.timers.failed += 1
-            if req.attempt < self.rollout.max_attempts:
-                self._retry_queue.append(req.group_id)
+            self._retry_later(req)
+
+    def _retry_later(self, req: GenerationRequest) -> None:
+        """The one place a failed group's next attempt is decided: queued (retries go
+        before new groups) while it has attempts left, else dropped."""
+        if req.attempt < self.rollout.max_attempts:
+            self._retry_queue.append(req.group_id)
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Let in-flight generations commit (their groups stay buffered for a resume)."""
