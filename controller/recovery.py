@@ -54,7 +54,7 @@ from events import schema as ev
 from workers.api import PayloadStore, TrainerClient, WorkerLostError
 
 if TYPE_CHECKING:
-    from controller.step_close import CheckpointSection
+    from controller.settings import CheckpointSection
 
 __all__ = [
     "DigestMismatchError", "PayloadsLostError", "RecoveryError", "bring_trainer_to_log",
@@ -218,8 +218,9 @@ async def evict_lost_payloads(journal: Journal, present: set[str]) -> int:
 
 
 def reload_spill(dataplane: object, run_id: str) -> int:
-    reload = getattr(dataplane, "reload", None)
-    return 0 if reload is None else reload(run_id)
+    from workers.dataplane.api import DurableDataPlane  # torch: only once a run recovers
+
+    return dataplane.reload(run_id) if isinstance(dataplane, DurableDataPlane) else 0
 
 
 # -- the whole procedure -----------------------------------------------------------------
