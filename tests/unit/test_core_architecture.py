@@ -113,6 +113,19 @@ def test_the_loop_and_recovery_append_through_the_journal():
             assert not func.endswith("writer.append"), f"{path}: {func}(...) bypasses the Journal"
 
 
+def test_every_journal_append_is_awaited():
+    """``Journal.append`` is a coroutine: called without ``await`` it would append
+    nothing, silently (a branch written against the old synchronous append)."""
+    offenders = []
+    for path, tree in TREES.items():
+        awaited = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Await)}
+        for call in _calls(tree):
+            func = _name(call.func)
+            if (func.endswith("journal.append") or func == "j.append") and id(call) not in awaited:
+                offenders.append(f"{path}:{call.lineno}")
+    assert offenders == []
+
+
 def test_no_blocking_sleep_on_the_append_path():
     for path in ("controller/log_writer.py", "controller/journal.py"):
         sleeps = [_name(c.func) for c in _calls(TREES[path]) if _name(c.func).endswith("sleep")]
