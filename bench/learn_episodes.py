@@ -49,6 +49,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (the loss scales logits by the same)")
     p.add_argument("--context-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--d-model", type=int, default=64)
@@ -134,7 +136,8 @@ def main(argv: list[str]) -> int:
     task = as_episode_task(make_task(args.task, **task_options(args.task_option)))
     trainer, tokenizer = build(args)
     prompts = task.examples(args.prompts, args.seed)
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    loss = LossConfig(temperature=args.temperature)
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     out = args.out.open("a") if args.out else None
@@ -153,7 +156,7 @@ def main(argv: list[str]) -> int:
         trajs = runner.run(keys, [task.make_env(ex) for ex in chosen for _ in range(args.n)])
         groups = [trajs[g * args.n:(g + 1) * args.n] for g in range(args.groups)]
         trainer.model.train()
-        result = trainer.train(train_batch(groups, args.advantages == "token"), LossConfig(), step=step)
+        result = trainer.train(train_batch(groups, args.advantages == "token"), loss, step=step)
         step += 1
         stats = [step_stats(g, [ex] * args.n, tokenizer.decode) for g, ex in zip(groups, chosen)]
         line = {

@@ -55,3 +55,22 @@ def test_episode_rows_from_the_tiny_model_carry_the_trainers_logprobs():
                                SamplingConfig(max_new_tokens=8), seed=5)
     assert [r["input_ids"].tolist() for r in plane.get("run-1", again.keys)] == [
         r["input_ids"].tolist() for r in rows]
+
+
+def test_the_learning_probe_trains_a_few_steps_on_episodes(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        import learn_episodes
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "curve.jsonl"
+    assert learn_episodes.main(["--task", "calculator", "--max-steps", "2", "--groups", "2",
+                                "--n", "4", "--show", "1", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert all(0.0 <= x["reward"] <= 1.0 and x["grad_norm"] > 0 for x in lines)
+    assert "prompt" in capsys.readouterr().out  # --show printed an episode

@@ -244,3 +244,15 @@ def test_sample_takes_one_prompt_per_row_when_they_share_a_length():
         torch.testing.assert_close(c.logprobs, ref, atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="prompts of equal length"):
         sample(model, [TOK.encode("1="), TOK.encode("12=")], 2, cfg, torch.Generator(), EOS_ID)
+
+
+def test_a_bare_calculator_call_evaluates_the_question_as_asked():
+    task = make_task("calculator", call="bare")
+    ex = Example("59-15=", "44")
+    env = task.make_env(ex)
+    env.reset(KEYS[0])
+    call = env.step(Action("c", (), True), KEYS[0].at(1))
+    assert call.observation.text == ">44" and call.reward == pytest.approx(0.2)
+    assert env.step(Action("44", (), True), KEYS[0].at(2)).reward == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="call must be 'expression' or 'bare'"):
+        make_task("calculator", call="json")

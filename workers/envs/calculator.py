@@ -43,6 +43,8 @@ from workers.tasks.base import Example, shaped_match_reward
 
 #: the format the calculator task's model speaks
 CALCULATOR_FORMAT = ToolCallFormat(tools=(Calculator(),))
+#: the call of ``call = "bare"``: the calculator evaluates the question as asked
+BARE_CALL = "c"
 
 
 @dataclass
@@ -52,6 +54,8 @@ class CalculatorEnv:
     example: Example
     use_tool: bool
     call_weight: float
+    #: the call is BARE_CALL, asking the question as it stands (else the expression)
+    bare_call: bool = False
     #: the calculator is pure: re-running a call has no side effect to repeat
     dedupes_by_key: bool = True
 
@@ -77,21 +81,32 @@ class CalculatorEnv:
     def _call(self, action: Action) -> EnvStep:
         """The first turn: credit for its likeness to the right call, then the result."""
         tool = CALCULATOR_FORMAT.tools[0]
-        right_call = CALCULATOR_FORMAT.render_call(tool.name, self.example.prompt.rstrip("="))
+        question = self.example.prompt.rstrip("=")
+        right_call = BARE_CALL if self.bare_call else question
         reward = self.call_weight * shaped_match_reward(action.text, right_call, action.stopped)
-        try:
-            call = CALCULATOR_FORMAT.parse(action.text)
-            tool.parse(action.text)  # the tool's own words for what is wrong, if anything
-        except ToolCallParseError as err:
-            call, error = None, str(err)
-        if call is None:
+        expression, error = self._expression(action.text, question)
+        if expression is None:
             # no result to read, so nothing to answer from: the episode ends here (its
             # turns after a failed call would only add tokens whose credit is noise)
             return EnvStep(Observation(text=""), reward, True, {"error": error})
-        result = tool.run(call.arguments)
+        result = tool.run({"expression": expression})
         self._right_result_shown = result == self.example.answer
         return EnvStep(Observation(text=CALCULATOR_FORMAT.render_result(result)), reward, False,
-                       {"tool": call.name})
+                       {"tool": tool.name})
+
+    def _expression(self, text: str, question: str) -> tuple[str | None, str]:
+        """What the call asks the calculator, or None and why it is not a call."""
+        if self.bare_call:
+            if text == BARE_CALL:
+                return question, ""
+            return None, f"calculator call {text!r} is not {BARE_CALL!r} (the question as asked)"
+        try:
+            call = CALCULATOR_FORMAT.parse(text)
+            Calculator().parse(text)  # the tool's own words for what is wrong, if anything
+        except ToolCallParseError as err:
+            return None, str(err)
+        assert call is not None
+        return str(call.arguments["expression"]), ""
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,9 @@ class _CalculatorTask:
     digits: int = 2
     #: operators drawn from (one per question)
     ops: str = "+-*"
+    #: "expression": the call spells out the expression (``47*38``); "bare": the call is
+    #: ``c`` and the calculator evaluates the question as asked
+    call: str = "expression"
     call_weight: float = 0.2
     use_tool: bool = True
     name = "calculator"
@@ -110,6 +128,8 @@ class _CalculatorTask:
             raise ValueError(f"{self.name}: digits must be in 1..4, got {self.digits}")
         if not self.ops or set(self.ops) - set("+-*"):
             raise ValueError(f"{self.name}: ops must be a non-empty subset of '+-*', got {self.ops!r}")
+        if self.call not in ("expression", "bare"):
+            raise ValueError(f"{self.name}: call must be 'expression' or 'bare', got {self.call!r}")
         if not 0.0 <= self.call_weight < 1.0:
             raise ValueError(f"{self.name}: call_weight must be in [0, 1), got {self.call_weight}")
 
@@ -129,7 +149,8 @@ class _CalculatorTask:
         return out
 
     def make_env(self, example: Example) -> CalculatorEnv:
-        return CalculatorEnv(example, self.use_tool, self.call_weight if self.use_tool else 0.0)
+        return CalculatorEnv(example, self.use_tool, self.call_weight if self.use_tool else 0.0,
+                             bare_call=self.call == "bare")
 
     def reward(self, example: Example, completion: str, stopped: bool) -> float:
         return single_turn_reward(self, example, completion, stopped)
