@@ -88,7 +88,7 @@ class Environment(Protocol):
     dedupes_by_key: bool
 
     def reset(self, key: StepKey) -> Observation:
-        """Start the episode (``key.turn == 0``); returns the first observation."""
+        """Start the episode (its key is turn 0); returns the first observation."""
         ...
 
     def step(self, action: Action, key: StepKey) -> EnvStep:
