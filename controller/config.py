@@ -16,6 +16,7 @@ The resolved config is written into ``RunStarted`` so a log describes its own ru
 
 from __future__ import annotations
 
+import enum
 import tomllib
 import typing
 from pathlib import Path
@@ -89,8 +90,7 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     "staleness.window_versions", "staleness.buffer_groups", "train.lr",
-    "train.weight_decay", "train.warmup_steps", "train.loss.kl_coef",
-    "train.loss.clip_low", "train.loss.clip_high", "controller.step_retries",
+    "train.weight_decay", "train.warmup_steps", "controller.step_retries",
     "rollout.vllm.chunk_tokens",
 }
 
@@ -114,8 +114,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config: sampling.temperature must be > 0")
     if not 0 < cfg.sampling.top_p <= 1:
         raise ConfigError("config: sampling.top_p must be in (0, 1]")
-    if cfg.train.loss.is_cap < 1:
-        raise ConfigError("config: train.loss.is_cap must be >= 1")
     if cfg.train.grad_clip <= 0:
         raise ConfigError("config: train.grad_clip must be > 0")
     if cfg.train.tensor_parallel > 1 and cfg.train.backend != "fsdp2":
@@ -179,6 +177,8 @@ def _convert(data: dict[str, Any], source: str) -> Config:
             raise ConfigError(f"config ({source}): unknown key {key!r}") from None
         if msg.startswith("Invalid enum value") and key:
             msg += f" (choose one of: {', '.join(_choices(key))})"
+        if key and msg.startswith(f"{key}."):  # a table's own check already names its key
+            raise ConfigError(f"config ({source}): {msg}") from None
         raise ConfigError(f"config ({source}): {key or 'root'}: {msg}") from None
 
 
@@ -187,6 +187,8 @@ def _choices(dotted: str) -> tuple[str, ...]:
     for part in dotted.split("."):
         hint = typing.get_type_hints(owner)[part]
         owner = hint
+    if isinstance(owner, type) and issubclass(owner, enum.Enum):
+        return tuple(str(e.value) for e in owner)
     return typing.get_args(owner)
 
 

@@ -51,6 +51,9 @@ class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):
     payload_keys: list[str]
     #: one advantage per payload key (GRPO, normalised within each group)
     advantages: list[float]
+    #: the weight version each key's generation started at (its group's
+    #: weight_version_start; the mismatch metrics use it); empty = unknown
+    versions: list[int] = msgspec.field(default_factory=list)
 
 
 class MicrobatchOutcome(msgspec.Struct, frozen=True, kw_only=True):

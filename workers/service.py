@@ -89,7 +89,9 @@ class TrainerWorker(Fenced):
         self.fence = EpochFence(spec.run_id, "trainer")
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         #: the loss compares logprobs under the generators' sampling temperature
-        self.loss = spec.train.loss.loss_config(spec.sampling.temperature)
+        self.loss = spec.train.loss.loss_config(
+            spec.sampling.temperature, spec.sampling.max_new_tokens
+        )
         self.trainer: Any = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
@@ -132,7 +134,7 @@ class TrainerWorker(Fenced):
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
         rows = self.dataplane.get_batch(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
-        batch = collate(rows, ref.advantages)
+        batch = collate(rows, ref.advantages, ref.versions)
         result = self.trainer.train_microbatch(batch)
         results = result if isinstance(result, list) else [result]
         return MicrobatchOutcome(

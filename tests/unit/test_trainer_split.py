@@ -260,15 +260,25 @@ def test_oneshot_train_aborts_its_own_step_on_failure():
     assert t.phase is StepPhase.IDLE and t.trainer_version == 0
 
 
-def test_step_with_only_dummies_fails_at_finish_without_updating():
+def test_a_step_without_loss_bearing_tokens_is_an_empty_step_not_an_error():
+    """No valid token on any rank: the step finishes (the controller's loop would retry
+    a failing one forever) with a zero gradient, no update, and says so in a metric."""
     t = TorchTrainer(FACTORY, ADAMW)
+    t.train(make_batch(37), TOKEN)  # Adam has momentum now: a skipped update is visible
     before = snapshot(t)
-    t.begin_train_step(0, SEQUENCE)
+    empty = make_batch(38)
+    empty = replace(empty, loss_mask=torch.zeros_like(empty.loss_mask))
+    t.begin_train_step(1, SEQUENCE)
     t.train_microbatch(None)
-    with pytest.raises(ValueError, match="no loss-bearing sequences"):
-        t.finish_train_step()
-    t.abort_train_step()
-    assert_same(snapshot(t), before)
+    t.train_microbatch(empty)
+    result = t.finish_train_step()
+    assert result.trainer_version == 2 and t.phase is StepPhase.IDLE
+    assert result.metrics["empty_step"] == 1.0 and result.grad_norm == 0.0
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert (result.num_tokens, result.num_sequences) == (0, 0)
+    after = snapshot(t)
+    assert_same(after["weights"], before["weights"])
+    assert_same(after["optimizer"], before["optimizer"])
 
 
 def test_non_finite_gradient_raises_and_applies_no_update():

@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs
+from workers.loss import LossConfig, Metric, microbatch_loss, token_logprobs
 from workers.trainer import distributed as dd
 from workers.trainer import fsdp2_checkpoint as fckpt
 from workers.trainer import fsdp2_shard as fs
@@ -263,8 +263,10 @@ class Fsdp2Trainer(TorchTrainer):
 
     def _forward_backward(self, mb: TrainBatch, cfg: LossConfig) -> dict[str, Metric]:
         ref = self._reference_logprobs(mb, cfg)
-        lp = token_logprobs(model_logits(self._model, mb.input_ids), mb.input_ids, cfg.temperature)
-        out = grpo_loss(lp, mb, cfg, reference_logprobs=ref)
+        out = microbatch_loss(
+            model_logits(self._model, mb.input_ids), mb, cfg, reference_logprobs=ref,
+            trainer_version=self._version,
+        )
         out.loss_sum.backward()
         return out.metrics
 
@@ -295,15 +297,16 @@ class Fsdp2Trainer(TorchTrainer):
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
             for g in grads:
-                g.div_(float(n))
+                g.div_(float(max(n, 1)))  # n = 0: every gradient is 0
             grad_norm = self._clip_gradients()
             if not math.isfinite(grad_norm):
                 raise NonFiniteGradientError(
                     f"step {open_.step}: gradient norm is {grad_norm}; no update applied"
                 )
             lr = float(self._optimizer.param_groups[0]["lr"])
-            self._optimizer.step()
-            self._scheduler.step()
+            if n:  # an empty step (no loss-bearing token) moves no weight
+                self._optimizer.step()
+                self._scheduler.step()
         except BaseException as err:
             self._fail(open_, err)
             raise
@@ -320,13 +323,7 @@ class Fsdp2Trainer(TorchTrainer):
         tp = self.options.tensor_parallel
         per_rank = dd.all_gather_objects(local)
         total = combine([s for r, s in enumerate(per_rank) if r % tp == 0])
-        n = loss_normaliser(total, cfg.aggregation)
-        if n == 0:
-            raise ValueError(
-                f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
-                "rank; abort it"
-            )
-        return total, n
+        return total, loss_normaliser(total, cfg.aggregation)  # 0: an empty step
 
     def _clip_gradients(self) -> float:
         """Clip by the L2 norm over every shard of every gradient (an all-reduce per mesh)."""

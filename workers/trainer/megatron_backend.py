@@ -66,7 +66,7 @@ from torch import nn
 
 from workers.availability import BackendUnavailableError, check_megatron
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs
+from workers.loss import LossConfig, Metric, microbatch_loss
 from workers.trainer import checkpoint as ckpt
 from workers.trainer import distributed as dd
 from workers.trainer import megatron_shims as shims
@@ -288,8 +288,9 @@ class MegatronTrainer(TorchTrainer):
         auxiliary losses captured and their gradients kept apart (see ``finish_train_step``)."""
         aux: list[torch.Tensor] = []
         with self._ddp.no_sync(), _capture_aux_losses(aux):
-            lp = token_logprobs(model_logits(self._ddp, mb.input_ids), mb.input_ids, cfg.temperature)
-            out = grpo_loss(lp, mb, cfg, reference_logprobs=self._reference_logprobs(mb, cfg))
+            logits = model_logits(self._ddp, mb.input_ids)
+            ref, version = self._reference_logprobs(mb, cfg), self._version
+            out = microbatch_loss(logits, mb, cfg, reference_logprobs=ref, trainer_version=version)
             if aux:
                 self._accumulate_aux(torch.stack([a.sum() for a in aux]).sum())
             out.loss_sum.backward()
@@ -308,7 +309,7 @@ class MegatronTrainer(TorchTrainer):
         open_ = self._require_open("finish_train_step")
         try:
             total, n = self._global_normaliser(open_)
-            self._ddp.scale_gradients(1.0 / n)
+            self._ddp.scale_gradients(1.0 / max(n, 1))  # n = 0: every gradient is 0
             for p, g in self._aux_grads.items():
                 p.main_grad.add_(g, alpha=1.0 / total.num_microbatches)
             if self.options.overlap_grad_reduce:
@@ -320,8 +321,9 @@ class MegatronTrainer(TorchTrainer):
                     f"step {open_.step}: gradient norm is {grad_norm}; no update applied"
                 )
             lr = float(self._optimizer.param_groups[0]["lr"])
-            self._optimizer_step()
-            self._scheduler.step()
+            if n:  # an empty step (no loss-bearing token) moves no weight
+                self._optimizer_step()
+                self._scheduler.step()
         except BaseException as err:
             self._fail(open_, err)
             raise

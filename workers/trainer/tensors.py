@@ -32,12 +32,4 @@ def _trim(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """Drop all-padding trailing columns (right padding) and move to ``device``."""
     cols = batch.attention_mask.any(dim=0).nonzero()
     t = int(cols.max()) + 1 if len(cols) else 1
-    ref = batch.reference_logprobs
-    return TrainBatch(
-        input_ids=batch.input_ids[:, :t].to(device),
-        attention_mask=batch.attention_mask[:, :t].to(device),
-        loss_mask=batch.loss_mask[:, :t].to(device),
-        generator_logprobs=batch.generator_logprobs[:, :t].to(device),
-        advantages=batch.advantages.to(device),
-        reference_logprobs=None if ref is None else ref[:, :t].to(device),
-    )
+    return batch.trimmed(t).to(device)

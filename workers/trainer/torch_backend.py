@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs, valid_counts
+from workers.loss import LossConfig, Metric, microbatch_loss, token_logprobs, valid_counts
 from workers.trainer import checkpoint as ckpt
 from workers.trainer import distributed as dd
 from workers.trainer.api import (
@@ -214,8 +214,10 @@ class TorchTrainer:
 
     def _forward_backward(self, mb: TrainBatch, cfg: LossConfig) -> dict[str, Metric]:
         """The microbatch's loss, back-propagated into the parameters; returns its metrics."""
-        lp = token_logprobs(model_logits(self._model, mb.input_ids), mb.input_ids, cfg.temperature)
-        out = grpo_loss(lp, mb, cfg, reference_logprobs=self._reference_logprobs(mb, cfg))
+        out = microbatch_loss(
+            model_logits(self._model, mb.input_ids), mb, cfg,
+            reference_logprobs=self._reference_logprobs(mb, cfg), trainer_version=self._version,
+        )
         out.loss_sum.backward()
         return out.metrics
 
@@ -239,7 +241,7 @@ class TorchTrainer:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
             dd.all_reduce_sum_flat_(grads, self.config.reduce_bucket_mb << 20)
-            torch._foreach_div_(grads, float(n))
+            torch._foreach_div_(grads, float(max(n, 1)))  # n = 0: every gradient is 0
             max_norm = self.config.max_grad_norm
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(
@@ -251,8 +253,9 @@ class TorchTrainer:
                     f"step {open_.step}: gradient norm is {grad_norm}; no update applied"
                 )
             lr = float(self._optimizer.param_groups[0]["lr"])
-            self._optimizer.step()
-            self._scheduler.step()
+            if n:  # an empty step (no loss-bearing token) moves no weight
+                self._optimizer.step()
+                self._scheduler.step()
         except BaseException as err:
             self._fail(open_, err)
             raise
@@ -260,19 +263,13 @@ class TorchTrainer:
         return self._close_step(open_, total, grad_norm, lr)
 
     def _global_normaliser(self, open_: Any) -> tuple[Any, int]:
-        """All ranks' counts and metric sums folded, and the loss normaliser N (> 0)."""
-        cfg = open_.loss_config
+        """All ranks' counts and metric sums folded, and the loss normaliser N; N = 0
+        when no rank had a loss-bearing token (an empty step: zero gradient, no update)."""
         local = open_.metrics.stats(
             open_.num_sequences, open_.num_tokens, open_.num_microbatches, open_.num_dummy
         )
         total = combine(dd.all_gather_objects(local))
-        n = loss_normaliser(total, cfg.aggregation)
-        if n == 0:
-            raise ValueError(
-                f"step {open_.step} has no loss-bearing {cfg.aggregation.value}s on any "
-                "rank; abort it"
-            )
-        return total, n
+        return total, loss_normaliser(total, open_.loss_config.aggregation)
 
     def _close_step(self, open_: Any, total: Any, grad_norm: float, lr: float) -> StepResult:
         """The update is applied: advance the version, go IDLE, report the step."""
