@@ -96,8 +96,10 @@ def mismatch_metrics(
     k3 = e^d - d - 1 (non-negative, unbiased), plus the mean and max of |d|.
     """
     with torch.no_grad():
-        d = torch.where(sel, lp - gen, 0.0).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
-        k3 = torch.exp(d) - d - 1.0
+        # float64 and expm1: a fresh generator differs by ~1e-7, whose k3 (~d^2 / 2)
+        # float32's exp(d) - d - 1 would round to exactly 0
+        d = torch.where(sel, lp - gen, 0.0).double().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
+        k3 = torch.expm1(d) - d
         return {
             MISMATCH_TOKENS: Metric(red.token_sum(sel), MetricKind.COUNT),
             MISMATCH_KL: Metric(red.token_sum(k3), MetricKind.RATIO, per=MISMATCH_TOKENS),
