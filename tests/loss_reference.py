@@ -74,7 +74,7 @@ def _surrogate(lps, olds, advs, cfg: LossConfig, sequence_form: bool) -> list[to
 def _kl_term(lp, old, ref, cfg: LossConfig) -> torch.Tensor:
     d = ref - lp
     clamped = False
-    if cfg.kl_input_clamp and abs(float(d)) > cfg.kl_input_clamp:
+    if cfg.kl_input_clamp and abs(float(d.detach())) > cfg.kl_input_clamp:
         d, clamped = _clamp(d, -cfg.kl_input_clamp, cfg.kl_input_clamp), True
     k = _kl(d, cfg.kl_estimator.value)
     if cfg.kl_gradient.value == "score":
