@@ -115,13 +115,17 @@ def collate(
     versions: Sequence[int] | None = None,
 ) -> TrainBatch:
     """Right-pad sample rows (``ROW_FIELDS``; a batch TensorDict or one mapping per row)
-    into a TrainBatch, with one advantage and (optionally) one weight version per row."""
+    into a TrainBatch, with one advantage and (optionally) one weight version per row.
+    Rows that carry per-token ``token_versions`` keep them (padding is never a loss token)."""
+    names = ["input_ids", "loss_mask", "generator_logprobs"]
     if not isinstance(rows, TensorDictBase):
         rows = list(rows)
         if not rows:
             raise ValueError("cannot collate an empty list of rows")
-        names = ("input_ids", "loss_mask", "generator_logprobs")
+        names += ["token_versions"] if "token_versions" in rows[0] else []
         rows = batch_of({n: [r[n] for r in rows] for n in names}, len(rows))
+    elif "token_versions" in rows.keys():
+        names.append("token_versions")
     b = int(rows.batch_size[0]) if rows.batch_dims else 0
     if b == 0:
         raise ValueError("cannot collate an empty list of rows")
@@ -131,8 +135,9 @@ def collate(
         raise ValueError(f"{b} rows but {len(versions)} weight versions")
     ids = rows.get("input_ids")
     lengths = ids.offsets().diff() if ids.is_nested else torch.full((b,), ids.shape[1])
-    padded = rows.select("input_ids", "loss_mask", "generator_logprobs").to_padded_tensor(0)
+    padded = rows.select(*names).to_padded_tensor(0)
     t = padded.get("input_ids").shape[1]
+    token_versions = padded.get("token_versions", None)
     return TrainBatch(
         input_ids=padded.get("input_ids").to(torch.int64),
         attention_mask=torch.arange(t) < lengths.unsqueeze(1),
@@ -140,4 +145,5 @@ def collate(
         generator_logprobs=padded.get("generator_logprobs").to(torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
         sample_versions=torch.tensor(versions, dtype=torch.int64) if versions else None,
+        token_versions=None if token_versions is None else token_versions.to(torch.int64),
     )

@@ -217,3 +217,26 @@ def test_options_resolve_norm_length_from_the_generation_budget():
     assert opts.loss_config(0.7, max_new_tokens=6).temperature == 0.7
     pinned = msgspec.convert({"aggregation": "seq-mean-token-sum-norm", "norm_length": 32}, LossOptions)
     assert pinned.loss_config(1.0, max_new_tokens=6).norm_length == 32
+
+
+def test_token_versions_decide_which_tokens_the_mismatch_covers():
+    """Per-token versions (from the rows) win over the sample's version; without either,
+    every token counts."""
+    from workers.batch import collate
+    from workers.loss import current_tokens
+
+    def row(n, versions):
+        return {
+            "input_ids": torch.arange(1, n + 1), "loss_mask": torch.arange(n) > 0,
+            "generator_logprobs": -torch.ones(n), "token_versions": torch.tensor(versions),
+        }
+
+    batch = collate([row(4, [0, 2, 3, 3]), row(3, [0, 3, 3])], [1.0, -1.0], [2, 3])
+    assert batch.token_versions.tolist() == [[0, 2, 3, 3], [0, 3, 3, 0]]
+    assert current_tokens(batch, 3).tolist() == [[False, False, True, True], [False, True, True, False]]
+    plain = collate([{k: v for k, v in row(3, [0, 1, 1]).items() if k != "token_versions"}],
+                    [1.0], [1])
+    assert current_tokens(plain, 1).tolist() == [[False, True, True]]
+    assert current_tokens(plain, 2).tolist() == [[False, False, False]]
+    unknown = collate([{k: v for k, v in row(3, [0, 1, 1]).items() if k != "token_versions"}], [1.0])
+    assert current_tokens(unknown, 7).tolist() == [[False, True, True]]
