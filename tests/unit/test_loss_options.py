@@ -232,7 +232,8 @@ def test_token_versions_decide_which_tokens_the_mismatch_covers():
         }
 
     batch = collate([row(4, [0, 2, 3, 3]), row(3, [0, 3, 3])], [1.0, -1.0], [2, 3])
-    assert batch.token_versions.tolist() == [[0, 2, 3, 3], [0, 3, 3, 0]]
+    assert batch.token_versions[0].tolist() == [0, 2, 3, 3]
+    assert batch.token_versions[1, :3].tolist() == [0, 3, 3]  # then padding
     assert current_tokens(batch, 3).tolist() == [[False, False, True, True], [False, True, True, False]]
     plain = collate([{k: v for k, v in row(3, [0, 1, 1]).items() if k != "token_versions"}],
                     [1.0], [1])
