@@ -92,41 +92,22 @@ def grpo_loss(
     metric and bonus (the bonus needs it).
     """
     mask = batch.loss_mask
-    dtype = logprobs.dtype
-    red = Reducer(mask, cfg.aggregation, dtype, cfg.norm_length)
+    red = Reducer(mask, cfg.aggregation, logprobs.dtype, cfg.norm_length)
     # Zero every per-token input outside the mask so that no inf/nan can arise there
     # (exp of a large masked difference) and leak into the sum or the gradient.
     lp = torch.where(mask, logprobs, 0.0)
-    raw_gen = batch.generator_logprobs.to(dtype)
+    raw_gen = batch.generator_logprobs.to(lp.dtype)
     usable = mask & torch.isfinite(raw_gen)
     gen = torch.where(usable, raw_gen, 0.0)
     old = _old_logprobs(lp, gen, usable, cfg, old_logprobs)
-    adv = torch.where(mask, batch.token_advantages().to(dtype), 0.0)
-
-    ref = reference_logprobs if reference_logprobs is not None else batch.reference_logprobs
-    if cfg.kl_coef > 0 and ref is None:
-        raise ValueError(
-            "train.loss.kl_coef > 0 needs reference logprobs (TrainBatch.reference_logprobs "
-            "or a trainer with a reference model)"
-        )
-    ref = None if ref is None else torch.where(mask, ref.to(dtype), 0.0)
-    if ref is not None and cfg.kl_coef > 0 and cfg.kl_placement is KLPlacement.REWARD:
-        adv = adv - cfg.kl_coef * torch.where(mask, klmod.reward_penalty(old, ref, cfg), 0.0)
+    ref = _reference(batch, reference_logprobs, cfg, lp.dtype)
+    adv = _advantages(batch, old, ref, cfg, lp.dtype)
 
     iw = importance_weights(old, gen, usable, red, cfg)
     sur = surrogate(lp, old, adv, red, cfg)
     pg = sur.loss * iw.weight
-    per_token = pg
-    kl_term = None
-    if ref is not None:
-        kl_term = klmod.loss_term(lp, old, ref, cfg)
-        if cfg.kl_coef > 0 and cfg.kl_placement is KLPlacement.LOSS:
-            per_token = per_token + cfg.kl_coef * kl_term
-    if cfg.entropy_coef > 0:
-        if entropy is None:
-            raise ValueError("train.loss.entropy_coef > 0 needs the entropy (microbatch_loss)")
-        per_token = per_token - cfg.entropy_coef * torch.where(mask, entropy, 0.0)
-    loss_sum = red.aggregate(per_token)
+    kl_term = None if ref is None else klmod.loss_term(lp, old, ref, cfg)
+    loss_sum = red.aggregate(_per_token_loss(pg, kl_term, entropy, mask, cfg))
 
     with torch.no_grad():
         metrics = _metrics(red, loss_sum, pg, sur, adv, old, gen, usable, cfg)
@@ -138,6 +119,38 @@ def grpo_loss(
         if entropy is not None:
             metrics["entropy"] = Metric(red.token_sum(entropy.detach()), MetricKind.TOKEN)
     return LossOutput(loss_sum=loss_sum, normaliser=cfg.aggregation.normaliser, metrics=metrics)
+
+
+def _reference(batch: TrainBatch, given, cfg: LossConfig, dtype) -> torch.Tensor | None:
+    """The reference logprobs (the argument, else the batch's), zero off the mask."""
+    ref = given if given is not None else batch.reference_logprobs
+    if cfg.kl_coef > 0 and ref is None:
+        raise ValueError(
+            "train.loss.kl_coef > 0 needs reference logprobs (TrainBatch.reference_logprobs "
+            "or a trainer with a reference model)"
+        )
+    return None if ref is None else torch.where(batch.loss_mask, ref.to(dtype), 0.0)
+
+
+def _advantages(batch: TrainBatch, old, ref, cfg: LossConfig, dtype) -> torch.Tensor:
+    """[B, T] advantages; with the KL in the reward, less beta times its per-token KL."""
+    mask = batch.loss_mask
+    adv = torch.where(mask, batch.token_advantages().to(dtype), 0.0)
+    if ref is not None and cfg.kl_coef > 0 and cfg.kl_placement is KLPlacement.REWARD:
+        adv = adv - cfg.kl_coef * torch.where(mask, klmod.reward_penalty(old, ref, cfg), 0.0)
+    return adv
+
+
+def _per_token_loss(pg, kl_term, entropy, mask, cfg: LossConfig) -> torch.Tensor:
+    """pg plus the in-loss KL term, less the entropy bonus."""
+    out = pg
+    if kl_term is not None and cfg.kl_coef > 0 and cfg.kl_placement is KLPlacement.LOSS:
+        out = out + cfg.kl_coef * kl_term
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("train.loss.entropy_coef > 0 needs the entropy (microbatch_loss)")
+        out = out - cfg.entropy_coef * torch.where(mask, entropy, 0.0)
+    return out
 
 
 def _metrics(red: Reducer, loss_sum, pg, sur, adv, old, gen, usable, cfg) -> dict[str, Metric]:
