@@ -39,6 +39,7 @@ from events import schema as ev
 from workers.api import (
     MicrobatchRef,
     PayloadStore,
+    StartedWorkers,
     TrainerClient,
     WeightPublisher,
     WorkerLostError,
@@ -357,16 +358,14 @@ def reload_spill(dataplane: object, run_id: str) -> int:
 
 async def reconcile_workers(
     writer: LogWriter,
-    workers,
+    workers: StartedWorkers,
     checkpoint: CheckpointSection,
     *,
     checkpoint_dir: str,
     rewind: bool = False,
 ) -> None:
     """Steps 1-4 of the module docstring, in order."""
-    token = getattr(workers, "token", None)
-    if token is not None:  # from here on every worker call carries this epoch
-        token.value = writer.epoch
+    workers.token.value = writer.epoch  # from here on every worker call carries it
     reloaded = reload_spill(workers.dataplane, writer.run_id)
     crash_point("after_spill_reloaded", writer.epoch)
     removed = await clean_data_plane(writer.state, workers.payloads)

@@ -62,7 +62,7 @@ def test_two_rank_actors_match_in_process_oneshot(ray_cluster, tmp_path):
         info = group.save_checkpoint(tmp_path / "v1")
         assert info.trainer_version == 1
     finally:
-        group.shutdown()
+        group.close()
 
 
 def _live(actors) -> int:
@@ -99,7 +99,7 @@ def test_trainer_worker_reset_stops_its_rank_actors(ray_cluster, tmp_path):
         assert _live(old + new) == 2, "the old group's rank actors are still alive"
         assert _live(new) == 2
     finally:
-        worker.trainer.shutdown()
+        worker.trainer.close()
 
 
 @pytest.mark.slow
@@ -127,4 +127,4 @@ def test_rank_actors_run_every_backend(ray_cluster, trainer_backend):
         logprobs = group.compute_logprobs(batch)
         assert logprobs.shape == batch.loss_mask.shape
     finally:
-        group.shutdown()
+        group.close()
