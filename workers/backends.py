@@ -94,7 +94,7 @@ def make_trainer(
     return MegatronTrainer(model_factory, config, megatron)
 
 
-def trainer_options(train: "TrainSection") -> BackendOptions | None:
+def trainer_options(train: TrainSection) -> BackendOptions | None:
     """The selected backend's options, from the ``[train]`` table."""
     if train.backend == "fsdp2":
         return Fsdp2Options(

@@ -58,7 +58,6 @@ import copy
 import functools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch

@@ -5,7 +5,7 @@ Every backend runs this class; what differs between them is applied by compositi
 under its parallelism and hands back a placement, a reduction and a checkpoint
 format. The step is the same whatever those are::
 
-    begin      check IDLE; zero grads; reduction.begin; capture RNG        -> OPEN
+    begin      check IDLE; zero grads; capture RNG; reduction.begin         -> OPEN
     micro*     forward (reference first, when KL needs it), the loss with
                normaliser 1, reduction.backward; count valid sequences/tokens.
                None = a zero-weight dummy: nothing, or (collective forward) a
@@ -30,9 +30,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 import torch
