@@ -94,8 +94,8 @@ def local_state(t: Fsdp2Trainer) -> dict[str, Any]:
 
     return {
         "params": [local(p.detach()) for p in t.model.parameters()],
-        "optimizer": local(t._optimizer.state_dict()),
-        "scheduler": t._scheduler.state_dict(),
+        "optimizer": local(t.optimizer.state_dict()),
+        "scheduler": t.scheduler.state_dict(),
         "version": t.trainer_version,
         "rng": torch.get_rng_state(),
         "grads": [p.grad is None for p in t.model.parameters()],

@@ -12,9 +12,11 @@ controller's ``wiring`` picks one.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
+
+from workers.fencing import EpochToken
 
 
 class WorkerLostError(RuntimeError):
@@ -131,3 +133,23 @@ class PayloadStore(Protocol):
 
     async def delete(self, keys: list[str]) -> None: ...
     async def keys(self) -> list[str]: ...
+
+
+@runtime_checkable
+class Replaceable(Protocol):
+    """A client whose worker can be replaced behind it: a restart swaps ``handle``, and
+    ``WorkerLostError.handle`` names the incarnation that failed."""
+
+    handle: object
+
+
+class StartedWorkers(Protocol):
+    """The started workers as recovery reconciles them (``controller.wiring.Workers``)."""
+
+    trainer: TrainerClient
+    publisher: WeightPublisher
+    payloads: PayloadStore
+    #: the controller's data plane client
+    dataplane: object
+    #: the controller's epoch, stamped by every handle on every call (``workers.fencing``)
+    token: EpochToken

@@ -43,8 +43,8 @@ def snapshot(t: TorchTrainer) -> dict:
     """Everything abort must leave bitwise unchanged."""
     return {
         "weights": t.export_weights(),
-        "optimizer": t._optimizer.state_dict(),
-        "scheduler": t._scheduler.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
         "version": t.trainer_version,
         "rng": torch.get_rng_state(),
         "grads": [p.grad for p in t.model.parameters()],
