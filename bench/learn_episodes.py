@@ -35,6 +35,7 @@ from workers.models.factory import ModelConfig, build_model
 from workers.models.sampling import SamplingConfig
 from workers.models.tokenizer import EOS_ID
 from workers.tasks import make_task
+from workers.tasks.config import with_task_defaults
 from workers.trainer.config import BuiltModelFactory, OptimizerConfig, TrainerConfig
 from workers.trainer.torch_backend import TorchTrainer
 
@@ -51,11 +52,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (the loss scales logits by the same)")
-    p.add_argument("--context-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--entropy-coef", type=float, default=None,
+                   help="entropy bonus (default: the task's run default, else 0)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="model context (default: the task's run default, else 32)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per model turn (default: the task's run default, else 6)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--alphabet", default=None, help="tokenizer alphabet (default: the tiny one's)")
+    p.add_argument("--alphabet", default=None,
+                   help="tokenizer alphabet (default: the task's run default, else the tiny one's)")
     p.add_argument("--prompts", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -63,7 +69,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="GRPO per sample, or reward-to-go per token (needs per-token TrainBatch)")
     p.add_argument("--show", type=int, default=0, help="print an episode every N steps")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    with_run_defaults(args)
+    return args
+
+
+def with_run_defaults(args: argparse.Namespace) -> None:
+    """Fill the options left unset from the task's run defaults, as ``rl-controller run``
+    does (``workers.tasks.config.with_task_defaults``), else from the run's own."""
+    tables = with_task_defaults({"task": {"name": args.task}})
+    model, sampling = tables.get("model", {}), tables.get("sampling", {})
+    loss = tables.get("train", {}).get("loss", {})
+    for attr, value in (("alphabet", model.get("alphabet")),
+                        ("context_len", model.get("context_len", 32)),
+                        ("max_new_tokens", sampling.get("max_new_tokens", 6)),
+                        ("entropy_coef", loss.get("entropy_coef", 0.0))):
+        if getattr(args, attr) is None:
+            setattr(args, attr, value)
 
 
 def task_options(pairs: list[str]) -> dict[str, object]:
@@ -137,7 +159,7 @@ def main(argv: list[str]) -> int:
     trainer, tokenizer = build(args)
     prompts = task.examples(args.prompts, args.seed)
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    loss = LossConfig(temperature=args.temperature)
+    loss = LossConfig(temperature=args.temperature, entropy_coef=args.entropy_coef)
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     out = args.out.open("a") if args.out else None
@@ -169,7 +191,8 @@ def main(argv: list[str]) -> int:
         }
         print(json.dumps(line), flush=True)
         if args.show and step % args.show == 0:
-            print(describe(trajs[0], tokenizer.decode), flush=True)
+            for t in trajs[:args.n]:
+                print(describe(t, tokenizer.decode), flush=True)
         if out:
             out.write(json.dumps(line) + "\n")
             out.flush()
