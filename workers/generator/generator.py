@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from workers.dataplane.api import DataPlane
+from workers.models.config import SamplingSection
 from workers.models.factory import Tokenizer, context_len
-from workers.models.sampling import Completion, SamplingConfig, sample
+from workers.models.sampling import Completion, sample
 from workers.tasks.base import Example, Task
 from workers.tasks.dataset import check_prompts_fit
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck
@@ -116,7 +117,7 @@ class Generator:
         group_id: str,
         prompt: Example,
         n: int,
-        sampling: SamplingConfig,
+        sampling: SamplingSection,
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
