@@ -7,6 +7,8 @@
     rl-controller staleness  lag analysis, plots and policy what-if
     rl-controller audit      trainer_version history and invariant check
     rl-controller simulate   a recorded run re-run in virtual time (timing what-if)
+    rl-controller trace      a run as a Chrome/Perfetto trace (JSON)
+    rl-controller dashboard  a live read-only web page of the runs
     rl-controller delete     delete a run (log and run directory)
     rl-controller stop-server  stop the embedded redis-server
 
@@ -37,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay_cli.register(sub)
     sim_cli.register(sub)
     manage_cmd.register(sub)
+    from views import cli as views_cli
+
+    views_cli.register(sub)
     return parser
 
 
