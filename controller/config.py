@@ -26,6 +26,7 @@ import msgspec
 from controller.admission import RolloutSection
 from controller.core.policies import StalenessSection
 from controller.loop import ControllerSection
+from controller.prometheus import MetricsSection
 from controller.step_close import CheckpointSection
 from events.redis_store.replication import StoreConfig
 from workers.dataplane.config import DataPlaneSection
@@ -72,6 +73,7 @@ class Config(_Section):
     controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
     @property
     def buffer_capacity(self) -> int:

@@ -51,6 +51,8 @@ class LogWriter:
         #: save a snapshot of the folded state every this many events (0 = never)
         self.snapshot_every = snapshot_every
         self._last_snapshot = state.position
+        #: called with (batch, state) after each acknowledged batch is folded (metrics)
+        self.listeners: list[Callable[[Sequence[Event], RunState], None]] = []
 
     @property
     def position(self) -> int:
@@ -84,6 +86,8 @@ class LogWriter:
         for pos, event in zip(positions, batch):
             apply(self.state, StoredEvent(position=pos, event=event))
         self.appended += len(batch)
+        for listen in self.listeners:
+            listen(batch, self.state)
         if self.snapshot_every and self.position - self._last_snapshot >= self.snapshot_every:
             self.snapshot()
         return positions
