@@ -7,5 +7,7 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     from views import trace_cmd
+    from views.dashboard import cmd as dashboard_cmd
 
     trace_cmd.add_parser(subparsers)
+    dashboard_cmd.add_parser(subparsers)
