@@ -311,7 +311,7 @@ class TraceBuilder:
 
     def _note(self, e: ev.Event, us: float) -> None:
         if self.drawing:
-            args = {k: v for k, v in msgspec_fields(e) if k not in _COMMON}
+            args = {k: getattr(e, k) for k in e.__struct_fields__ if k not in _COMMON}
             self.w.instant(CONTROLLER, us, type(e).__name__, args)
 
     def _flush_admits(self) -> None:
@@ -397,7 +397,3 @@ class TraceBuilder:
 
 
 _COMMON = {"event_id", "epoch", "ts", "schema_version"}
-
-
-def msgspec_fields(event: ev.Event) -> list[tuple[str, Any]]:
-    return [(name, getattr(event, name)) for name in event.__struct_fields__]

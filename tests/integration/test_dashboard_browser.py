@@ -5,7 +5,8 @@
    the browser minus the ts the controller stamped right before each append) are
    printed. Then the run ends and the page says so, with the audit status.
 2. A finished run, served under the read-only ACL user: every finished step is drawn,
-   the type filter works, and no page or answer carries the store's password.
+   the type filter works, the trace of some steps is drawn by the page's viewer, and no
+   page or answer carries the store's password.
 
 Screenshots go to pytest's tmp dir, or to $RLC_SCREENSHOT_DIR when set (docs/observe.md
 shows two of them).
@@ -180,6 +181,12 @@ def test_a_finished_run_under_the_reader_user(browser, redis_url: str, shared_re
             "return [...document.querySelectorAll('#events tbody tr')]"
             ".every(r => r.dataset.type === 'StepAborted')") and len(table_positions(browser)) == aborted)
         screenshot(browser, "dashboard-filtered.png", tmp_path)
+        # the trace of steps 10..14 drawn by the page's small viewer (views.trace's JSON)
+        browser.get(dashboard.url + f"run/{b.run_id}/trace?steps=10:14")
+        drawn = wait_for("the trace drawn", lambda: browser.execute_script(
+            "return window.rlcTrace.drawn && window.rlcTrace"))
+        assert drawn["slices"] > 0 and drawn["flows"] > 0
+        screenshot(browser, "trace-viewer.png", tmp_path)
         pages = [browser.page_source] + [
             urllib.request.urlopen(dashboard.url + path, timeout=30).read().decode()
             for path in ("api/runs", f"api/runs/{b.run_id}/events?limit=500")]

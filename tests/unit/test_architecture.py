@@ -157,8 +157,21 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_only_the_cli_imports_views():
+    """``views/`` sits beside replay and sim: it reads the log; nothing but the
+    ``rl-controller`` entry point may depend on it."""
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for package in ("events", "controller", "workers", "replay", "sim")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in _imported_top_level(path)
+        if (name == "views" or name.startswith("views.")) and path != ROOT / "controller" / "cli.py"
+    ]
+    assert offenders == []
+
+
 def test_no_import_cycles_in_workers_or_controller():
-    for package in ("workers", "controller", "replay"):
+    for package in ("workers", "controller", "replay", "views"):
         assert _cycles(_module_graph(package)) == [], package
 
 

@@ -5,6 +5,8 @@
     GET /api/runs                 the runs, as JSON
     GET /api/runs/{run}/events    the event table, filtered (type, group, step), newest first
     GET /api/runs/{run}/stream    Server-Sent Events: a snapshot, then an update per batch
+    GET /run/{run}/trace          the trace of some steps (default: the last 3), drawn by a
+                                  small viewer; /api/runs/{run}/trace?steps=A:B is the JSON
     GET /static/..., /vendor/plotly.min.js   the page's code; the chart library comes from
                                   the installed ``plotly`` package (machines are offline)
 
@@ -75,6 +77,20 @@ def create_app(store: EventStore, default_run: str | None = None) -> Starlette:
             return JSONResponse({"error": str(err)}, status_code=400)
         return JSONResponse(await asyncio.to_thread(history.find_events, store, run_id, query))
 
+    async def trace_page(request: Request) -> Response:
+        return FileResponse(STATIC / "trace.html")
+
+    async def trace(request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        if not await asyncio.to_thread(store.run_exists, run_id):
+            return JSONResponse({"error": f"no run {run_id!r}"}, status_code=404)
+        try:
+            body = await asyncio.to_thread(
+                history.trace_json, store, run_id, request.query_params.get("steps", ""))
+        except ValueError as err:
+            return JSONResponse({"error": str(err)}, status_code=400)
+        return Response(body, media_type="application/json")
+
     async def stream(request: Request) -> Response:
         run_id = request.path_params["run_id"]
         if not await asyncio.to_thread(store.run_exists, run_id):
@@ -85,6 +101,8 @@ def create_app(store: EventStore, default_run: str | None = None) -> Starlette:
     return Starlette(routes=[
         Route("/", index),
         Route("/run/{run_id}", run_page),
+        Route("/run/{run_id}/trace", trace_page),
+        Route("/api/runs/{run_id}/trace", trace),
         Route("/vendor/plotly.min.js", vendor),
         Route("/api/runs", runs),
         Route("/api/runs/{run_id}/events", events),

@@ -90,6 +90,41 @@ def find_events(store: EventStore, run_id: str, q: EventQuery) -> dict[str, Any]
     return {"events": rows, "scanned_from": max(hi + 1, 1), "end": end}
 
 
+#: steps a trace shows when none are asked for (the newest ones)
+TRACE_STEPS = 3
+
+
+def trace_json(store: EventStore, run_id: str, steps: str) -> bytes:
+    """The trace (``views.trace``) of steps ``A:B``, or of the newest ``TRACE_STEPS``."""
+    import io
+
+    from controller.cli_common import CliError
+    from views.trace_cmd import parse_steps, write_trace
+
+    try:
+        window = parse_steps(steps) if steps else _newest_steps(store, run_id)
+    except CliError as err:
+        raise ValueError(str(err).replace("--steps", "steps")) from None
+    out = io.BytesIO()
+    write_trace(store, run_id, out, window)
+    return out.getvalue()
+
+
+def _newest_steps(store: EventStore, run_id: str) -> tuple[int | None, int | None]:
+    hi = store.last_position(run_id)
+    while hi >= 1:
+        lo = max(1, hi - PAGE + 1)
+        for entry in reversed(store.read_raw(run_id, lo, hi)):
+            if entry.event_type in ("StepFinished", "StepAborted"):
+                try:
+                    last = decode(entry.data, entry.position).step  # type: ignore[union-attr]
+                except EventDecodeError:
+                    continue
+                return max(0, last - TRACE_STEPS + 1), last
+        hi = lo - 1
+    return None, None
+
+
 def tail_rows(store: EventStore, run_id: str, end: int) -> list[dict[str, Any]]:
     """Table rows of the last events up to ``end``, oldest first (a malformed entry is a
     row of its own, never left out)."""

@@ -45,6 +45,7 @@ const CONFIG = { displayModeBar: false, responsive: true };
 function rlcRun(runId) {
   document.getElementById("run-id").textContent = runId;
   document.title = "rl-controller " + runId;
+  document.getElementById("trace-link").href = "/run/" + encodeURIComponent(runId) + "/trace";
   initCharts();
   initFilters(runId);
   const source = new EventSource("/api/runs/" + encodeURIComponent(runId) + "/stream");
