@@ -73,7 +73,8 @@ def screenshot(driver: Any, name: str, tmp_path: Path) -> Path:
     return path
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 300.0) -> Any:
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 300.0,
+             explain: Callable[[], str] = lambda: "") -> Any:
     """Poll ``check`` until it is truthy; fail naming ``what`` (no wall-clock assertion
     on the thing measured: only a budget for the wait)."""
     deadline = time.monotonic() + timeout_s
@@ -82,7 +83,7 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 300.0) -> A
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what} {explain()}")
 
 
 class Dashboard:
@@ -125,8 +126,18 @@ def test_a_live_run_updates_the_page(browser, redis_url: str, tmp_path: Path) ->
         browser.get(dashboard.url + "run/live")
         wait_for("the snapshot", lambda: rlc(browser)["updates"] >= 1)
         steps0, last0 = rlc(browser)["steps"], max(table_positions(browser), default=0)
-        wait_for("new steps and events in the page", lambda: (
-            rlc(browser)["steps"] >= steps0 + 2 and max(table_positions(browser)) > last0))
+        def explain() -> str:
+            screenshot(browser, "dashboard-stuck.png", tmp_path)
+            return (f"(page: {rlc(browser)}, steps at first {steps0}, log at "
+                    f"{store.last_position('live')}, run exit {run.poll()})")
+
+        def progressed() -> bool:
+            if run.poll() is not None:  # say why rather than wait out the budget
+                raise AssertionError(f"the run ended (exit {run.returncode}) before the page saw "
+                                     f"it progress: {run.stdout.read()[-3000:]}")  # type: ignore[union-attr]
+            return rlc(browser)["steps"] >= steps0 + 2 and max(table_positions(browser)) > last0
+
+        wait_for("new steps and events in the page", progressed, explain=explain)
         assert run.poll() is None, "the run ended before the page saw it run"
         assert "live" in browser.find_element("id", "live").text
         screenshot(browser, "dashboard-live.png", tmp_path)
