@@ -96,7 +96,7 @@ def main() -> None:
             out = tmp / "trace.json"
             py = sys.executable
             read = [py, "-c", READ_ONLY, server.url, "bench"]
-            trace = [py, "-m", "controller.cli", "trace", "--redis-url", server.url,
+            trace = [py, "-m", "cli.main", "trace", "--redis-url", server.url,
                      "--run", "bench", "-o", str(out)]
             best: list[tuple[float, float, float]] = [(float("inf"),) * 3] * 2
             for _ in range(args.repeat):

@@ -70,22 +70,25 @@ class ControllerMetrics:
         #: trainer_version -> ts of its StepFinished (only the newest is waited for)
         self._finished_at: dict[int, float] = {}
         self._server: Any = None
+        self._timed = {ev.StepFinished: self._step_finished, ev.WeightsPublished: self._published}
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     def on_append(self, events: Sequence[ev.Event], state: RunState) -> None:
-        """After the writer folded an acknowledged batch into ``state``."""
+        """After the writer folded an acknowledged batch into ``state``: a dict increment
+        per event, and a little more for the two types the histograms time."""
         self.state = state
-        appended = self.appended
+        appended, timed = self.appended, self._timed
         for e in events:
             kind = type(e)
             appended[kind] += 1
-            if kind is ev.StepFinished:
-                self._step_finished(e, state)  # type: ignore[arg-type]
-            elif kind is ev.WeightsPublished:
-                began = self._finished_at.pop(e.weight_version, None)  # type: ignore[attr-defined]
-                if began is not None:
-                    self.refit_s.observe(max(0.0, e.ts - began))
+            if kind in timed:
+                timed[kind](e, state)
+
+    def _published(self, e: ev.WeightsPublished, state: RunState) -> None:
+        began = self._finished_at.pop(e.weight_version, None)
+        if began is not None:
+            self.refit_s.observe(max(0.0, e.ts - began))
 
     def _step_finished(self, e: ev.StepFinished, state: RunState) -> None:
         record = state.steps.get(e.step)

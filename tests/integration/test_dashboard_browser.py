@@ -91,7 +91,7 @@ class Dashboard:
 
     def __init__(self, redis_url: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", "dashboard", "--redis-url", redis_url,
+            [sys.executable, "-m", "cli.main", "dashboard", "--redis-url", redis_url,
              "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -115,7 +115,7 @@ def table_positions(driver: Any) -> list[int]:
 
 def test_a_live_run_updates_the_page(browser, redis_url: str, tmp_path: Path) -> None:
     run = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "run", "--run-id", "live", "--steps", str(STEPS),
+        [sys.executable, "-m", "cli.main", "run", "--run-id", "live", "--steps", str(STEPS),
          "--redis-url", redis_url, "--data-dir", str(tmp_path / "data"), *TINY],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     store = RedisEventStore(redis_url)

@@ -88,8 +88,8 @@ def test_compose_validates(tmp_path: Path) -> None:
 
 
 def test_prometheus_scrapes_the_port_the_controller_serves(services: dict) -> None:
-    from controller.cli import build_parser
-    from controller.run_cmd import _resolve_config
+    from cli.main import build_parser
+    from cli.run_cmd import _resolve_config
 
     argv = shlex.split(_shell(services["controller"]["command"]).replace("${RLC_STEPS:-150}", "7"))
     cfg = _resolve_config(build_parser().parse_args(argv[2:]))
@@ -134,8 +134,8 @@ def test_redis_service_command_and_health_check(services: dict, tmp_path: Path) 
 
 
 def test_controller_command_parses_and_its_config_validates(services: dict) -> None:
-    from controller.cli import build_parser
-    from controller.run_cmd import _resolve_config
+    from cli.main import build_parser
+    from cli.run_cmd import _resolve_config
 
     script = _shell(services["controller"]["command"])
     argv = shlex.split(script.replace("${RLC_STEPS:-150}", "7")

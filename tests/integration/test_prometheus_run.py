@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_run_is_scraped_while_it_trains(redis_url: str, tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "run", "--run-id", "scraped", "--steps", "8",
+        [sys.executable, "-m", "cli.main", "run", "--run-id", "scraped", "--steps", "8",
          "--redis-url", redis_url, "--data-dir", str(tmp_path), *TINY,
          "--set", f"metrics.port={port}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -62,7 +62,7 @@ def _start(args: list[str], mark: str, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
     env[MARK] = mark
     return subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", *args], cwd=ROOT, env=env,
+        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
 
@@ -86,7 +86,7 @@ def _left_behind(mark: str, timeout_s: float = 60) -> list[str]:
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "controller.cli", *argv], cwd=ROOT, capture_output=True,
+        [sys.executable, "-m", "cli.main", *argv], cwd=ROOT, capture_output=True,
         text=True, timeout=300,
     )
 
@@ -107,11 +107,11 @@ def data_dir(tmp_path):
 
 def _events(data_dir: Path, run_id: str) -> tuple:
     from events.redis_store import RedisEventStore
-    from replay.reader import fold_log
+    from controller.projector import Projector
 
     store = RedisEventStore(ensure_embedded_redis(data_dir).url)
     try:
-        return fold_log(store, run_id), [s.event for s in store.read(run_id)]
+        return Projector(store).get(run_id), [s.event for s in store.read(run_id)]
     finally:
         store.close()
 

@@ -102,7 +102,7 @@ def test_a_broken_invariant_is_the_audit_status_and_a_malformed_entry_a_row() ->
     b.begin_step().microbatch(["g1"]).finish_step()  # g1 consumed twice
     store = store_of(b)
     view = RunView(b.run_id)
-    view.loaded(fold(store, b.run_id, observers=view.observers()), [])
+    view.loaded(fold(store, b.run_id, observers=[view]), [])
     audit = view.snapshot()["audit"]
     assert not audit["ok"] and "invariant violated at position" in audit["text"]
     broken = store_of(LogBuilder(run_id="r-garbled").start().admit("g1"), garbage_at=3)

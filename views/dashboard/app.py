@@ -156,7 +156,7 @@ async def _stream(store: EventStore, run_id: str) -> AsyncIterator[str]:
 
 def _load(store: EventStore, run_id: str, view: RunView) -> int:
     """Fold the history into ``view``; returns the position the live tail follows from."""
-    result = source.fold(store, run_id, observers=view.observers())
+    result = source.fold(store, run_id, observers=[view], fork_readers=False)
     end = result.log_end
     view.loaded(result, history.tail_rows(store, run_id, end))
     return end

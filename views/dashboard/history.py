@@ -98,13 +98,9 @@ def trace_json(store: EventStore, run_id: str, steps: str) -> bytes:
     """The trace (``views.trace``) of steps ``A:B``, or of the newest ``TRACE_STEPS``."""
     import io
 
-    from controller.cli_common import CliError
-    from views.trace_cmd import parse_steps, write_trace
+    from views.trace_file import parse_steps, write_trace
 
-    try:
-        window = parse_steps(steps) if steps else _newest_steps(store, run_id)
-    except CliError as err:
-        raise ValueError(str(err).replace("--steps", "steps")) from None
+    window = parse_steps(steps) if steps else _newest_steps(store, run_id)  # ValueError: 400
     out = io.BytesIO()
     write_trace(store, run_id, out, window)
     return out.getvalue()

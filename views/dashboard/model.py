@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import msgspec
+
 from controller.core.errors import InvariantViolation
 from controller.core.reducer import apply_event
 from controller.core.state import RunState, StepRecord, initial_state
 from events import schema as ev
-from replay import render
-from replay.reader import FoldResult
+from controller.projector import Projection
 
 #: samples of buffer / in-flight kept for the chart
 SERIES_POINTS = 2000
@@ -25,11 +26,20 @@ SERIES_POINTS = 2000
 RECENT_EVENTS = 200
 
 
+#: fields every event has (shown in their own columns, or not at all)
+_COMMON = ("event_id", "epoch", "ts", "schema_version")
+#: an event's own fields are cut to this many characters in the table
+DETAILS_CHARS = 400
+
+
 def event_row(position: int, event: Any) -> dict[str, Any]:
     """One line of the event table: position, time, type, the event's own fields."""
-    line = render.event_line(position, event).split(None, 4)
+    own = {k: getattr(event, k) for k in event.__struct_fields__ if k not in _COMMON}
+    details = msgspec.json.encode(own).decode()[1:-1].replace('","', '", "')
+    if len(details) > DETAILS_CHARS:
+        details = details[:DETAILS_CHARS] + "..."
     return {"position": position, "ts": event.ts, "type": type(event).__name__,
-            "epoch": event.epoch, "details": line[4] if len(line) > 4 else "",
+            "epoch": event.epoch, "details": details,
             "group": getattr(event, "group_id", None), "step": getattr(event, "step", None)}
 
 
@@ -58,15 +68,16 @@ class RunView:
 
     # -- history -------------------------------------------------------------------------
 
-    def observers(self) -> dict[type, Any]:
-        """For the history's fold: a step row and a buffer sample at each step's end."""
-        def ended(event: Any, position: int, state: RunState) -> None:
-            self.steps.append(step_row(state, state.steps[event.step]))
-            self.series.append((event.ts, len(state.buffer), len(state.admitted)))
+    def watches(self) -> dict[type, Any]:
+        """An observer of the history's fold (``controller.core.fold.Observer``): a step
+        row and a buffer sample at each step's end."""
+        return {ev.StepFinished: self._ended, ev.StepAborted: self._ended}
 
-        return {ev.StepFinished: ended, ev.StepAborted: ended}
+    def _ended(self, event: Any, position: int, state: RunState) -> None:
+        self.steps.append(step_row(state, state.steps[event.step]))
+        self.series.append((event.ts, len(state.buffer), len(state.admitted)))
 
-    def loaded(self, result: FoldResult, tail: list[dict[str, Any]]) -> None:
+    def loaded(self, result: Projection, tail: list[dict[str, Any]]) -> None:
         """The history's fold is done; ``tail`` are the table rows of its newest events."""
         self.state = result.state
         self.problem = None if result.problem is None else result.problem.describe()

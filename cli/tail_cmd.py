@@ -8,8 +8,8 @@ import contextlib
 import sys
 from typing import Any
 
-from controller.cli_common import CliError, add_run_arg, open_store, require_run, subcommand
-from replay import render
+from cli.common import CliError, add_run_arg, open_store, require_run, subcommand
+from cli import render
 
 
 # -- tail --------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ class _TailPrinter:
     def print_existing(self, store: Any, run_id: str, start: int) -> int:
         from events.codec import decode
         from events.errors import EventDecodeError
-        from replay.reader import iter_pages
+        from controller.projector import iter_pages
 
         last = start - 1
         for page in iter_pages(store, run_id, start):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from controller.cli_common import CliError, add_store_args, open_store, require_run
+from cli.common import CliError, add_store_args, open_store, require_run
 
 
 def register(subparsers: Any) -> None:
@@ -38,28 +38,20 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from replay import render
-    from replay.reader import fold_log, read_events
+    from cli import render
     from sim.whatif import SimulateError, parse_scenario, run_whatif
 
-    try:
-        scenarios = [parse_scenario(text) for text in args.what_if]
-    except SimulateError as err:
-        raise CliError(str(err)) from None
+    scenarios = [parse_scenario(text) for text in args.what_if]  # WhatIfError: one line
     with open_store(args) as store:
         require_run(store, args.run)
-        folded = fold_log(store, args.run)
-        if folded.problem is not None:
-            raise CliError(f"run {args.run}: {folded.problem.describe()}", 1)
-        events = list(read_events(store, args.run))
-    try:
-        result = run_whatif(args.run, folded.state, events, scenarios)
-    except SimulateError as err:
-        raise CliError(str(err)) from None
+        try:
+            result = run_whatif(store, args.run, scenarios)  # a bad log: one line, exit 1
+        except SimulateError as err:
+            raise CliError(str(err)) from None
     if args.plot:
-        from sim.plots import write_plot
+        from replay.plots import write_timing_plot
 
-        write_plot(result, args.plot)
+        write_timing_plot(result, args.plot)
     if args.json:
         render.write_json(result.to_dict())
     else:
@@ -72,7 +64,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _print(result: Any, plot: str | None) -> None:
     from rich.table import Table
 
-    from replay import render
+    from cli import render
 
     con = render.console()
     table = Table(title=f"run {result.run_id}: recorded vs simulated (virtual time)")
