@@ -108,3 +108,36 @@ def test_a_broken_invariant_is_the_audit_status_and_a_malformed_entry_a_row() ->
     broken = store_of(LogBuilder(run_id="r-garbled").start().admit("g1"), garbage_at=3)
     rows = history.tail_rows(broken, "r-garbled", 3)
     assert [r["type"] for r in rows] == ["RunStarted", "ControllerStarted", "malformed"]
+
+
+class _GrowingStore(MemoryEventStore):
+    """A store another writer appends to while the dashboard folds: each time the log's
+    end is asked for, one more event has landed."""
+
+    def __init__(self, pending: list) -> None:
+        super().__init__()
+        self.pending = pending
+
+    def last_position(self, run_id: str) -> int:
+        if self.pending:
+            s = self.pending.pop(0)
+            self.append_raw(run_id, encode(s.event), event_type=type(s.event).__name__,
+                            event_id=s.event.event_id)
+        return super().last_position(run_id)
+
+
+def test_the_live_tail_follows_on_from_the_folded_state_of_a_growing_log() -> None:
+    from views.dashboard.app import _load
+
+    b = random_run(8, 6)
+    store = _GrowingStore(list(b.events[40:]))
+    store.claim_epoch(b.run_id)
+    for s in b.events[:40]:
+        store.append_raw(b.run_id, encode(s.event), event_type=type(s.event).__name__,
+                         event_id=s.event.event_id)
+    view = RunView(b.run_id)
+    start = _load(store, b.run_id, view)
+    assert start == view.state.position < MemoryEventStore.last_position(store, b.run_id)
+    rest = [(s.position, s.event) for s in b.events[start:]]
+    update = view.apply(rest)  # what the stream delivers after ``start``: no gap
+    assert update["audit"]["ok"] and update["position"] == b.last_position

@@ -157,7 +157,10 @@ async def _stream(store: EventStore, run_id: str) -> AsyncIterator[str]:
 def _load(store: EventStore, run_id: str, view: RunView) -> int:
     """Fold the history into ``view``; returns the position the live tail follows from."""
     result = source.fold(store, run_id, observers=[view], fork_readers=False)
-    end = result.log_end
+    # Follow on from where the state stands: ``log_end`` is read after the fold and on a
+    # live run may already be past it (following from there would skip events). After a
+    # problem the state stops at it; the table and the stream go on from the log's end.
+    end = result.state.position if result.problem is None else result.log_end
     view.loaded(result, history.tail_rows(store, run_id, end))
     return end
 

@@ -13,6 +13,9 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening now: a browser that connects once the address is printed waits in
+        # the backlog while uvicorn starts, instead of being refused.
+        sock.listen(128)
     except OSError:
         sock.close()
         raise
