@@ -121,7 +121,8 @@ class TraceBuilder:
             self.last_kind = kind
         self.events += 1
         self.last_position = position
-        more = self.handlers[kind](event, us) is not False
+        # a type this builder does not draw yet (a newer event) is an instant, not an error
+        more = self.handlers.get(kind, self._note)(event, us) is not False
         self.w.maybe_flush()
         return more
 

@@ -195,6 +195,8 @@ def test_a_finished_run_under_the_reader_user(browser, redis_url: str, shared_re
         # the type filter asks the server for older matches too
         from selenium.webdriver.support.ui import Select
 
+        wait_for("the filter's event types", lambda: browser.find_elements(
+            "css selector", "select[name=type] option[value=StepAborted]"))
         Select(browser.find_element("name", "type")).select_by_value("StepAborted")
         browser.find_element("css selector", "#filters button").click()
         aborted = sum(1 for s in b.events if type(s.event).__name__ == "StepAborted")

@@ -43,9 +43,11 @@ def client(run: LogBuilder) -> TestClient:
 
 
 def test_runs_and_pages(client: TestClient, run: LogBuilder) -> None:
+    from events.schema import EVENT_TYPES
+
     assert client.get("/api/runs").json() == {"runs": [
         {"run_id": run.run_id, "events": run.last_position, "epoch": 1, "finished": True}],
-        "default": None}
+        "default": None, "event_types": sorted(EVENT_TYPES)}
     for path in ("/", f"/run/{run.run_id}", f"/run/{run.run_id}/trace", "/static/dashboard.js"):
         assert client.get(path).status_code == 200, path
     js = client.get("/vendor/plotly.min.js")

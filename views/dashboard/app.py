@@ -31,6 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from events.errors import EventDecodeError
+from events.schema import EVENT_TYPES
 from events.store import EventStore
 from views import source
 from views.dashboard import history
@@ -65,7 +66,8 @@ def create_app(store: EventStore, default_run: str | None = None) -> Starlette:
 
     async def runs(request: Request) -> Response:
         rows = await asyncio.to_thread(history.run_rows, store)
-        return JSONResponse({"runs": rows, "default": default_run})
+        return JSONResponse({"runs": rows, "default": default_run,
+                             "event_types": sorted(EVENT_TYPES)})
 
     async def events(request: Request) -> Response:
         run_id = request.path_params["run_id"]

@@ -8,10 +8,6 @@ window.rlc = { updates: 0, position: 0, steps: 0, latenciesMs: [], error: null }
 
 const TIMELINE_STEPS = 30;
 const TABLE_ROWS = 300;
-const EVENT_TYPES = ["RunStarted", "ControllerStarted", "RolloutAdmitted", "GroupCommitted",
-  "GroupFailed", "GroupEvicted", "StepBegun", "MicrobatchTrained", "StepFinished",
-  "StepAborted", "WeightsPublished", "CheckpointSaved", "CheckpointRejected",
-  "PayloadsReleased", "WorkerLost", "RunRewound", "RunFinished"];
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -163,7 +159,9 @@ function filtered() { return Boolean(filter.type || filter.group || filter.step)
 function initFilters(runId) {
   const form = document.getElementById("filters");
   const select = form.elements.type;
-  for (const t of EVENT_TYPES) select.append(el("option", { value: t }, t));
+  fetch("/api/runs").then((r) => r.json()).then((answer) => {
+    for (const t of answer.event_types) select.append(el("option", { value: t }, t));
+  });
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     filter = { type: select.value, group: form.elements.group.value.trim(),
