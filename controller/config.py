@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 
 from controller.core.policies import StalenessSection, full_capacity
+from controller.prometheus import MetricsSection
 from controller.settings import (
     CheckpointSection, ControllerSection, RayConfig, RolloutSection, RunSection,
 )
@@ -67,6 +68,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
     def __post_init__(self) -> None:
         """The rules that span tables (each table checked its own fields already)."""

@@ -32,6 +32,9 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n_heads: int = 4
     context_len: int = 32
     """Longest prompt + completion in tokens (tiny model)."""
+    alphabet: str = ""
+    """Characters the tiny model's tokenizer knows; "" = digits, a few operators and
+    lowercase letters (wider prompts, e.g. reasoning-gym's, need a wider alphabet)."""
 
     def __post_init__(self) -> None:
         one_of("model.kind", self.kind, get_args(ModelKind))

@@ -41,7 +41,7 @@ def build_model(cfg: ModelSection, seed: int = 0) -> tuple[nn.Module, Tokenizer]
         from workers.models.hf import load_hf
 
         return load_hf(cfg.path)
-    tokenizer = CharTokenizer(DEFAULT_ALPHABET)
+    tokenizer = CharTokenizer(cfg.alphabet or DEFAULT_ALPHABET)
     shape = TinyConfig(
         vocab_size=tokenizer.vocab_size,
         context_len=cfg.context_len,
