@@ -13,6 +13,7 @@ import pytest
 from controller.cli import main
 from events.codec import encode
 from events.redis_store import RedisEventStore
+from tests.foreground import popen_foreground
 from tests.unit.log_builder import LogBuilder, random_run
 
 pytestmark = pytest.mark.integration
@@ -226,7 +227,7 @@ def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
     b = LogBuilder(run_id="live").start()
     write_log(redis_url, b)
     env = {**os.environ, "RLC_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
+    proc = popen_foreground(
         [sys.executable, "-m", "controller.cli", "tail", "--run", "live", "--follow"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
