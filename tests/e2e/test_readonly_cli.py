@@ -132,6 +132,16 @@ def test_audit_violation_exits_1_naming_the_position(capsys, redis_url):
     assert code == 1 and json.loads(out)["problem"]["position"] == bad
 
 
+@pytest.mark.parametrize("url", ["http://localhost:6379", "localhost:6379",
+                                 "redis://127.0.0.1:notaport/0"])
+@pytest.mark.parametrize("command", [["runs"], ["audit", "--run", "r"], ["tail", "--run", "r"]])
+def test_a_malformed_redis_url_is_one_line_and_exit_2(capsys, url, command):
+    code, out, err = cli(capsys, url, *command)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("rl-controller: error: --redis-url: "), err
+    assert "Traceback" not in err
+
+
 def test_malformed_entry_named_without_traceback(capsys, redis_url):
     b = LogBuilder(run_id="junk").start().group("g1").group("g2")
     write_log(redis_url, b, garbage_at={4: b"\x00garbage"})
