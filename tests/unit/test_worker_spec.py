@@ -9,7 +9,7 @@ import pickle
 from pathlib import Path
 
 from controller.config import config_from_dict
-from controller.wiring import worker_spec
+from controller.wiring import worker_label, worker_spec
 from workers.dataplane import DataPlaneConfig
 from workers.generator.vllm_config import VllmOptions
 from workers.loss import Aggregation, LossConfig
@@ -71,3 +71,9 @@ def test_defaults_top_p_off_no_reference_and_spill_under_the_run():
     assert spec.train.trainer_config(spec.seed).keep_reference is False
     assert spec.dataplane.spill_dir == str(Path("/runs/r") / "spill")
     assert spec.vllm.options(spec.seed).chunk_tokens is None
+
+
+def test_a_worker_is_named_once_in_errors():
+    assert worker_label("trainer", "trainer") == "trainer"  # was "trainer trainer failed"
+    assert worker_label("generator", "generator-1") == "generator-1"
+    assert worker_label("trainer", "rank-1") == "trainer rank-1"

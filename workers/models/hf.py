@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.models.hf_check import config_context_len
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,11 +32,7 @@ class HFCausalLM(nn.Module):
 
     @property
     def context_len(self) -> int:
-        cfg = self.model.config
-        for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-            if getattr(cfg, name, None):
-                return int(getattr(cfg, name))
-        raise ValueError("the HF model config names no maximum context length")
+        return config_context_len(self.model.config)
 
     def forward(
         self,
