@@ -295,7 +295,6 @@ def _train(args, cfg: Config, writer, store) -> int:
         _mark("workers_ready")
     except WorkerStartError as err:
         raise CliError(str(err)) from None
-    started = time.monotonic()
     try:
         with progress:
             progress.status("reconciling workers with the log")
@@ -316,12 +315,14 @@ def _train(args, cfg: Config, writer, store) -> int:
                 log.info("step_finished", **metrics)
 
             progress.status("training")
+            started = time.monotonic()
             controller = Controller(
                 writer, cfg, workers.trainer, workers.generators, workers.publisher,
                 workers.payloads, checkpoint_dir=checkpoint_dir(run_dir), on_step=on_step,
                 restarter=workers,
             )
             reason = asyncio.run(controller.run())
+            train_s = time.monotonic() - started
             writer.append(writer.make(ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}", reason=reason))
     except FencedError as err:
         raise CliError(f"stopped: {err}", 3) from None
@@ -330,14 +331,16 @@ def _train(args, cfg: Config, writer, store) -> int:
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
     except KeyboardInterrupt:
-        resume = followup.command(args, "run", "--resume", "--run-id", writer.run_id)
+        resume = followup.command(args, "run", "--resume", "--run-id", writer.run_id,
+                                  *followup.worker_flags(args))
         raise CliError(f"interrupted; the log is consistent, continue with: {resume}", 130) from None
     finally:
         sink.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
             writer.snapshot()
-    run_summary.print_summary(args, progress, writer, run_dir, time.monotonic() - started)
+    run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
+                              startup_s=_PHASES.get("reconciled"), train_s=train_s)
     return 0
 
 

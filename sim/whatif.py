@@ -70,6 +70,12 @@ def parse_scenario(text: str) -> dict[str, str]:
         if not sep or not key.strip():
             raise SimulateError(f"--what-if {text!r}: expected key=value[,key=value...]")
         key = key.strip()
+        if key not in ALIASES and "." not in key:
+            raise SimulateError(
+                f"--what-if {text!r}: unknown name {key!r}; short names: "
+                f"{', '.join(ALIASES)}; or any config key as section.key "
+                "(e.g. controller.publish=behind)"
+            )
         out[ALIASES.get(key, key)] = value.strip()
     return out
 
@@ -81,7 +87,11 @@ def scenario_config(recorded: Config, changes: dict[str, str], steps: int) -> Co
     try:
         return load_config(None, overrides)
     except ConfigError as err:
-        raise SimulateError(str(err)) from None
+        # The loader names its source ("config (defaults + --set): ..."); here the
+        # values came from --what-if.
+        reason = str(err).split("): ", 1)[-1]
+        label = ",".join(f"{k}={v}" for k, v in changes.items())
+        raise SimulateError(f"--what-if {label!r}: {reason}") from None
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
