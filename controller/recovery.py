@@ -45,7 +45,7 @@ from workers.api import (
 )
 
 if TYPE_CHECKING:
-    from controller.step_close import CheckpointSection
+    from controller.settings import CheckpointSection
 
 log = structlog.get_logger("rl_controller.recovery")
 
@@ -351,8 +351,9 @@ async def publish_current(
 
 
 def reload_spill(dataplane: object, run_id: str) -> int:
-    reload = getattr(dataplane, "reload", None)
-    return 0 if reload is None else reload(run_id)
+    from workers.dataplane.api import DurableDataPlane  # torch: only once a run recovers
+
+    return dataplane.reload(run_id) if isinstance(dataplane, DurableDataPlane) else 0
 
 
 async def reconcile_workers(

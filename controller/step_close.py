@@ -8,27 +8,18 @@ immediately precedes it); each fact is appended after it.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
-
-import msgspec
+from typing import Callable
 
 from controller import recovery
 from controller.core.step_metrics import consumed_group_stats
 from controller.crashpoints import crash_point
 from controller.journal import Journal
+from controller.settings import CheckpointSection
 from events import schema as ev
 from workers.api import PayloadStore, StepOutcome, TrainerClient, WeightPublisher
 
 #: called after every StepFinished with (step, trainer_version, metrics)
 OnStep = Callable[[int, int, dict[str, float]], None]
-
-
-class CheckpointSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[checkpoint]``: how often the trainer is checkpointed, and what that frees."""
-
-    every_steps: int = 10
-    retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
-    """``until_checkpoint``: delete a step's payload rows once a checkpoint covers it."""
 
 
 class StepClosing:

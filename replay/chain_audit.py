@@ -18,7 +18,7 @@ from typing import Any
 
 from events.chain import HMAC_SHA256, SHA256, Chain, verify
 from events.errors import ChainError
-from events.store import EventStore
+from events.store import EventStore, ServerEventStore
 from replay import chain_pages, reader
 from replay.reader import FoldResult, fold_log, gc_paused
 
@@ -163,11 +163,11 @@ def _chain_child(send: Any, store: EventStore, run_id: str, key: bytes | None) -
 def _all(store: EventStore, run_id: str) -> Iterator[tuple[int, Any, Any, bytes, str]]:
     """(position, type, id, data, hash) of every entry, in order.
 
-    A store with ``read_chain_page(run_id, start, count)`` (chained entries picked out
-    without a per-entry Python object, or None for a page it cannot vouch for) is read
-    through it; any other page goes through ``read_raw``, which names a malformed entry.
+    A ``ServerEventStore`` is read through ``read_chain_page`` (chained entries picked
+    out without a per-entry Python object, or None for a page it cannot vouch for); any
+    other page goes through ``read_raw``, which names a malformed entry.
     """
-    fast = getattr(store, "read_chain_page", None)
+    fast = store.read_chain_page if isinstance(store, ServerEventStore) else None
     start = 1
     while True:
         page = None if fast is None else fast(run_id, start, PAGE)

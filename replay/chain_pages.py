@@ -23,10 +23,7 @@ from collections.abc import Callable, Sequence
 
 from events.chain import Chain, ChainHead, LinkCheck, check_links, mismatch_reason
 from events.errors import ChainError
-from events.store import EncodedPage, EventStore
-
-#: a store read of ``count`` chained entries from a position (None: not this way)
-ReadChainPage = Callable[[str, int, int], "list | None"]
+from events.store import EncodedPage, EventStore, ServerEventStore
 
 
 def checked_fetch(
@@ -34,9 +31,9 @@ def checked_fetch(
 ) -> Callable[[int], EncodedPage] | None:
     """A page fetch (``replay.reader``'s) whose pages carry their ``LinkCheck``; None
     when the store has no chained page read (the caller then walks the chain apart)."""
-    read: ReadChainPage | None = getattr(store, "read_chain_page", None)
-    if read is None:
+    if not isinstance(store, ServerEventStore):
         return None
+    read = store.read_chain_page
 
     def fetch(position: int) -> EncodedPage:
         before = 1 if position > 1 else 0  # the entry before the page: its stored hash

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from controller.core.policies import buffer_capacity
 from controller.core.state import RunState, StepStatus
 from events.schema import (
     GroupCommitted,
@@ -58,7 +59,7 @@ def capacity_of(state: RunState) -> int:
     """Buffer capacity of the run, from its RunStarted config (as the run resolved it)."""
     staleness = state.config.get("staleness", {}) if isinstance(state.config, dict) else {}
     explicit = staleness.get("buffer_groups", 0) if isinstance(staleness, dict) else 0
-    return int(explicit or state.groups_per_step * (state.window_versions + 1))
+    return buffer_capacity(int(explicit or 0), state.groups_per_step, state.window_versions)
 
 
 class Trace:

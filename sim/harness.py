@@ -45,7 +45,7 @@ class SimSpec:
     stall_timeout_s: float = 86_400.0
     #: live-group capacity of the admission gate instead of the config's (a what-if of a
     #: buffer the config validation would refuse: between groups_per_step and
-    #: groups_per_step * (window + 1))
+    #: policies.full_capacity)
     capacity: int | None = None
 
 

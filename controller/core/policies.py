@@ -29,9 +29,21 @@ from typing import Literal
 import msgspec
 
 from controller.core.state import GroupRecord, GroupStatus, RunState
+from events.config_checks import non_negative
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
 SELECTION_POLICIES: tuple[SelectionPolicy, ...] = ("in_order", "oldest_first", "ready_first")
+
+
+def full_capacity(groups_per_step: int, window: int) -> int:
+    """Live groups that hold every step the window allows: the gate's default capacity
+    and the smallest that cannot deadlock (a step must fill while ``window`` lead)."""
+    return groups_per_step * (window + 1)
+
+
+def buffer_capacity(buffer_groups: int, groups_per_step: int, window: int) -> int:
+    """The capacity the admission gate enforces: ``buffer_groups``, 0 = the full one."""
+    return buffer_groups or full_capacity(groups_per_step, window)
 
 
 class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -43,9 +55,12 @@ class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     buffer_groups: int = 0
     """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
 
+    def __post_init__(self) -> None:
+        non_negative("staleness", self, "window_versions", "buffer_groups")
+
     def capacity(self, groups_per_step: int) -> int:
         """The buffer capacity the admission gate enforces."""
-        return self.buffer_groups or groups_per_step * (self.window_versions + 1)
+        return buffer_capacity(self.buffer_groups, groups_per_step, self.window_versions)
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,7 @@ def _gate(
 
 def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
     """Raise if the buffer can never hold a full step (the run would deadlock)."""
-    need = groups_per_step * (window + 1)
+    need = full_capacity(groups_per_step, window)
     if capacity < need:
         raise ValueError(
             f"buffer capacity {capacity} < groups_per_step * (window + 1) = {need}"

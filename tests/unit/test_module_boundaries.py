@@ -1,4 +1,4 @@
-"""Who may import what, checked over the source (DESIGN.md, "Dependency direction").
+"""Who may import what, checked over the source (docs/DESIGN.md, "Layout").
 
 Only the Redis event store's own modules import ``redis`` (the store, its pinned
 connection, WAIT replication and Sentinel discovery) -- never ``replay/``, the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the project's code (tests may use client libraries and fakes freely)
-PACKAGES = ("events", "controller", "workers", "replay", "sim", "bench")
+PACKAGES = ("events", "controller", "workers", "replay", "sim", "cli", "bench")
 
 
 def _sources() -> Iterator[Path]:

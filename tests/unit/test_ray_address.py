@@ -13,8 +13,8 @@ from concurrent import futures
 
 import pytest
 
-from controller.cli_common import CliError
-from controller.ray_cluster import check_address
+from cli.common import CliError
+from cli.ray_cluster import check_address
 
 
 def _serve_once(reply: bytes | None) -> tuple[int, threading.Event]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from controller.run_summary import print_summary
+from cli.run_summary import print_summary
 from tests.unit.log_builder import LogBuilder
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 import msgspec
 
+from events.config_checks import non_negative, positive
 from workers.generator.vllm_config import MIB, VllmOptions
 
 
@@ -27,6 +28,10 @@ class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chunk_tokens: int = 0
     """0: an update landing mid-group waits for the group's end; k: generate k tokens at
     a time and apply an update between chunks (the group is tagged start != end)."""
+
+    def __post_init__(self) -> None:
+        positive("rollout.vllm", self, "kv_cache_mib", "max_num_seqs")
+        non_negative("rollout.vllm", self, "chunk_tokens")
 
     def options(self, seed: int) -> VllmOptions:
         """The engine's options; ``seed`` is the run's (per-request seeds make sampling

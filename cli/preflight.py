@@ -13,7 +13,7 @@ half-created run or a traceback from inside a Ray actor half a minute later:
   with the model's tokenizer and checked to fit its context with
   ``sampling.max_new_tokens``.
 
-Every failure is a :class:`controller.cli_common.CliError` naming the key or file.
+Every failure is a :class:`cli.common.CliError` naming the key or file.
 Only pure-python pieces of ``workers`` are imported here (no Ray; torch only through
 ``transformers`` when the model is an HF directory).
 """
@@ -24,9 +24,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controller.cli_common import CliError
+from cli.common import CliError
 from controller.config import Config
-from events.store import check_run_id
+from events.store import ServerEventStore, check_run_id
 
 
 def check_new_run_id(run_id: str) -> None:
@@ -117,14 +117,12 @@ def _check_prompts(cfg: Config, task, *, encode=None, context_len=None) -> list:
         ) from None
 
 
-def check_durability(store, cfg: Config, url: str) -> None:
+def check_durability(store: ServerEventStore, cfg: Config, url: str) -> None:
     """Warn once (or refuse, with ``store.require_fsync_always``) when an external
     Redis would not keep every acknowledged event through a crash of the server."""
     from events.redis_store import redact_url
 
-    writable = getattr(store, "require_writable", None)
-    if writable is not None:  # a read-only user fails here, not after Ray has started
-        writable()
+    store.require_writable()  # a read-only user fails here, not after Ray has started
     got = store.durability()
     where = f"Redis at {redact_url(url)}"
     if got is None:

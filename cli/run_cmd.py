@@ -25,8 +25,8 @@ from pathlib import Path
 
 import structlog
 
-from controller import followup, preflight, quiet, ray_cluster, run_summary
-from controller.cli_common import (
+from cli import followup, preflight, quiet, ray_cluster, run_summary
+from cli.common import (
     CliError,
     add_store_args,
     check_redis_url,

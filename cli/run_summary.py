@@ -1,6 +1,6 @@
 """What ``rl-controller run`` tells the user at its end: the summary and the follow-ups.
 
-Every command printed can be pasted as it is (``controller.followup``).
+Every command printed can be pasted as it is (``cli.followup``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from controller import followup
+from cli import followup
 from controller.core.state import RunState, StepStatus
 
 
