@@ -2,7 +2,8 @@
 
 A run's Ray actors each reserve one logical CPU:
 
-    data plane   TransferQueue's controller + ``dataplane.storage_units`` storage units
+    data plane   TransferQueue's controller + its storage units (``dataplane.storage_units``;
+                 by default 1 on a local Ray, 2 on a joined cluster)
     trainer      the trainer worker, plus one rank actor per rank when
                  ``train.data_parallel > 1``
     generators   ``rollout.num_generators``
@@ -75,7 +76,8 @@ class RayNeeds:
 def needs(cfg: Config) -> RayNeeds:
     dp = cfg.train.data_parallel
     return RayNeeds(
-        dataplane=1 + cfg.dataplane.storage_units if cfg.dataplane.kind == "transferqueue" else 0,
+        dataplane=(1 + cfg.dataplane.units(cfg.ray.address)
+                   if cfg.dataplane.kind == "transferqueue" else 0),
         trainer=1 + (dp if dp > 1 else 0),
         generators=cfg.rollout.num_generators,
     )

@@ -372,5 +372,6 @@ def _preload_worker_modules(cfg: Config) -> None:
         from workers.dataplane import preload
 
         preload(cfg.dataplane.kind)
+        import torch.utils.tensorboard  # noqa: F401  (the metrics sink's, before the workers start)
     except Exception:
         pass

@@ -77,3 +77,11 @@ def test_a_worker_is_named_once_in_errors():
     assert worker_label("trainer", "trainer") == "trainer"  # was "trainer trainer failed"
     assert worker_label("generator", "generator-1") == "generator-1"
     assert worker_label("trainer", "rank-1") == "trainer rank-1"
+
+
+def test_storage_units_default_to_one_on_a_local_ray_and_two_on_a_cluster():
+    local = worker_spec(config_from_dict({}), "r", Path("/runs/r"))
+    joined = worker_spec(config_from_dict({"ray": {"address": "head:6379"}}), "r", Path("/runs/r"))
+    chosen = worker_spec(config_from_dict({"dataplane": {"storage_units": 3}}), "r", Path("/runs/r"))
+    assert (local.dataplane.num_storage_units, joined.dataplane.num_storage_units,
+            chosen.dataplane.num_storage_units) == (1, 2, 3)
