@@ -17,7 +17,7 @@ from collections.abc import Awaitable
 
 import structlog
 
-from controller.core import policies
+from controller.core import decisions, policies
 from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus
 from controller.crashpoints import crash_point
@@ -151,13 +151,11 @@ class AdmissionSide:
             # groups_per_call groups, the first free generator first.
             batch = self._next_admissions(room)
             try:
-                self.journal.append(*batch)  # intent before the side effect
+                await self.journal.append(*batch)  # intent before the side effect
             except BaseException:
                 for gen in gens:  # nothing was dispatched: the slots stay free
                     heapq.heappush(self._free_slots, self._gen_index[gen.name])
                 raise
-            for admitted in batch:
-                crash_point("after_rollout_admitted", admitted.group_id)
             for i, gen in zip(range(0, room, per_call), gens):
                 self._dispatch(gen, batch[i:i + per_call])
 
@@ -225,14 +223,12 @@ class AdmissionSide:
                 raise
             except WorkerLostError as err:
                 self._release_slot(gen)
-                for req in reqs:
-                    self._on_generation_failed(req, f"{gen.name}: {err}")
+                await self._on_generation_failed(reqs, f"{gen.name}: {err}")
                 await self.loss.replace_generator(gen, err)
                 return
             except Exception as err:  # a worker failure is data, not a crash
                 self._release_slot(gen)
-                for req in reqs:
-                    self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
+                await self._on_generation_failed(reqs, f"{gen.name}: {type(err).__name__}: {err}")
                 return
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
@@ -248,25 +244,28 @@ class AdmissionSide:
         after the tasks of that turn; ``drain`` flushes what is left."""
         self._pending_commits.append((reqs, outs))
         if len(self._pending_commits) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_commits)
+            # a task's first step is scheduled like ``call_soon``: right after this turn
+            task = asyncio.get_running_loop().create_task(self._flush_commits())
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
-    def _flush_commits(self) -> None:
+    async def _flush_commits(self) -> None:
         pending, self._pending_commits = self._pending_commits, []
         if not pending:
             return
         try:
-            self._commit(
+            await self._commit(
                 [req for reqs, _ in pending for req in reqs],
                 [out for _, outs in pending for out in outs],
             )
         except Exception as err:  # fenced, or the store is gone: stop the run
             self._stop_with(err)
 
-    def _commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
+    async def _commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Returned calls' groups, committed in one append (the facts after the side effect)."""
         for req in reqs:
             crash_point("before_group_committed", req.group_id)
-        self.journal.append(*(
+        await self.journal.append(*(
             self.journal.make(
                 ev.GroupCommitted,
                 event_id=ev.group_event_id(req.group_id, "committed", req.attempt),
@@ -280,22 +279,21 @@ class AdmissionSide:
             )
             for req, out in zip(reqs, outs)
         ))
-        for req in reqs:
-            crash_point("after_group_committed", req.group_id)
 
-    def _on_generation_failed(self, req: GenerationRequest, reason: str) -> None:
-        log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt, reason=reason)
-        self.journal.append(
-            self.journal.make(
-                ev.GroupFailed,
-                event_id=ev.group_event_id(req.group_id, "failed", req.attempt),
-                group_id=req.group_id,
-                attempt=req.attempt,
-                reason=reason[:500],
-            )
-        )
-        crash_point("after_group_failed", req.group_id)
-        self.journal.timers.failed += 1
+    async def _on_generation_failed(self, reqs: list[GenerationRequest], reason: str) -> None:
+        """A call failed: each of its groups' attempt failed (one append each), then
+        :meth:`_retry_later` decides its next attempt."""
+        j = self.journal
+        for req in reqs:
+            log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt,
+                        reason=reason)
+            await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()))
+            j.timers.failed += 1
+            self._retry_later(req)
+
+    def _retry_later(self, req: GenerationRequest) -> None:
+        """The one place a failed group's next attempt is decided: queued (retries go
+        before new groups) while it has attempts left, else dropped."""
         if req.attempt < self.rollout.max_attempts:
             self._retry_queue.append(req.group_id)
 
@@ -305,7 +303,7 @@ class AdmissionSide:
             _, pending = await asyncio.wait(self.tasks, timeout=timeout_s)
             for task in pending:
                 task.cancel()
-        self._flush_commits()
+        await self._flush_commits()
 
     def cancel_all(self) -> None:
         """Fenced: nothing these generations return may be logged or acted on."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from controller import recovery
+from controller import effects
 from controller.core.step_metrics import consumed_group_stats
 from controller.crashpoints import crash_point
 from controller.journal import Journal
@@ -50,7 +50,7 @@ class StepClosing:
 
     async def close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """The trainer finished ``step``: record it, publish, checkpoint every N."""
-        self.record(step, result, group_ids)
+        await self.record(step, result, group_ids)
         await self.publish(result.trainer_version)
         if self.checkpoint_due(result.trainer_version):
             await self.checkpoint_and_release(result.trainer_version)
@@ -58,12 +58,12 @@ class StepClosing:
     def checkpoint_due(self, version: int) -> bool:
         return version % self.checkpoint.every_steps == 0
 
-    def record(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
+    async def record(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """Append ``StepFinished`` with the step's metrics (publishing is the caller's)."""
         j = self.journal
         metrics = {**result.metrics, **self.step_metrics(group_ids)}
         crash_point("before_step_finished", step)
-        j.append(
+        await j.append(
             j.make(
                 ev.StepFinished,
                 event_id=ev.step_event_id(step, "finished"),
@@ -74,7 +74,6 @@ class StepClosing:
                 weights_digest=result.weights_digest,
             )
         )
-        crash_point("after_step_finished", step)
         self.consumed_groups += len(group_ids)
         if self.on_step is not None:
             self.on_step(step, result.trainer_version, metrics)
@@ -105,30 +104,11 @@ class StepClosing:
 
     async def publish(self, version: int) -> None:
         self.journal.ensure_owner()
-        await recovery.publish_current(self.journal.writer, self.publisher)
-        self.journal.progressed()
+        await effects.publish_current(self.journal, self.publisher)
 
     async def checkpoint_and_release(self, version: int) -> None:
-        j = self.journal
-        crash_point("before_checkpoint_saved", version)
-        j.ensure_owner()
-        # The epoch in the name: a version may be checkpointed again after a crash
-        # between the save and its CheckpointSaved, or after a RunRewound.
-        ck = await self.trainer.save_checkpoint(f"{self.checkpoint_dir}/v{version:06d}-e{j.epoch}")
-        j.append(
-            j.make(
-                ev.CheckpointSaved,
-                event_id=f"checkpoint:{version}:saved:e{j.epoch}",
-                trainer_version=ck.trainer_version,
-                uri=ck.uri,
-                sha256=ck.sha256,
-            )
-        )
-        crash_point("after_checkpoint_saved", version)
-        if self.checkpoint.retain_payloads == "until_checkpoint":
-            await self.release_covered(version)
-
-    async def release_covered(self, version: int) -> None:
         self.journal.ensure_owner()
-        await recovery.release_covered(self.journal.writer, self.payloads, version)
-        self.journal.progressed()
+        await effects.save_checkpoint(self.journal, self.trainer, self.checkpoint_dir, version)
+        if self.checkpoint.retain_payloads == "until_checkpoint":
+            self.journal.ensure_owner()
+            await effects.release_covered(self.journal, self.payloads, version)

@@ -19,8 +19,9 @@ from typing import Any
 from events.chain import HMAC_SHA256, SHA256, Chain, verify
 from events.errors import ChainError
 from events.store import EventStore, ServerEventStore
-from replay import chain_pages, reader
-from replay.reader import FoldResult, fold_log, gc_paused
+from controller import projector
+from controller.projector import Projection, Projector, gc_paused
+from replay import chain_pages
 
 #: entries per read while verifying
 PAGE = 20_000
@@ -82,8 +83,8 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
 
 
 def audit_log(
-    store: EventStore, run_id: str, key: bytes | None, progress: reader.Progress | None = None
-) -> tuple[FoldResult, ChainAudit]:
+    store: EventStore, run_id: str, key: bytes | None, progress: projector.Progress | None = None
+) -> tuple[Projection, ChainAudit]:
     """Fold the whole log and verify its chain, as ``rl-controller audit`` does.
 
     The common case reads the log once: the pages the fold reads check their own links
@@ -98,13 +99,13 @@ def audit_log(
         verdict = start_audit_chain(store, run_id, key)  # no head, or no key: the walk says
     else:
         chain = Chain(run_id, key)
-        fetch = chain_pages.checked_fetch(store, run_id, chain, reader.PAGE_ENTRIES)
+        fetch = chain_pages.checked_fetch(store, run_id, chain, projector.PAGE_ENTRIES)
         if fetch is None:
             verdict = start_audit_chain(store, run_id, key)  # on another core
-    result = fold_log(store, run_id, read=fetch, progress=progress)
+    result = Projector(store).get(run_id, snapshot=False, read=fetch, progress=progress)
     if verdict is not None:
         return result, verdict()
-    found = chain_pages.page_verdict(chain, result.extras["page_checks"], head, result.log_end)
+    found = chain_pages.page_verdict(chain, result.page_checks, head, result.log_end)
     if found is None or head is None:
         return result, audit_chain(store, run_id, key)
     status, last, position, reason = found

@@ -28,7 +28,9 @@ from typing import Literal
 
 import msgspec
 
+from controller.core.decisions import Stamp, window_evictions
 from controller.core.state import GroupRecord, GroupStatus, RunState
+from events.schema import GroupEvicted
 from events.config_checks import non_negative
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
@@ -116,21 +118,33 @@ def admission_room(
     return room
 
 
+def gate_open(
+    live: int, trainer_version: int, *, dispatch_version: int, window: int,
+    groups_per_step: int, capacity: int,
+) -> bool:
+    """The admission gate on bare numbers: room in the buffer, and a group dispatched at
+    ``dispatch_version`` now would be trained within the window (module docstring)."""
+    return live < capacity and (
+        trainer_version + live // groups_per_step - dispatch_version <= window
+    )
+
+
 def _gate(
     live: int, trainer_version: int, *, dispatch_version: int, window: int,
     groups_per_step: int, capacity: int,
 ) -> Admission:
+    if gate_open(live, trainer_version, dispatch_version=dispatch_version, window=window,
+                 groups_per_step=groups_per_step, capacity=capacity):
+        return Admission(True)
     if live >= capacity:
         return Admission(False, f"buffer full ({live}/{capacity} live groups)")
     steps_ahead = live // groups_per_step
     lag_bound = trainer_version + steps_ahead - dispatch_version
-    if lag_bound > window:
-        return Admission(
-            False,
-            f"window closed (a group dispatched at v{dispatch_version} could be trained "
-            f"at v{trainer_version + steps_ahead}, lag {lag_bound} > {window})",
-        )
-    return Admission(True)
+    return Admission(
+        False,
+        f"window closed (a group dispatched at v{dispatch_version} could be trained "
+        f"at v{trainer_version + steps_ahead}, lag {lag_bound} > {window})",
+    )
 
 
 def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
@@ -142,18 +156,13 @@ def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
         )
 
 
-def lag_of(group: GroupRecord, trainer_version: int) -> int:
-    assert group.weight_version_start is not None, "lag of an uncommitted group"
-    return trainer_version - group.weight_version_start
-
-
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:
     """(group_id, lag) of buffered groups too stale to train at ``trainer_version``."""
     out = []
-    for gid in state.buffer:
-        lag = lag_of(state.groups[gid], trainer_version)
+    for group in state.iter_buffer():  # buffered groups are committed: lag is an int
+        lag: int = state.lag_of(group, trainer_version)  # type: ignore[assignment]
         if lag > window:
-            out.append((gid, lag))
+            out.append((group.group_id, lag))
     return out
 
 
@@ -215,8 +224,9 @@ class MicrobatchPlan:
 
     #: groups the microbatch needs (0: the step is full)
     want: int
-    #: (group_id, lag) of buffered groups to evict first, in buffer order
-    evict: tuple[tuple[str, int], ...]
+    #: buffered groups too stale to train, to evict first (in buffer order), as the
+    #: events that record it
+    evictions: tuple[GroupEvicted, ...]
     #: the microbatch to claim, once it is full; fewer than ``want``: wait for commits
     group_ids: tuple[str, ...]
 
@@ -232,16 +242,20 @@ def plan_microbatch(
     selection: SelectionPolicy,
     groups_per_step: int,
     groups_per_microbatch: int,
+    at: Stamp,
 ) -> MicrobatchPlan:
     """Evict what is too stale at the current trainer_version, then select the next
     microbatch from what is left. The one decision both the controller loop and the
-    replay what-if make; the caller turns it into events (GroupEvicted, then
-    MicrobatchTrained after the trainer ran it)."""
+    replay what-if make: they append (or apply) ``evictions`` as they are, and record
+    the claim as MicrobatchTrained once the trainer ran it."""
     want = min(groups_per_microbatch, groups_per_step - claimed_count(state))
-    evict = tuple(to_evict(state, trainer_version=state.trainer_version, window=window))
-    gone = {gid for gid, _ in evict}
-    ids = select(state, selection, want, exclude=gone)
-    return MicrobatchPlan(want=max(want, 0), evict=evict, group_ids=tuple(ids))
+    stale = to_evict(state, trainer_version=state.trainer_version, window=window)
+    ids = select(state, selection, want, exclude={gid for gid, _ in stale})
+    return MicrobatchPlan(
+        want=max(want, 0),
+        evictions=window_evictions(stale, window=window, at=at),
+        group_ids=tuple(ids),
+    )
 
 
 def microbatch_advantages(

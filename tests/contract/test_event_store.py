@@ -261,19 +261,22 @@ async def test_follow_yields_existing_then_new_events(store: EventStore) -> None
     epoch = store.claim_epoch(RUN)
     store.append(RUN, batch(1, 3), expected_position=0, epoch=epoch)
     seen: list[int] = []
+    caught_up = asyncio.Event()
 
     async def consume() -> None:
         async with contextlib.aclosing(store.follow(RUN, 1, block_ms=50)) as stream:
             async for stored in stream:
                 seen.append(stored.position)
+                if stored.position == 3:
+                    caught_up.set()
                 if stored.position == 5:
                     return
 
     task = asyncio.create_task(consume())
-    while len(seen) < 2:  # the existing events 2 and 3 arrive without waiting
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(caught_up.wait(), timeout=5)  # the existing events 2 and 3
     assert seen == [2, 3]
-    await asyncio.sleep(0.1)  # the follower is now blocked waiting for news
+    # Appended after the follower caught up: whether it is blocked in its read by now or
+    # between two reads, the contract is that these arrive, in order, exactly once.
     store.append(RUN, batch(4, 2), expected_position=3, epoch=epoch)
     await asyncio.wait_for(task, timeout=5)
     assert seen == [2, 3, 4, 5]

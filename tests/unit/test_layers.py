@@ -121,7 +121,7 @@ def test_the_checks_see_what_they_look_for(tmp_path):
 
 def test_the_graph_covers_every_layer():
     graph = import_graph()
-    assert {"events.store", "workers.api", "controller.loop", "replay.reader", "sim.harness",
+    assert {"events.store", "workers.api", "controller.loop", "replay.staleness", "sim.harness",
             "cli.main"} <= set(graph)
     assert "controller.log_writer" in graph["controller.loop"]
     assert "controller.core.reducer" in graph["controller.log_writer"]

@@ -6,11 +6,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from controller.core.fold import fold_raw  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
-from sim.plots import build_figure  # noqa: E402
+from replay.plots import timing_figure  # noqa: E402
 from sim.whatif import run_whatif  # noqa: E402
-from tests.unit.test_sim_whatif import _events, hand_log  # noqa: E402
+from tests.unit.test_sim_whatif import hand_log  # noqa: E402
 
 LONG = [
     {"staleness.window_versions": "1", "rollout.num_generators": "16"},
@@ -25,8 +24,7 @@ def test_legends_sit_outside_every_panel_and_long_names_do_not_squeeze_the_bars(
 
     store = MemoryEventStore()
     hand_log(store)
-    state = fold_raw((e.position, e.data) for e in store.read_raw("hand"))
-    fig = build_figure(run_whatif("hand", state, _events(store, "hand"), LONG))
+    fig = timing_figure(run_whatif(store, "hand", LONG))
     try:
         fig.canvas.draw()
         progress, _lag, bars = fig.axes

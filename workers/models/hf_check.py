@@ -38,7 +38,7 @@ class HFDirError(ValueError):
 class HFDir:
     """What the run's pre-check goes on with: the tokenizer and the model's context."""
 
-    tokenizer: Any  # workers.models.hf.HFTokenizer
+    tokenizer: Any  # workers.models.hf_tokenizer.HFTokenizer
     context_len: int
 
 
@@ -125,7 +125,7 @@ def _check_safetensors(file: Path) -> None:
 
 
 def _check_tokenizer(root: Path, config: Any, probe_prompt: str) -> Any:
-    from workers.models.hf import load_hf_tokenizer
+    from workers.models.hf_tokenizer import load_hf_tokenizer
 
     files = [name for name in TOKENIZER_FILES if (root / name).is_file()]
     hint = "" if files else f" (the directory has none of {', '.join(TOKENIZER_FILES)})"
