@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -66,7 +67,14 @@ def _short(value: Any) -> str:
         return "{" + ",".join(f"{k}:{_short(v)}" for k, v in list(value.items())[:6]) + (
             ",..." if len(value) > 6 else ""
         ) + "}"
+    if isinstance(value, str) and not value.isprintable():
+        # a reason an older version recorded from Ray's coloured, multi-line traceback:
+        # one event stays one line, without terminal codes
+        return " ".join(_ANSI.sub("", value).split())
     return str(value)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 def event_line(position: int, event: AnyEvent) -> str:

@@ -37,7 +37,7 @@ from cli.common import (
 )
 from controller.core import policies
 from controller.config import Config, config_from_dict, config_to_dict, load_config
-from controller.loop import Controller, StallError, StepRetriesExhausted
+from controller.loop import Controller, RunStoppedError, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import RecoveryError, reconcile_workers
 from controller.projector import Projector
@@ -308,21 +308,23 @@ def _train(args, cfg: Config, writer, store) -> int:
             controller = Controller(
                 writer, cfg, workers.trainer, workers.generators, workers.publisher,
                 workers.payloads, checkpoint_dir=checkpoint_dir(run_dir), on_step=on_step,
-                restarter=workers,
+                restarter=workers, on_failure=progress.failure,
             )
             reason = asyncio.run(controller.run())
             train_s = time.monotonic() - started
             writer.append(writer.make(ev.RunFinished, event_id=ev.run_finished_id(writer.epoch, writer.position), reason=reason))
     except FencedError as err:
         raise CliError(f"stopped: {err}", 3) from None
+    except RunStoppedError as err:
+        raise CliError(f"stopped: {err}; the log is consistent: fix the cause, then continue "
+                       f"with: {_resume_command(args, writer.run_id)}", 4) from None
     except (StallError, StepRetriesExhausted) as err:
         raise CliError(f"stopped: {err}", 4) from None
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
     except KeyboardInterrupt:
-        resume = followup.command(args, "run", "--resume", "--run-id", writer.run_id,
-                                  *followup.worker_flags(args))
-        raise CliError(f"interrupted; the log is consistent, continue with: {resume}", 130) from None
+        raise CliError("interrupted; the log is consistent, continue with: "
+                       f"{_resume_command(args, writer.run_id)}", 130) from None
     finally:
         sink.close()
         workers.close()
@@ -331,6 +333,11 @@ def _train(args, cfg: Config, writer, store) -> int:
     run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
                               startup_s=_PHASES.get("reconciled"), train_s=train_s)
     return 0
+
+
+def _resume_command(args: argparse.Namespace, run_id: str) -> str:
+    return followup.command(args, "run", "--resume", "--run-id", run_id,
+                            *followup.worker_flags(args))
 
 
 def _start_ray(args: argparse.Namespace, cfg: Config, run_id: str) -> None:
