@@ -130,9 +130,9 @@ def point_tables(p: dict[str, Any]) -> list[Table]:
     head.add_column("field")
     head.add_column("value")
     for key in ("ts", "epoch", "trainer_version", "weight_version", "window_versions",
-                "groups_per_step", "next_step", "step_status", "finished"):
+                "groups_per_step", "next_step", "step_status", "finished", "stopped"):
         value = iso(p[key]) if key == "ts" else p[key]
-        head.add_row(key, str(value))
+        head.add_row(key, "-" if value is None else str(value))
     ckpt = p["latest_checkpoint"]
     head.add_row("latest_checkpoint", "-" if ckpt is None else f"v{ckpt['trainer_version']} {ckpt['uri']}")
     tables = [head]

@@ -11,6 +11,7 @@ from controller.core.decisions import Stamp
 from controller.core.errors import InvariantViolation
 from controller.core.failures import FailuresSection, ready_at, stop_reason
 from events import schema as ev
+from replay.point import state_at
 from tests.unit.log_builder import LogBuilder
 
 BOOM = "ValueError: cannot sample from an empty prompt"
@@ -80,6 +81,7 @@ def test_the_decision_is_a_ready_made_event_and_is_taken_once():
     stopped = b.fold()
     assert stopped.failures.stopped == stop.reason
     assert decisions.run_stopped(stopped, 2, at) is None  # stopped already
+    assert state_at(stopped, 50.0)["stopped"] == stop.reason  # what `replay` shows
 
 
 def test_a_new_controller_gets_a_fresh_budget():
