@@ -194,18 +194,24 @@ def run_once(args: argparse.Namespace, inner: EventStore, run_id: str, tmp: Path
 
 def measure_transport(rounds: int = 300) -> dict[str, float]:
     """Loop-thread CPU of one awaited call (a no-op) over each worker transport."""
+    from workers.calls import WorkerCalls
     from workers.handles import LocalHandle, RayHandle
 
     class Noop:
-        def noop(self) -> None:
+        """The cheapest declared call: ``pid``."""
+
+        def pid(self) -> int:
+            return 0
+
+        def close(self) -> None:
             return None
 
     async def per_call(handle: Any) -> float:
         for _ in range(20):
-            await handle.call("noop")
+            await handle.call(WorkerCalls.pid)
         cpu0 = time.thread_time()
         for _ in range(rounds):
-            await handle.call("noop")
+            await handle.call(WorkerCalls.pid)
         return 1e3 * (time.thread_time() - cpu0) / rounds
 
     out = {}

@@ -46,6 +46,7 @@ from events import schema as ev
 from events.chain import Chain
 from events.errors import FencedError
 from replay.settings import with_changes
+from workers.loss.metrics import mismatch_warning
 
 log = structlog.get_logger("rl_controller.run")
 
@@ -302,6 +303,10 @@ def _train(args, cfg: Config, writer, store) -> int:
                 progress.step(step, version, metrics, len(writer.state.buffer), len(writer.state.admitted))
                 structlog.contextvars.bind_contextvars(step=step, trainer_version=version)
                 log.info("step_finished", **metrics)
+                alert = mismatch_warning(metrics, cfg.train.loss.mismatch_kl_warn)
+                if alert:
+                    log.warning("train_inference_mismatch", detail=alert)
+                    progress.warn(alert)
 
             progress.status("training")
             started = time.monotonic()

@@ -27,6 +27,7 @@ The resolved config is written into ``RunStarted`` so a log describes its own ru
 
 from __future__ import annotations
 
+import enum
 import tomllib
 import typing
 from pathlib import Path
@@ -143,6 +144,8 @@ def _choices(dotted: str) -> tuple[str, ...]:
     for part in dotted.split("."):
         hint = typing.get_type_hints(owner)[part]
         owner = hint
+    if isinstance(owner, type) and issubclass(owner, enum.Enum):
+        return tuple(str(e.value) for e in owner)
     return typing.get_args(owner)
 
 

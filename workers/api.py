@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
+
+from workers.fencing import EpochToken
 
 
 class WorkerLostError(RuntimeError):
@@ -64,6 +66,9 @@ class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):
     payload_keys: list[str]
     #: one advantage per payload key (GRPO, normalised within each group)
     advantages: list[float]
+    #: the weight version each key's generation started at (its group's
+    #: weight_version_start; the mismatch metrics use it); empty = unknown
+    versions: list[int] = msgspec.field(default_factory=list)
 
 
 class MicrobatchOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,3 +146,23 @@ class PayloadStore(Protocol):
 
     async def delete(self, keys: list[str]) -> None: ...
     async def keys(self) -> list[str]: ...
+
+
+@runtime_checkable
+class Replaceable(Protocol):
+    """A client whose worker can be replaced behind it: a restart swaps ``handle``, and
+    ``WorkerLostError.handle`` names the incarnation that failed."""
+
+    handle: object
+
+
+class StartedWorkers(Protocol):
+    """The started workers as recovery reconciles them (``controller.wiring.Workers``)."""
+
+    trainer: TrainerClient
+    publisher: WeightPublisher
+    payloads: PayloadStore
+    #: the controller's data plane client
+    dataplane: object
+    #: the controller's epoch, stamped by every handle on every call (``workers.fencing``)
+    token: EpochToken

@@ -29,7 +29,7 @@ from workers.api import (
     MicrobatchRef,
     StepOutcome,
 )
-from workers.backends import GeneratorBackend, make_trainer
+from workers.backends import GeneratorBackend, make_trainer, trainer_options
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
 from workers.fencing import EpochFence, Fenced
@@ -40,7 +40,7 @@ from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
 from workers.tasks import make_task, prompt_set
 from workers.tasks.config import TaskSection
-from workers.trainer import TorchTrainer
+from workers.trainer.api import Trainer
 from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
 from workers.trainer.config import BuiltModelFactory, TrainSection
 from workers.weight_sync import WeightsAck
@@ -77,7 +77,8 @@ class WorkerSpec:
 
 
 class TrainerWorker(Fenced):
-    """The trainer behind the controller's ``TrainerClient`` protocol.
+    """The trainer behind the controller's ``TrainerClient`` protocol (its calls are
+    ``workers.calls.TrainerCalls``).
 
     Also deletes data-plane rows for the controller (:meth:`clear_payloads`), so those
     deletes pass the same fence as the trainer calls.
@@ -89,29 +90,22 @@ class TrainerWorker(Fenced):
         self.fence = EpochFence(spec.run_id, "trainer")
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         #: the loss compares logprobs under the generators' sampling temperature
-        self.loss = spec.train.loss.loss_config(spec.sampling.temperature)
-        self.trainer: Any = self._build()
+        self.loss = spec.train.loss.loss_config(
+            spec.sampling.temperature, spec.sampling.max_new_tokens
+        )
+        self.trainer: Trainer = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
 
-    def _build(self) -> Any:
+    def _build(self) -> Trainer:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
         spec, train = self.spec, self.spec.train
         factory = BuiltModelFactory(spec.model.model_config(spec.seed))
         config = train.trainer_config(spec.seed)
-        options = None
-        if train.backend == "fsdp2":
-            from workers.trainer.fsdp2_backend import Fsdp2Options
-
-            options = Fsdp2Options(
-                tensor_parallel=train.tensor_parallel, grad_reduce=train.fsdp2_grad_reduce
-            )
+        options = trainer_options(train)
         world = train.data_parallel * train.tensor_parallel
         if world == 1:
-            if train.backend == "torch":
-                return TorchTrainer(factory, config)
-            kwargs = {} if options is None else {"options": options}
-            return make_trainer(train.backend, factory, config, **kwargs)  # type: ignore[arg-type]
+            return make_trainer(train.backend, factory, config, options)
         from workers.trainer.actor import TrainerGroup
 
         return TrainerGroup(
@@ -121,24 +115,21 @@ class TrainerWorker(Fenced):
 
     def reset(self) -> None:
         """Back to the initial weights (seeded init, version 0), as if just started."""
-        # A data-parallel TrainerGroup owns rank actors: stop them before building anew.
-        shutdown = getattr(self.trainer, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.trainer.close()  # a TrainerGroup's rank actors stop before new ones start
         self.trainer = self._build()
+
+    def close(self) -> None:
+        """Stop what the trainer started (a data-parallel group's rank actors)."""
+        self.trainer.close()
 
     def begin_train_step(self, step: int) -> None:
         self.trainer.begin_train_step(step, self.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
         rows = self.dataplane.get_batch(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
-        batch = collate(rows, ref.advantages)
+        batch = collate(rows, ref.advantages, ref.versions)
         result = self.trainer.train_microbatch(batch)
-        results = result if isinstance(result, list) else [result]
-        return MicrobatchOutcome(
-            num_sequences=sum(r.num_sequences for r in results),
-            num_tokens=sum(r.num_tokens for r in results),
-        )
+        return MicrobatchOutcome(num_sequences=result.num_sequences, num_tokens=result.num_tokens)
 
     def finish_train_step(self) -> StepOutcome:
         r = self.trainer.finish_train_step()
@@ -263,9 +254,7 @@ class GeneratorWorker(Fenced):
 
     def close(self) -> None:
         """Stop generating and free the engine (a vLLM engine's processes included)."""
-        close = getattr(self.generator, "close", None)
-        if close is not None:
-            close()
+        self.generator.close()
 
     def weight_version(self) -> int:
         return self.generator.weight_version

@@ -108,6 +108,9 @@ class Generator:
         """Refit bucket by bucket (``workers.weight_transport``); the last one acks."""
         return self.receiver.receive(version, index, count, bucket)
 
+    def close(self) -> None:
+        """Nothing to free: the model lives in this process (an engine overrides this)."""
+
     def generate_group(
         self,
         group_id: str,

@@ -136,7 +136,7 @@ def _check_tokenizer(root: Path, config: Any, probe_prompt: str) -> Any:
         raise HFDirError(f"the tokenizer cannot be loaded: {_first_line(err)}{hint}") from None
     if not ids:
         raise HFDirError(f"the tokenizer encodes the prompt {probe_prompt!r} to no tokens{hint}")
-    vocab = getattr(config, "vocab_size", None)
+    vocab = config.to_dict().get("vocab_size")  # a nested (multimodal) config has none here
     if vocab is not None and max(ids) >= vocab:
         raise HFDirError(
             f"the tokenizer gives token id {max(ids)} for {probe_prompt!r}, outside the "
