@@ -33,9 +33,10 @@ if command -v systemctl >/dev/null 2>&1; then
 fi
 
 PY=${PYTHON:-python3}
-# RLC_EXTRAS: the project's extras (the Docker image sets "megatron", or "vllm" for
-# CUDA); RLC_TORCH_INDEX: where torch comes from (the CPU image sets PyTorch's CPU index).
-EXTRAS=${RLC_EXTRAS-dev,megatron}
+# RLC_EXTRAS: the project's extras, by default dev, megatron and envs (the multi-turn
+# environment packages; the Docker image sets "megatron", or "vllm" for CUDA);
+# RLC_TORCH_INDEX: where torch comes from (the CPU image sets PyTorch's CPU index).
+EXTRAS=${RLC_EXTRAS-dev,megatron,envs}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv

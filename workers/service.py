@@ -38,6 +38,7 @@ from workers.generator.generator import Generator
 from workers.generator.vllm_config import MIB
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
+from workers.envs.task import EpisodeTask
 from workers.tasks import make_task, prompt_set
 from workers.tasks.config import TaskSection
 from workers.trainer.api import Trainer
@@ -204,12 +205,17 @@ class GeneratorWorker(Fenced):
         self.spec = spec
         self.name = name
         self.fence = EpochFence(spec.run_id, name)
-        task = make_task(spec.task.name, **dict(spec.task_options))
+        task = make_task(spec.task.name, **{**spec.task.options, **spec.task_options})
         self.prompts = prompt_set(task, spec.task.num_prompts, spec.seed, spec.task.dataset or None)
         self.sampling = spec.sampling.sampling_config()
         plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         fenced_plane: Any = _FencedWrites(plane, self.fence)
         self.generator: Any
+        if spec.generator_backend == "vllm" and isinstance(task, EpisodeTask):
+            raise ValueError(
+                f"task {spec.task.name!r} runs multi-turn episodes, which the vLLM generator "
+                "does not run yet; use rollout.backend = \"torch\""
+            )
         if spec.generator_backend == "vllm":
             from workers.backends import make_generator
             from workers.models.hf import load_hf_tokenizer

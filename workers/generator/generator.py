@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from workers.dataplane.api import DataPlane
+from workers.envs.task import EpisodeTask
 from workers.models.factory import Tokenizer, context_len
 from workers.models.sampling import Completion, SamplingConfig, sample
 from workers.tasks.base import Example, Task
@@ -120,6 +121,12 @@ class Generator:
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
+        if isinstance(self.task, EpisodeTask):  # multi-turn: the episode runner's group
+            from workers.envs.group import generate_episode_group
+
+            keys = [row_key(self.run_id, group_id, attempt, i) for i in range(n)]
+            return GroupResult(**generate_episode_group(
+                self, keys, group_id, prompt, n, sampling, seed, attempt))
         prompt_ids = self.tokenizer.encode(prompt.prompt)
         check_prompts_fit(
             [prompt], self.tokenizer.encode, context_len(self.model), sampling.max_new_tokens

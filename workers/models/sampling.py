@@ -92,7 +92,7 @@ def _draw(
 @torch.no_grad()
 def sample(
     model: nn.Module,
-    prompt_ids: list[int],
+    prompt_ids: list[int] | list[list[int]],
     n: int,
     cfg: SamplingConfig,
     generator: torch.Generator,
@@ -101,13 +101,20 @@ def sample(
     use_cache: bool = True,
     between_steps: Callable[[], None] | None = None,
 ) -> list[Completion]:
-    """Sample ``n`` completions of ``prompt_ids``; see the module docstring."""
+    """Sample ``n`` completions of ``prompt_ids``; see the module docstring.
+
+    ``prompt_ids`` may also be ``n`` prompts of equal length, one per row (episodes
+    past their first turn): equal lengths keep positions aligned, so no padding.
+    """
     if not prompt_ids:
         raise ValueError("cannot sample from an empty prompt")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     device = next(model.parameters()).device
-    seq = torch.tensor([prompt_ids] * n, dtype=torch.int64, device=device)
+    rows = prompt_ids if isinstance(prompt_ids[0], list) else [prompt_ids] * n
+    if len(rows) != n or len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise ValueError(f"expected one prompt or {n} non-empty prompts of equal length")
+    seq = torch.tensor(rows, dtype=torch.int64, device=device)
     tokens = torch.empty(n, 0, dtype=torch.int64, device=device)
     logprobs = torch.empty(n, 0, dtype=torch.float32, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
