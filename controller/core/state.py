@@ -17,11 +17,13 @@ from typing import Any, Final, Iterator, Sequence
 import msgspec
 
 from controller.core.errors import SnapshotDecodeError
+from controller.core.failures import FailureRecord
 
 #: Bumped whenever the shape of ``RunState`` changes; an older snapshot is refused
 #: (the caller folds the log from the start instead -- snapshots are only a cache).
 #: 2: a group's payload keys, rewards and lengths are packed (``GroupRecord``).
-STATE_FORMAT_VERSION: Final = 2
+#: 3: the failure streaks (``failures``, ``controller.core.failures``).
+STATE_FORMAT_VERSION: Final = 3
 
 #: joins a committed group's payload keys into one string (see ``pack_keys``)
 KEY_SEPARATOR: Final = "\x00"
@@ -285,6 +287,8 @@ class RunState(msgspec.Struct, kw_only=True):
     released_groups: int = 0
     finished: bool = False
     finished_reason: str | None = None
+    #: groups failing in a row, per worker and in all (the failure budget's input)
+    failures: FailureRecord = msgspec.field(default_factory=FailureRecord)
     #: position of the last applied event (0 = nothing applied)
     position: int = 0
 

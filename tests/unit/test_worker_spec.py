@@ -10,7 +10,7 @@ import pickle
 from pathlib import Path
 
 from controller.config import config_from_dict
-from controller.wiring import worker_spec
+from controller.wiring import worker_label, worker_spec
 from workers.dataplane import DataPlaneRuntime
 from workers.generator.vllm_config import VllmRuntime, llm_kwargs
 from workers.loss import Aggregation, StepLoss
@@ -76,3 +76,17 @@ def test_the_trainer_worker_runs_the_train_table_itself(tmp_path):
     assert worker.trainer.parallel.optimizer.param_groups[0]["lr"] == 0.25
     assert worker.trainer.parallel.reference is not None  # kl_coef > 0 keeps one
     worker.close()
+
+
+def test_a_worker_is_named_once_in_errors():
+    assert worker_label("trainer", "trainer") == "trainer"  # was "trainer trainer failed"
+    assert worker_label("generator", "generator-1") == "generator-1"
+    assert worker_label("trainer", "rank-1") == "trainer rank-1"
+
+
+def test_storage_units_default_to_one_on_a_local_ray_and_two_on_a_cluster():
+    local = worker_spec(config_from_dict({}), "r", Path("/runs/r"))
+    joined = worker_spec(config_from_dict({"ray": {"address": "head:6379"}}), "r", Path("/runs/r"))
+    chosen = worker_spec(config_from_dict({"dataplane": {"storage_units": 3}}), "r", Path("/runs/r"))
+    got = [s.dataplane.units(s.dataplane_runtime.ray_address) for s in (local, joined, chosen)]
+    assert got == [1, 2, 3]

@@ -82,7 +82,7 @@ def _named_actor(name: str, namespace: str | None = None):
         return None
 
 
-def _init_watched(tq, conf: dict, cfg: DataPlaneSection) -> bool:
+def _init_watched(tq, conf: dict, cfg: DataPlaneSection, units: int) -> bool:
     """``tq.init`` with a limit when this process is the one that starts TransferQueue;
     True when it did start it (False: it joined a running one)."""
     if _named_actor(*_CONTROLLER) is not None:
@@ -94,8 +94,8 @@ def _init_watched(tq, conf: dict, cfg: DataPlaneSection) -> bool:
     def watch() -> None:
         if done.wait(cfg.start_timeout_s):
             return
-        verdict.append(_pending(cfg))
-        for actor in _our_actors(cfg.storage_units):
+        verdict.append(_pending(cfg, units))
+        for actor in _our_actors(units):
             try:
                 ray.kill(actor)  # fails init's pending ray.get, and frees the cluster
             except Exception:
@@ -157,9 +157,8 @@ def _answers(actor) -> bool:
     return bool(ready)
 
 
-def _pending(cfg: DataPlaneSection) -> str:
-    """Which of TransferQueue's actors are not up yet, and what Ray has free."""
-    units = cfg.storage_units
+def _pending(cfg: DataPlaneSection, units: int) -> str:
+    """Which of TransferQueue's ``units`` actors are not up yet, and what Ray has free."""
     pending: list[str] = []
     controller = _named_actor(*_CONTROLLER)
     if controller is None or not _answers(controller):
@@ -195,7 +194,8 @@ class TransferQueueDataPlane:
             import transfer_queue as tq
 
             _ensure_ray(runtime)
-            storage: dict = {"num_data_storage_units": cfg.storage_units}
+            units = cfg.units(runtime.ray_address)
+            storage: dict = {"num_data_storage_units": units}
             if cfg.storage_node_resource:
                 storage["required_node_resource"] = cfg.storage_node_resource
             started = False
@@ -203,14 +203,14 @@ class TransferQueueDataPlane:
                 _await_started(cfg)
                 tq.init()  # joins the running TransferQueue
             else:
-                started = _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
+                started = _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg, units)
         except DataPlaneUnavailable:
             raise
         except Exception as err:  # any start-up failure is fatal, never a fallback
             raise DataPlaneUnavailable(f"TransferQueue failed to start: {err!r}") from err
         self._tq = tq
         #: storage units this process started (its ``close`` removes them)
-        self._units = cfg.storage_units if started else 0
+        self._units = units if started else 0
         # TransferQueue's client is not safe for concurrent calls from threads.
         self._lock = threading.Lock()
 
