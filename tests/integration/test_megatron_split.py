@@ -352,11 +352,11 @@ def test_distributed_optimizer_only_where_megatron_builds_it():
     from workers.trainer.megatron_backend import _distributed_optimizer
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _distributed_optimizer(None, cuda, ADAMW) is True
-    assert _distributed_optimizer(None, cuda, SGD) is False
-    assert _distributed_optimizer(None, cuda, ADAMW64) is False
-    assert _distributed_optimizer(None, cpu, ADAMW) is False
-    assert _distributed_optimizer(False, cuda, ADAMW) is False
+    assert _distributed_optimizer(None, cuda, ADAMW.runtime) is True
+    assert _distributed_optimizer(None, cuda, SGD.runtime) is False
+    assert _distributed_optimizer(None, cuda, ADAMW64.runtime) is False
+    assert _distributed_optimizer(None, cpu, ADAMW.runtime) is False
+    assert _distributed_optimizer(False, cuda, ADAMW.runtime) is False
     for cfg, named in ((SGD, "optimizer 'sgd'"), (ADAMW64, "float64 parameters")):
         with pytest.raises(BackendUnavailableError, match=named):
             MegatronTrainer(FACTORY, *cfg, MegatronOptions(use_distributed_optimizer=True))
