@@ -24,7 +24,8 @@ import time
 import torch
 
 from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sample
+from workers.models.decoder import sample
+from workers.models.sampling import SamplingConfig
 
 
 def tokens_per_s(model, prompt, n, cfg, use_cache: bool, repeats: int) -> float:

@@ -28,7 +28,7 @@ from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient, WorkerLostError
 from workers.backends import GeneratorBackend
-from workers.generator.config import VllmSection
+from workers.generator.config import PartialSection, VllmSection
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -45,6 +45,8 @@ class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     refit_bucket_mib: float = 64.0
     """Weight refit streams the trainer's weights in buckets of at most this size."""
     vllm: VllmSection = msgspec.field(default_factory=VllmSection)
+    partial: PartialSection = msgspec.field(default_factory=PartialSection)
+    """In-flight refits and durable partial rollouts (docs/segments.md)."""
     samples_per_group: int = 16
     """Completions per prompt (the GRPO group size)."""
     num_generators: int = 1

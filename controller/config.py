@@ -86,6 +86,7 @@ _POSITIVE = {
     "task.num_prompts", "controller.snapshot_every_events", "ray.num_cpus",
     "ray.placement_timeout_s", "dataplane.storage_units", "dataplane.start_timeout_s",
     "rollout.refit_bucket_mib", "rollout.vllm.kv_cache_mib", "rollout.vllm.max_num_seqs",
+    "rollout.partial.segment_tokens",
 }
 _NON_NEGATIVE = {
     "staleness.window_versions", "staleness.buffer_groups", "train.lr",
@@ -130,6 +131,13 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "config: rollout.backend = \"vllm\" needs model.kind = \"hf\" (a local HF model "
             "directory vLLM can load; write a small one with python -m workers.models.hf_tiny DIR)"
+        )
+    if (cfg.rollout.partial.enabled and cfg.rollout.backend == "vllm"
+            and cfg.rollout.vllm.engine_mode != "inprocess"):
+        raise ConfigError(
+            "config: rollout.partial.enabled with rollout.backend = \"vllm\" needs "
+            "rollout.vllm.engine_mode = \"inprocess\" (a separate engine process steps on its "
+            "own and cannot pause at a token boundary)"
         )
     need = cfg.train.groups_per_step * (cfg.staleness.window_versions + 1)
     if cfg.staleness.buffer_groups and cfg.staleness.buffer_groups < need:

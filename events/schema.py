@@ -17,7 +17,7 @@ This module is pure data: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from typing import Any, Final, NewType, Union
+from typing import Any, Final, Literal, NewType, Union
 
 import msgspec
 
@@ -31,6 +31,30 @@ Position = NewType("Position", int)
 
 #: The schema version written by this code for every event type.
 CURRENT_SCHEMA_VERSION: Final = 1
+
+
+SegmentKind = Literal["model", "observation"]
+
+
+class Segment(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample's contiguous tokens of one flush (``docs/segments.md``).
+
+    Not an event: ``SegmentsRecorded`` carries a list of them, and generators hand the
+    controller the same values (``workers.api``), so one shape serves both.
+    """
+
+    #: sample index in the group
+    sample: int
+    #: offset of the first token in the sample's completion (tokens after the prompt)
+    start: int
+    #: tokens in this segment (>= 1)
+    length: int
+    #: data-plane key of the segment row (tokens, logprobs)
+    key: str
+    #: episode turn (0 for single-turn rollouts)
+    turn: int = 0
+    #: the sample ended with this segment (EOS, budget, or the episode is done)
+    stopped: bool = False
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):

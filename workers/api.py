@@ -12,9 +12,11 @@ controller's ``wiring`` picks one.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
+
+from events.schema import Segment, SegmentKind
 
 
 class WorkerLostError(RuntimeError):
@@ -29,12 +31,35 @@ class WorkerLostError(RuntimeError):
         super().__init__(f"{role} {worker} lost: {reason}")
 
 
+class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):
+    """One durable flush of one group: its rows are in the data plane; the controller
+    records it as a ``SegmentsRecorded`` event (``docs/segments.md``)."""
+
+    kind: SegmentKind = "model"
+    #: the version that sampled every token of it (None for observation tokens)
+    weight_version: int | None
+    #: one per sample with new tokens
+    segments: list[Segment]
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str
     attempt: int
     prompt_index: int
     n_samples: int
     seed: int
+    #: partial rollouts: the group's recorded flushes (every attempt, in log order) for
+    #: a worker that must rebuild it from the data plane -- sent with an attempt's
+    #: first call; empty on the calls that continue a group the worker holds
+    resume: list[SegmentFlush] = []
+    #: partial rollouts: flushes of *this* attempt already recorded; a worker that does
+    #: not hold exactly these refuses to go on (it would sample recorded tokens again)
+    flushes: int = 0
+
+
+#: done: the final rows are stored (commit it); flushed: new segments are stored and the
+#: group is paused until they are recorded; pending: not reached in this call
+GenerationStatus = Literal["done", "flushed", "pending"]
 
 
 class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,6 +68,10 @@ class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     lengths: list[int]
     weight_version_start: int
     weight_version_end: int
+    status: GenerationStatus = "done"
+    flush: SegmentFlush | None = None
+    #: per sample, token versions run-length encoded ``[v0, n0, v1, n1, ...]``
+    version_runs: list[list[int]] = []
 
 
 class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,11 +30,13 @@ from workers.api import (
     StepOutcome,
 )
 from workers.backends import GeneratorBackend, make_trainer
-from workers.batch import ROW_FIELDS, collate
+from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.dataplane.api import MissingPayloadError
 from workers.fencing import EpochFence, Fenced
-from workers.generator.config import VllmSection
+from workers.generator.config import PartialSection, VllmSection
 from workers.generator.generator import Generator
+from workers.generator.inflight import InflightRunner
 from workers.generator.vllm_config import MIB
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
@@ -66,6 +68,7 @@ class WorkerSpec:
     dataplane: DataPlaneConfig
     generator_backend: GeneratorBackend = "torch"
     vllm: VllmSection = field(default_factory=VllmSection)
+    partial: PartialSection = field(default_factory=PartialSection)
     #: weight refit bucket size (``workers.weight_transport``)
     refit_bucket_mib: float = DEFAULT_BUCKET_BYTES / MIB
     task_options: Mapping[str, Any] = field(default_factory=dict)
@@ -131,14 +134,23 @@ class TrainerWorker(Fenced):
         self.trainer.begin_train_step(step, self.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
-        rows = self.dataplane.get_batch(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
-        batch = collate(rows, ref.advantages)
+        batch = collate(self._rows(ref.payload_keys), ref.advantages)
         result = self.trainer.train_microbatch(batch)
         results = result if isinstance(result, list) else [result]
         return MicrobatchOutcome(
             num_sequences=sum(r.num_sequences for r in results),
             num_tokens=sum(r.num_tokens for r in results),
         )
+
+    def _rows(self, keys: list[str]) -> Any:
+        """The rows' fields; those an older writer did not write are left out."""
+        try:
+            return self.dataplane.get_batch(self.spec.run_id, keys, list(ROW_FIELDS))
+        except MissingPayloadError as err:
+            if err.keys or not set(err.fields) <= OPTIONAL_ROW_FIELDS:
+                raise
+        required = [f for f in ROW_FIELDS if f not in OPTIONAL_ROW_FIELDS]
+        return self.dataplane.get_batch(self.spec.run_id, keys, required)
 
     def finish_train_step(self) -> StepOutcome:
         r = self.trainer.finish_train_step()
@@ -227,11 +239,20 @@ class GeneratorWorker(Fenced):
             self.generator = make_generator(
                 "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
                 task=task, dataplane=fenced_plane, run_id=spec.run_id, name=name,
-                options=spec.vllm.options(spec.seed), num_threads=spec.torch_threads,
+                options=spec.vllm.options(spec.seed, prefix_caching=not spec.partial.enabled),
+                num_threads=spec.torch_threads, kv_on_refit=spec.partial.kv_on_refit,
             )
         else:
             model, tokenizer = build_model(spec.model.model_config(spec.seed))
-            self.generator = Generator(model, tokenizer, task, fenced_plane, spec.run_id, name=name)
+            self.generator = Generator(
+                model, tokenizer, task, fenced_plane, spec.run_id, name=name,
+                kv_on_refit=spec.partial.kv_on_refit,
+            )
+        #: partial rollouts: the groups paused at a flush point (``generator.inflight``)
+        self.inflight = (
+            InflightRunner(self.generator, spec.partial.segment_tokens)
+            if spec.partial.enabled else None
+        )
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
         example = self.prompts[req.prompt_index % len(self.prompts)]
@@ -244,10 +265,15 @@ class GeneratorWorker(Fenced):
             lengths=list(result.completion_lens),
             weight_version_start=result.weight_version_start,
             weight_version_end=result.weight_version_end,
+            version_runs=result.version_runs,
         )
 
     def generate_groups(self, reqs: list[GenerationRequest]) -> list[GenerationOutcome]:
-        """One call, several groups (``rollout.groups_per_call``), generated in order."""
+        """One call, several groups (``rollout.groups_per_call``), generated in order;
+        with partial rollouts, until the first flush point (``generator.inflight``)."""
+        if self.inflight is not None:
+            examples = [self.prompts[r.prompt_index % len(self.prompts)] for r in reqs]
+            return self.inflight.advance(reqs, examples, self.sampling)
         return [self.generate(req) for req in reqs]
 
     def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:

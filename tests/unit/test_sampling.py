@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sample, sequence_logprobs
+from workers.models.decoder import sample
+from workers.models.sampling import SamplingConfig, sequence_logprobs
 from workers.models.tokenizer import EOS_ID
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from workers.generator.vllm_config import MIB, VllmOptions
+from workers.models.config import KvOnRefit
 
 
 class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -28,13 +29,30 @@ class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """0: an update landing mid-group waits for the group's end; k: generate k tokens at
     a time and apply an update between chunks (the group is tagged start != end)."""
 
-    def options(self, seed: int) -> VllmOptions:
+    def options(self, seed: int, prefix_caching: bool = True) -> VllmOptions:
         """The engine's options; ``seed`` is the run's (per-request seeds make sampling
         deterministic on their own)."""
         return VllmOptions(
+            prefix_caching=prefix_caching,
             engine_mode=self.engine_mode,
             kv_cache_bytes=self.kv_cache_mib * MIB,
             max_num_seqs=self.max_num_seqs,
             chunk_tokens=self.chunk_tokens or None,
             seed=seed,
         )
+
+
+class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[rollout.partial]``: in-flight refits and durable partial rollouts
+    (``docs/segments.md``). Off is the behaviour before segments existed."""
+
+    enabled: bool = False
+    """A generator call returns at every flush point (a refit landed, or
+    ``segment_tokens`` more tokens per sample); the controller records each flush, and a
+    crash resumes every group from its last recorded flush instead of from the prompt."""
+    segment_tokens: int = 64
+    """Tokens per sample between two flushes: the most a crash can lose per sample."""
+    kv_on_refit: KvOnRefit = "recompute"
+    """A refit landing mid-group: ``recompute`` prefills prompt + tokens so far under the
+    new weights (each token's logprob is exactly its version's); ``keep`` goes on with
+    the KV cache of the old weights (no prefill). See bench/bench_inflight_kv.py."""

@@ -31,6 +31,9 @@ class VllmOptions:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     #: engine seed (per-request seeds make sampling deterministic on their own)
     seed: int = 0
+    #: vLLM's prefix cache; off with partial rollouts (``vllm_decoder``: a cached block
+    #: would outlive the weights that computed it)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.engine_mode not in ("inprocess", "multiprocess"):
@@ -52,6 +55,7 @@ class VllmOptions:
             "max_num_seqs": self.max_num_seqs,
             "seed": self.seed,
             "enforce_eager": True,
+            "enable_prefix_caching": self.prefix_caching,
             "skip_tokenizer_init": True,
             # the sampled token's logprob under the temperature-scaled distribution,
             # which is what the trainer recomputes (``workers.batch``)

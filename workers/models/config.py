@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from workers.models.factory import ModelConfig
     from workers.models.sampling import SamplingConfig
 
+#: what a refit landing between two token steps does with the KV cache
+#: (``workers.models.decoder``)
+KvOnRefit = Literal["recompute", "keep"]
+KV_ON_REFIT: tuple[KvOnRefit, ...] = ("recompute", "keep")
+
 
 class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[model]``: the policy the trainer and every generator build alike."""

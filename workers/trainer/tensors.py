@@ -32,7 +32,7 @@ def _trim(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """Drop all-padding trailing columns (right padding) and move to ``device``."""
     cols = batch.attention_mask.any(dim=0).nonzero()
     t = int(cols.max()) + 1 if len(cols) else 1
-    ref = batch.reference_logprobs
+    ref, versions = batch.reference_logprobs, batch.token_versions
     return TrainBatch(
         input_ids=batch.input_ids[:, :t].to(device),
         attention_mask=batch.attention_mask[:, :t].to(device),
@@ -40,4 +40,5 @@ def _trim(batch: TrainBatch, device: torch.device) -> TrainBatch:
         generator_logprobs=batch.generator_logprobs[:, :t].to(device),
         advantages=batch.advantages.to(device),
         reference_logprobs=None if ref is None else ref[:, :t].to(device),
+        token_versions=None if versions is None else versions[:, :t].to(device),
     )
