@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workers.api import MicrobatchRef, TrainerClient, WeightPublisher  # noqa: E402
 from controller.config import Config, config_to_dict, load_config  # noqa: E402
 from controller.loop import Controller  # noqa: E402
-from controller.run_cmd import checkpoint_dir  # noqa: E402
+from cli.run_cmd import checkpoint_dir  # noqa: E402
 from controller.recovery import reconcile_workers  # noqa: E402
 from controller.startup import create_run  # noqa: E402
 from controller.wiring import start_workers, worker_spec  # noqa: E402

@@ -47,7 +47,7 @@ from workers.api import (  # noqa: E402
 )
 from controller.config import Config, RolloutSection, config_to_dict, load_config  # noqa: E402
 from controller.loop import Controller  # noqa: E402
-from controller.run_cmd import checkpoint_dir  # noqa: E402
+from cli.run_cmd import checkpoint_dir  # noqa: E402
 from controller.startup import create_run  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
 from events.store import EventStore  # noqa: E402

@@ -93,7 +93,7 @@ def bench_resume(args: argparse.Namespace, tmp: Path) -> None:
 
 
 def bench_retrain(args: argparse.Namespace, tmp: Path) -> None:
-    from controller.cli import main as cli_main
+    from cli.main import main as cli_main
     from controller.config import config_from_dict
     from controller.wiring import worker_spec
     from events.redis_store import RedisEventStore

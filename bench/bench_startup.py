@@ -11,13 +11,13 @@ TransferQueue's controller and storage units, the trainer and the generators); t
 each variant's median as a ratio of the first variant's.
 
 A variant is ``NAME=COMMAND``: the command that stands for ``rl-controller`` (an
-executable, ``python -m controller.cli`` with an environment, another checkout's
+executable, ``python -m cli.main`` with an environment, another checkout's
 interpreter...), split like a shell line; ``env K=V ...`` in front sets variables, and words after
 `` -- `` in it are added to that variant's ``run`` (e.g. ``-- --set dataplane.storage_units=1``).
 
     python -m bench.bench_startup --repeats 5
-    python -m bench.bench_startup --variant "before=env PYTHONPATH=/tmp/old python -m controller.cli" \\
-        --variant "after=python -m controller.cli" --repeats 5 -- --set rollout.num_generators=2
+    python -m bench.bench_startup --variant "before=env PYTHONPATH=/tmp/old python -m cli.main" \\
+        --variant "after=python -m cli.main" --repeats 5 -- --set rollout.num_generators=2
 
 Arguments after ``--`` are added to every ``run`` (not to the resume).
 """
@@ -45,7 +45,7 @@ CPU_ROLES = ("driver", "ray daemons", "TransferQueueController", "SimpleStorageU
 
 def _default_command() -> str:
     script = Path(sys.executable).parent / "rl-controller"
-    return str(script) if script.exists() else f"{sys.executable} -m controller.cli"
+    return str(script) if script.exists() else f"{sys.executable} -m cli.main"
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")

@@ -1,1 +1,1 @@
-"""The controller: pure state, reducer and policies (core) plus the async loop, recovery and CLI (shell)."""
+"""The controller: pure state, reducer and policies (core) plus the async loop, recovery and wiring (shell)."""

@@ -2,7 +2,7 @@
 
 Every ``rl-controller`` process pays seconds to import torch. This server imports the
 CLI once and then ``fork``s one child per command; each child is a real process with
-its own pid that runs ``controller.cli.main(argv)`` with its own environment
+its own pid that runs ``cli.main.main(argv)`` with its own environment
 (``RLC_CRASH_AT`` included), can exit at a crash point with 137, or be SIGKILLed by
 the test. The server itself starts no threads and opens no connections before
 forking, so children start clean.
@@ -25,11 +25,11 @@ import time
 
 
 def _preload() -> None:
-    import controller.cli  # noqa: F401
-    import controller.run_cmd  # noqa: F401
+    import cli.main  # noqa: F401
+    import cli.run_cmd  # noqa: F401
     import controller.wiring  # noqa: F401  (torch, the workers)
     import replay.audit  # noqa: F401
-    import replay.cli  # noqa: F401
+    import cli.replay_cmd  # noqa: F401
     import replay.reader  # noqa: F401
     import replay.retrain  # noqa: F401
     import workers.service  # noqa: F401
@@ -49,7 +49,7 @@ def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
     code = 1
     try:
         from controller import crashpoints
-        from controller.cli import main
+        from cli.main import main
 
         crashpoints.rearm(env.get(crashpoints.ENV_VAR, ""))
         code = main(argv)

@@ -28,7 +28,7 @@ def _cli(args: list[str], crash: str, log) -> int:
     env = {**os.environ, "RLC_CRASH_AT": crash, "PYTHONPATH": str(REPO)}
     with open(log, "w") as out:
         return subprocess.run(
-            [sys.executable, "-m", "controller.cli", *args], cwd=REPO, env=env,
+            [sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
             stdout=out, stderr=subprocess.STDOUT, timeout=400,
         ).returncode
 

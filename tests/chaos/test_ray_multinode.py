@@ -47,7 +47,7 @@ ARGS = [
 
 
 def _cli(cluster: RayCluster, *argv: str) -> list[str]:
-    return [sys.executable, "-m", "controller.cli", *argv]
+    return [sys.executable, "-m", "cli.main", *argv]
 
 
 def _actors_on(node: RayNode) -> list[str]:

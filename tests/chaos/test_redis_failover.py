@@ -53,7 +53,7 @@ STEPS = 30  # long enough (seconds) that the kill lands mid-run
 
 def _cli() -> list[str]:
     script = Path(sys.executable).parent / "rl-controller"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "controller.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
 
 
 def _store_args(cluster: SentinelCluster, data_dir: Path) -> list[str]:

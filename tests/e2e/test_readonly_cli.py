@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
+from cli.main import main
 from events.codec import encode
 from events.redis_store import RedisEventStore
 from tests.unit.log_builder import LogBuilder, random_run
@@ -210,13 +210,13 @@ def test_help_has_examples(capsys):
 def test_subprocess_entry_point(redis_url, run):
     env = {**os.environ, "RLC_REDIS_URL": redis_url}
     proc = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "audit", "--run", run.run_id, "--json"],
+        [sys.executable, "-m", "cli.main", "audit", "--run", run.run_id, "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["summary"]["trainer_version"] == 20
     proc = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "replay", "--run", "missing"],
+        [sys.executable, "-m", "cli.main", "replay", "--run", "missing"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and run.run_id in proc.stderr
@@ -227,7 +227,7 @@ def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
     write_log(redis_url, b)
     env = {**os.environ, "RLC_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "tail", "--run", "live", "--follow"],
+        [sys.executable, "-m", "cli.main", "tail", "--run", "live", "--follow"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

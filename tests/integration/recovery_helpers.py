@@ -17,7 +17,7 @@ from typing import Any
 from controller.config import Config, load_config
 from controller.loop import Controller
 from controller.recovery import reconcile_workers
-from controller.run_cmd import checkpoint_dir
+from cli.run_cmd import checkpoint_dir
 from controller.wiring import Workers, _assemble, worker_spec
 from workers.dataplane import make_dataplane
 from workers.handles import LocalHandle, PayloadStoreImpl

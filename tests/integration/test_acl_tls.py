@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from controller.cli import main
+from cli.main import main
 from events.redis_store.acl import acl_rules
 from events.redis_store import RedisEventStore, events_key
 from events.schema import GroupFailed
@@ -62,7 +62,7 @@ def url_for(server: RedisServer, user: str) -> str:
 def trained(acl_server: RedisServer, tmp_path_factory) -> str:
     """A finished run, written by the controller user only."""
     proc = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "run", "--run-id", RUN, "--steps", "2",
+        [sys.executable, "-m", "cli.main", "run", "--run-id", RUN, "--steps", "2",
          "--redis-url", url_for(acl_server, "rlc-controller"),
          "--data-dir", str(tmp_path_factory.mktemp("data")), *TINY,
          "--set", "controller.snapshot_every_events=20"],
@@ -104,7 +104,7 @@ def test_read_only_commands_work_under_the_reader(capsys, trained) -> None:
 
 def test_tail_follow_under_the_reader_sees_new_events(acl_server, trained) -> None:
     follower = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "tail", "--redis-url", trained, "--run", RUN,
+        [sys.executable, "-m", "cli.main", "tail", "--redis-url", trained, "--run", RUN,
          "--follow", "--json"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

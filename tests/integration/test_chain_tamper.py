@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from controller.cli import main
+from cli.main import main
 from events.chain import Chain
 from events.redis_store import events_key, meta_key, snapshot_key
 from tests.chaos.harness import TINY
@@ -54,7 +54,7 @@ def runs(server: RedisServer, key_file: Path, tmp_path_factory) -> dict[str, dic
     for run_id, extra in (("plain", []), ("keyed", ["--set", f'store.chain_key_file="{key_file}"'])):
         data = tmp_path_factory.mktemp(f"data-{run_id}")
         proc = subprocess.run(
-            [sys.executable, "-m", "controller.cli", "run", "--run-id", run_id, "--steps", "3",
+            [sys.executable, "-m", "cli.main", "run", "--run-id", run_id, "--steps", "3",
              "--redis-url", server.url, "--data-dir", str(data), *TINY,
              "--set", "controller.snapshot_every_events=25", *extra],
             cwd=ROOT, capture_output=True, text=True, timeout=300,

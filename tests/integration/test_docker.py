@@ -118,8 +118,8 @@ def test_redis_service_command_and_health_check(services: dict, tmp_path: Path) 
 
 
 def test_controller_command_parses_and_its_config_validates(services: dict) -> None:
-    from controller.cli import build_parser
-    from controller.run_cmd import _resolve_config
+    from cli.main import build_parser
+    from cli.run_cmd import _resolve_config
 
     script = _shell(services["controller"]["command"])
     argv = shlex.split(script.replace("${RLC_STEPS:-150}", "7")

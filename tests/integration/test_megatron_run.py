@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def _cli(*args: str, data_dir) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "controller.cli", *args, "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "cli.main", *args, "--data-dir", str(data_dir)],
         capture_output=True, text=True, timeout=600,
     )
 

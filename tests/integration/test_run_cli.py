@@ -30,7 +30,7 @@ def _command() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("rl-controller")
-    return [found] if found else [sys.executable, "-m", "controller.cli"]
+    return [found] if found else [sys.executable, "-m", "cli.main"]
 
 
 def cli(
@@ -199,7 +199,7 @@ def test_resume_with_changed_config_is_refused_before_any_write(data_dir, traine
 #: runs the CLI's main in a fresh interpreter, then says whether Ray was even imported
 _MAIN_THEN_REPORT_RAY = (
     "import sys\n"
-    "from controller.cli import main\n"
+    "from cli.main import main\n"
     "try:\n"
     "    rc = main(sys.argv[1:])\n"
     "finally:\n"

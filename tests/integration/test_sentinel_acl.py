@@ -94,7 +94,7 @@ def test_controller_user_writes_across_a_failover_and_reader_only_reads(cluster)
                  60, "the sentinels did not settle on the promoted replica")
     env = {**os.environ, "RLC_REDIS_USERNAME": "rlc-reader", "RLC_REDIS_PASSWORD": "rlc-reader-pw",
            "RLC_SENTINEL_PASSWORD": cluster.sentinel_password}
-    proc = subprocess.run([sys.executable, "-m", "controller.cli", "runs",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "runs",
                            "--redis-sentinel", cluster.sentinel_spec, "--redis-master", MASTER],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

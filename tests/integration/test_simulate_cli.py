@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from controller.cli import main
+from cli.main import main
 from events.redis_store import RedisEventStore
 from tests.unit.test_sim_whatif import STEPS, hand_log
 

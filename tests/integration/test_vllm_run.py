@@ -62,7 +62,7 @@ def _start(args: list[str], mark: str, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
     env[MARK] = mark
     return subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", *args], cwd=ROOT, env=env,
+        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
 
@@ -86,7 +86,7 @@ def _left_behind(mark: str, timeout_s: float = 60) -> list[str]:
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "controller.cli", *argv], cwd=ROOT, capture_output=True,
+        [sys.executable, "-m", "cli.main", *argv], cwd=ROOT, capture_output=True,
         text=True, timeout=300,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from controller import followup
+from cli import followup
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -34,5 +34,5 @@ def test_redis_url_is_repeated_with_the_password_masked(monkeypatch):
 
 
 def test_run_as_a_module_prints_the_module_invocation(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["/x/controller/cli.py"])
-    assert followup.executable().endswith(" -m controller.cli")
+    monkeypatch.setattr(sys, "argv", ["/x/cli/main.py"])
+    assert followup.executable().endswith(" -m cli.main")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from controller.config import Config, config_to_dict, load_config
-from controller.run_cmd import checkpoint_dir
+from cli.run_cmd import checkpoint_dir
 from controller.journal import Journal
 from controller.loop import Controller, StallError, StepRetriesExhausted
 from controller.log_writer import LogWriter

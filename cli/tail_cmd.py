@@ -8,8 +8,8 @@ import contextlib
 import sys
 from typing import Any
 
-from controller.cli_common import CliError, add_run_arg, open_store, require_run, subcommand
-from replay import render
+from cli.common import CliError, add_run_arg, open_store, require_run, subcommand
+from cli import render
 
 
 # -- tail --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from controller.cli_common import run_command
+from cli.common import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,13 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'rl-controller COMMAND --help' for a command's options and an example.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from controller import manage_cmd, run_cmd
-    from replay import cli as replay_cli
-    from sim import cli as sim_cli
+    from cli import manage_cmd, replay_cmd, run_cmd, simulate_cmd
 
     run_cmd.register(sub)
-    replay_cli.register(sub)
-    sim_cli.register(sub)
+    replay_cmd.register(sub)
+    simulate_cmd.register(sub)
     manage_cmd.register(sub)
     return parser
 

@@ -14,7 +14,7 @@ import shlex
 import shutil
 import sys
 
-from controller.cli_common import DEFAULT_DATA_DIR, ENV_REDIS_URL
+from cli.common import DEFAULT_DATA_DIR, ENV_REDIS_URL
 from events.redis_store import redact_url
 
 
@@ -25,7 +25,7 @@ def executable() -> str:
         if found and os.path.realpath(found) == os.path.realpath(argv0):
             return "rl-controller"
         return argv0
-    return f"{shlex.quote(sys.executable)} -m controller.cli"
+    return f"{shlex.quote(sys.executable)} -m cli.main"
 
 
 def store_flags(args: argparse.Namespace) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.cli_common import CliError
+from cli.common import CliError
 from controller.config import Config
 
 _AUTH_HELP = (

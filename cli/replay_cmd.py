@@ -1,7 +1,7 @@
 """The read-only subcommands: ``runs``, ``tail``, ``replay``, ``staleness``, ``audit``.
 
 None of them appends to a log; all work on a live run (they read what is there now)
-and on the embedded default with no flags (``./rlc-data``, see ``cli_common``).
+and on the embedded default with no flags (``./rlc-data``, see ``cli.common``).
 Exit status: 0 ok, 1 the log has a problem (malformed entry or invariant violation,
 named by position), 2 a usage or store error (one line on stderr), 130 interrupted.
 """
@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Any
 
-from controller.cli_common import CliError, add_run_arg, open_store, require_run, subcommand
-from replay import render
-from replay.tail_cmd import register_tail
+from cli.common import CliError, add_run_arg, open_store, require_run, subcommand
+from cli import render
+from cli.tail_cmd import register_tail
 
 def register(subparsers: Any) -> None:
     """Add the read-only subcommands to the ``rl-controller`` parser."""
@@ -274,7 +274,7 @@ def _register_audit(subparsers: Any) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from controller.cli_common import load_chain_key
+    from cli.common import load_chain_key
     from replay.audit import build_report, write_csv
     from replay.chain_audit import audit_log
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import structlog
 
-from controller import followup, preflight, quiet, ray_cluster
-from controller.cli_common import CliError, add_store_args, load_chain_key, open_store, require_run
+from cli import followup, preflight, quiet, ray_cluster
+from cli.common import CliError, add_store_args, load_chain_key, open_store, require_run
 from controller.core import policies
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, StallError, StepRetriesExhausted

@@ -19,8 +19,8 @@ import socket
 import sys
 from pathlib import Path
 
-from controller import followup
-from controller.cli_common import (
+from cli import followup
+from cli.common import (
     DEFAULT_DATA_DIR,
     CliError,
     add_store_args,

@@ -10,7 +10,7 @@ half-created run or a traceback from inside a Ray actor half a minute later:
 * the prompts (every line of ``task.dataset``, or the generated set; with the tiny
   model every prompt is also encoded and checked to fit ``model.context_len``).
 
-Every failure is a :class:`controller.cli_common.CliError` naming the key or file.
+Every failure is a :class:`cli.common.CliError` naming the key or file.
 Only pure-python pieces of ``workers`` are imported here (no torch, no Ray).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from controller.cli_common import CliError
+from cli.common import CliError
 from controller.config import Config
 from events.store import check_run_id
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from controller.cli_common import CliError, add_store_args, open_store, require_run
+from cli.common import CliError, add_store_args, open_store, require_run
 
 
 def register(subparsers: Any) -> None:
@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from replay import render
+    from cli import render
     from replay.reader import fold_log, read_events
     from sim.whatif import SimulateError, parse_scenario, run_whatif
 
@@ -72,7 +72,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _print(result: Any, plot: str | None) -> None:
     from rich.table import Table
 
-    from replay import render
+    from cli import render
 
     con = render.console()
     table = Table(title=f"run {result.run_id}: recorded vs simulated (virtual time)")
