@@ -38,6 +38,8 @@ CRASH_POINTS: Final = (
     "after_rollout_admitted",
     "before_group_committed",
     "after_group_committed",
+    "before_segments_recorded",
+    "after_segments_recorded",
     "after_group_failed",
     "after_group_evicted",
     # the loop's train side

@@ -127,6 +127,7 @@ class Controller:
             self.journal, generators=generators, loss=self.loss, rollout=cfg.rollout,
             staleness=cfg.staleness, groups_per_step=cfg.train.groups_per_step,
             target_version=cfg.run.steps, num_prompts=cfg.task.num_prompts, seed=cfg.run.seed,
+            payloads=payloads,
         )
         self.training = TrainSide(
             self.journal, trainer=trainer, closing=self.closing, loss=self.loss,

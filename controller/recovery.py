@@ -34,6 +34,7 @@ from controller.core import policies
 
 from controller.crashpoints import crash_point
 from controller.log_writer import LogWriter
+from controller.core.segments import segment_keys
 from controller.core.state import CheckpointRecord, GroupStatus, RunState, StepRecord
 from events import schema as ev
 from workers.api import (
@@ -262,12 +263,15 @@ async def _checkpoint_initial(writer: LogWriter, trainer: TrainerClient, directo
 
 
 def rows_to_keep(state: RunState) -> set[str]:
-    """Keys of every committed group whose rows were not released."""
-    return {
+    """Keys of every committed group whose rows were not released, and the segment rows
+    uncommitted groups recorded (a re-admission resumes from them)."""
+    keep = {
         k for g in state.groups.values()
         if g.committed_position is not None and not g.payload_released
         for k in g.payload_keys
     }
+    keep.update(segment_keys(state.inflight, state.inflight))
+    return keep
 
 
 async def clean_data_plane(state: RunState, payloads: PayloadStore) -> int:

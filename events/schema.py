@@ -112,6 +112,22 @@ class GroupCommitted(Event, frozen=True):
     lengths: list[int]
 
 
+class SegmentsRecorded(Event, frozen=True):
+    """Fact: a flush of an in-flight group is durable (its segment rows are in the data
+    plane); one event per flush, O(samples), never O(tokens) (``docs/segments.md``)."""
+
+    group_id: GroupId
+    attempt: int
+    #: 0, 1, 2, ... per (group, attempt)
+    index: int
+    kind: SegmentKind
+    #: the version that sampled every token of this flush; None for observation tokens
+    weight_version: WeightVersion | None
+    #: one per sample with new tokens, each starting where the sample's recorded
+    #: tokens end (across attempts)
+    segments: list[Segment]
+
+
 class GroupFailed(Event, frozen=True):
     """Generation of one attempt failed or was lost; the group may be re-admitted."""
 
@@ -223,6 +239,7 @@ AnyEvent = Union[
     ControllerStarted,
     RolloutAdmitted,
     GroupCommitted,
+    SegmentsRecorded,
     GroupFailed,
     GroupEvicted,
     StepBegun,
@@ -264,6 +281,10 @@ def controller_started_id(epoch: int) -> str:
 def group_event_id(group_id: str, what: str, attempt: int | None = None) -> str:
     suffix = "" if attempt is None else f":a{attempt}"
     return f"group:{group_id}:{what}{suffix}"
+
+
+def segments_event_id(group_id: str, attempt: int, index: int) -> str:
+    return f"group:{group_id}:segments:a{attempt}:k{index}"
 
 
 def step_event_id(step: int, what: str) -> str:

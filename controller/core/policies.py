@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from controller.core.segments import WindowBasis
 from controller.core.state import GroupRecord, GroupStatus, RunState
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
@@ -39,6 +40,10 @@ class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     window_versions: int = 1
     """Dispatch may lead the trainer by at most this many versions; 0 = on-policy."""
+    window_basis: WindowBasis = "oldest_token"
+    """Which token's version the window bounds at training time: ``oldest_token`` (a
+    group's first token), or ``newest_token`` (its last: a group resumed across refits
+    with rollout.partial is kept while its tail is fresh; docs/segments.md)."""
     selection: SelectionPolicy = "in_order"
     buffer_groups: int = 0
     """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
@@ -127,16 +132,20 @@ def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
         )
 
 
-def lag_of(group: GroupRecord, trainer_version: int) -> int:
-    assert group.weight_version_start is not None, "lag of an uncommitted group"
-    return trainer_version - group.weight_version_start
+def lag_of(group: GroupRecord, trainer_version: int, basis: str = "oldest_token") -> int:
+    """The lag the window bounds: of the group's oldest token, or of its newest one
+    (``staleness.window_basis``; they differ for a group generated across refits)."""
+    version = group.weight_version_end if basis == "newest_token" else group.weight_version_start
+    assert version is not None, "lag of an uncommitted group"
+    return trainer_version - version
 
 
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:
     """(group_id, lag) of buffered groups too stale to train at ``trainer_version``."""
     out = []
+    basis = state.window_basis
     for gid in state.buffer:
-        lag = lag_of(state.groups[gid], trainer_version)
+        lag = lag_of(state.groups[gid], trainer_version, basis)
         if lag > window:
             out.append((gid, lag))
     return out
