@@ -22,10 +22,15 @@ checked against the log, the samples' prefixes are prefilled under the current w
 and sampling continues where they ended. A continue request for a group it does not hold
 (this worker was replaced) is refused rather than sampling recorded tokens again; the
 controller then fails that attempt and re-admits the group with ``resume``.
+
+``RLC_TOKEN_LEDGER=path`` (a test hook, off by default) appends one line
+``group attempt tokens`` per token step to ``path``, written before the step's tokens
+can be flushed, so chaos tests can count what a killed process sampled.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -91,6 +96,8 @@ class InflightRunner:
         self.tokens_flushed = 0
         #: test hook, called after every token step with the group id
         self.on_step: Callable[[str], None] | None = None
+        ledger = os.environ.get("RLC_TOKEN_LEDGER")
+        self._ledger = None if not ledger else os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
     def advance(
         self, reqs: Sequence[GenerationRequest], examples: Sequence[Example], sampling: SamplingConfig
@@ -139,7 +146,10 @@ class InflightRunner:
                     return self._flush(req, held)
                 before = _tokens(held.decoder.rows)
                 held.decoder.step(weights.version)
-                self.tokens_sampled += _tokens(held.decoder.rows) - before
+                sampled = _tokens(held.decoder.rows) - before
+                self.tokens_sampled += sampled
+                if self._ledger is not None:
+                    os.write(self._ledger, f"{req.group_id} {req.attempt} {sampled}\n".encode())
                 if self.on_step is not None:
                     self.on_step(req.group_id)
                 weights.at_step_boundary()
