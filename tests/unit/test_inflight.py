@@ -176,3 +176,42 @@ def test_flushes_survive_the_whole_process_through_the_spill(tmp_path):
         p = int(row["prompt_len"])
         assert row["input_ids"][p:p + len(kept[i])].tolist() == kept[i]
     assert second.tokens_sampled == sum(done.lengths) - sum(len(k) for k in kept)
+
+
+def test_the_loss_weighs_each_token_by_its_own_versions_behaviour_logprob():
+    """A sample generated across a refit: the IS weight of a token sampled by v1 (the
+    trainer's weights) is exactly 1, and that of a token sampled by v0 is the true
+    ratio pi_v1 / pi_v0 -- each uses its own behaviour logprob, not the group's."""
+    from workers.loss import LossConfig, grpo_loss, token_logprobs
+
+    runner, plane = _runner(segment_tokens=100)
+    gen = runner.gen
+    v0 = cpu_state_dict(gen.model)
+    v1_model, _ = build_model(ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=9))
+    v0_model, _ = build_model(CFG)
+    v0_model.load_state_dict(v0)
+
+    def refit(_gid: str) -> None:
+        if runner.tokens_sampled == 5 * 3:
+            gen.update_weights(1, cpu_state_dict(v1_model))
+
+    runner.on_step = refit
+    _, done = _drive(runner)
+    batch = collate(plane.get("run-1", done.payload_keys), [1.0] * 5)
+    with torch.no_grad():
+        lp = token_logprobs(v1_model(batch.input_ids), batch.input_ids)  # the trainer at v1
+        lp_v0 = token_logprobs(v0_model(batch.input_ids), batch.input_ids)
+    cfg = LossConfig(is_truncation_cap=1e9)
+    by_version = {}
+    for v in (0, 1):
+        mask = batch.loss_mask & (batch.token_versions == v)
+        assert mask.any()
+        part = collate(plane.get("run-1", done.payload_keys), [1.0] * 5)
+        part.loss_mask = mask
+        out = grpo_loss(lp, part, cfg)
+        by_version[v] = float(out.metrics["is_weight_mean"].value) / int(mask.sum())
+        if v == 0:
+            ratios = torch.exp(lp - lp_v0)[mask]
+    assert by_version[1] == pytest.approx(1.0, abs=1e-5)
+    assert by_version[0] == pytest.approx(float(ratios.mean()), rel=1e-5)
+    assert float((ratios - 1).abs().max()) > 0.05  # the versions really differ per token
