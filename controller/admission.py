@@ -374,6 +374,7 @@ class AdmissionSide:
             for task in pending:
                 task.cancel()
         self._flush_commits()
+        self.segment_rows.drop([], now=True)
         if self.segment_rows.deletes:  # best effort: recovery deletes what is left
             await asyncio.wait(self.segment_rows.deletes, timeout=timeout_s)
 

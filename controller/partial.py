@@ -59,11 +59,16 @@ def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutc
 class PartialRecorder:
     """Records a call's flushes, and deletes the segment rows of committed groups."""
 
+    #: segment rows deleted together (one data-plane call, not one per commit: deletes
+    #: go through the trainer worker's fence and would queue between its microbatches)
+    DELETE_BATCH = 512
+
     def __init__(self, journal: Journal, payloads: PayloadStore | None) -> None:
         self.journal = journal
         #: where segment rows are deleted (None: left to recovery's orphan sweep)
         self.payloads = payloads
         self.deletes: set[asyncio.Task] = set()
+        self._scratch: list[str] = []
 
     def record(
         self,
@@ -93,12 +98,16 @@ class PartialRecorder:
             for req, out in zip(reqs, outs) if out.status != "done"
         ]
 
-    def drop(self, keys: list[str]) -> None:
+    def drop(self, keys: list[str], *, now: bool = False) -> None:
         """Segment rows of committed groups are scratch (their final rows hold every
-        token): deleted in the background; a crash first leaves orphans that recovery
-        deletes."""
-        if not keys or self.payloads is None:
+        token): deleted in the background, a batch at a time; a crash first leaves
+        orphans that recovery deletes."""
+        if self.payloads is None:
             return
+        self._scratch += keys
+        if not self._scratch or (len(self._scratch) < self.DELETE_BATCH and not now):
+            return
+        keys, self._scratch = self._scratch, []
         task = asyncio.create_task(self._delete(self.payloads, keys))
         self.deletes.add(task)
         task.add_done_callback(self.deletes.discard)

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, get_args
 
 from controller.core import policies
+from controller.core.segments import WINDOW_BASES
 from controller.core.state import GroupStatus, RunState, StepStatus
 from replay.whatif_sim import SimResult, SimStep, Simulation, simulate
 
@@ -77,6 +78,8 @@ _KEYS = {
     "selection": "policy",
     "microbatch": "groups_per_microbatch",
     "groups_per_microbatch": "groups_per_microbatch",
+    "basis": "window_basis",
+    "window_basis": "window_basis",
 }
 
 
@@ -90,6 +93,8 @@ class WhatIfSettings:
     policy: policies.SelectionPolicy
     groups_per_step: int
     groups_per_microbatch: int
+    #: which token's version the window bounds (``staleness.window_basis``)
+    window_basis: str = "oldest_token"
 
 
 def recorded_settings(state: RunState) -> WhatIfSettings:
@@ -105,6 +110,7 @@ def recorded_settings(state: RunState) -> WhatIfSettings:
         policy=policy if policy in policies.SELECTION_POLICIES else "in_order",
         groups_per_step=max(state.groups_per_step, 1),
         groups_per_microbatch=int(per_mb),
+        window_basis=state.window_basis,
     )
 
 
@@ -116,9 +122,15 @@ def parse_what_if(items: list[str], base: WhatIfSettings) -> WhatIfSettings:
         key, value = key.strip(), value.strip()
         if not sep or key not in _KEYS:
             raise WhatIfError(
-                f"--what-if {item!r}: expected key=value with key one of window, policy, microbatch"
+                f"--what-if {item!r}: expected key=value with key one of window, policy, "
+                "microbatch, basis"
             )
         name = _KEYS[key]
+        if name == "window_basis":
+            if value not in WINDOW_BASES:
+                raise WhatIfError(f"--what-if {key}={value!r}: choose one of {', '.join(WINDOW_BASES)}")
+            changes[name] = value
+            continue
         if name == "policy":
             if value not in get_args(policies.SelectionPolicy):
                 raise WhatIfError(
