@@ -106,7 +106,8 @@ class Trace:
         buffered = len(state.buffer)
         live = len(state.admitted) + buffered + self._claimed
         closed = live >= self._capacity or (
-            state.trainer_version + live // self._per_step - state.weight_version
+            state.window_basis != "newest_token"  # that window is not a dispatch bound
+            and state.trainer_version + live // self._per_step - state.weight_version
             > state.window_versions
         )
         self.ts.append(event.ts)

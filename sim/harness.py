@@ -27,6 +27,7 @@ from events import schema as ev
 from events.store import EventStore
 from sim.clock import VirtualTimeLoop
 from sim.timings import Timings
+from sim.partial import SimPartialGenerator
 from sim.workers import Fleet, SimGenerator, SimPayloads, SimPublisher, SimTrainer
 
 CODE_VERSION = "rl-controller simulate (virtual time)"
@@ -97,8 +98,13 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
     publisher = SimPublisher(fleet, names)
+    partial = cfg.rollout.partial
+    generators = [
+        SimPartialGenerator(n, fleet, partial.segment_tokens) if partial.enabled else SimGenerator(n, fleet)
+        for n in names
+    ]
     controller = Controller(
-        writer, run_cfg, trainer, [SimGenerator(n, fleet) for n in names], publisher,
+        writer, run_cfg, trainer, generators, publisher,  # type: ignore[arg-type]
         SimPayloads(fleet, trainer), checkpoint_dir=f"sim-checkpoints/{spec.run_id}",
         clock=loop.time,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.api import (
@@ -46,6 +47,8 @@ class Fleet:
     #: per sample: the key of its payload row (the rows are never stored)
     key_format: str = "{gid}/{attempt}/{i}"
     lengths_by_group: dict[str, list[int]] = field(default_factory=dict)
+    #: called when the publisher moves ``weight_version`` (partial-rollout calls flush)
+    on_refit: set[Callable[[], None]] = field(default_factory=set)
 
 
 class SimGenerator:
@@ -164,7 +167,11 @@ class SimPublisher:
         self.busy_s += seconds
         if seconds > 0:
             await asyncio.sleep(seconds)
-        self.fleet.weight_version = max(self.fleet.weight_version, version)
+        fleet = self.fleet
+        if version > fleet.weight_version:
+            fleet.weight_version = version
+            for notify in list(fleet.on_refit):
+                notify()
         return list(self.names if only is None else only)
 
 
@@ -177,6 +184,8 @@ class SimPayloads:
         self.trainer = trainer
 
     async def delete(self, keys: list[str]) -> None:
+        if keys and all(k.startswith("seg:") for k in keys):
+            return  # segment rows of committed groups: scratch, not a release
         seconds = self.fleet.timings.release_s(self.trainer.version)
         self.trainer.checkpoint_s += seconds
         if seconds > 0:

@@ -82,8 +82,16 @@ def admission(
 ) -> Admission:
     return _gate(
         live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
-        window=window, groups_per_step=groups_per_step, capacity=capacity,
+        window=_dispatch_window(state, window), groups_per_step=groups_per_step, capacity=capacity,
     )
+
+
+def _dispatch_window(state: RunState, window: int) -> int | None:
+    """The window the dispatch-lag clause enforces; None when the window bounds each
+    group's newest token instead: a group generated across refits keeps its tail fresh
+    whenever it was dispatched, so only the capacity and the eviction at training
+    (``to_evict``) bound it."""
+    return None if state.window_basis == "newest_token" else window
 
 
 def admission_room(
@@ -98,8 +106,9 @@ def admission_room(
     """
     live = live_groups(state)
     room = 0
+    lag_window = _dispatch_window(state, window)
     while room < limit and _gate(
-        live + room, state.trainer_version, dispatch_version=dispatch_version, window=window,
+        live + room, state.trainer_version, dispatch_version=dispatch_version, window=lag_window,
         groups_per_step=groups_per_step, capacity=capacity,
     ).allowed:
         room += 1
@@ -107,11 +116,13 @@ def admission_room(
 
 
 def _gate(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
     groups_per_step: int, capacity: int,
 ) -> Admission:
     if live >= capacity:
         return Admission(False, f"buffer full ({live}/{capacity} live groups)")
+    if window is None:
+        return Admission(True)
     steps_ahead = live // groups_per_step
     lag_bound = trainer_version + steps_ahead - dispatch_version
     if lag_bound > window:
