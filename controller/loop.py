@@ -170,6 +170,7 @@ class Controller:
                 self.admission.cancel_all()
             else:
                 await self.admission.drain()
+        await self.closing.wait_checkpoint()  # the last CheckpointSaved, once durable
         return "completed"
 
     async def _watchdog(self) -> None:

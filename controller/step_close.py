@@ -4,20 +4,41 @@ The step's metrics (written into ``StepFinished``), publishing the new weights t
 generators, and every ``checkpoint.every_steps`` a checkpoint plus the release of the
 payloads it covers. Each side effect first checks the run's epoch (no append
 immediately precedes it); each fact is appended after it.
+
+With ``checkpoint.async_save`` the pump only waits for the trainer's snapshot
+(``begin_checkpoint``); a background task polls until the write is durable, then appends
+``CheckpointSaved`` and releases the payloads -- so neither the write nor the release
+sits on the trainer's critical path. One checkpoint is in flight at a time; the next one
+(and the end of the run) waits for it. A write lost with its trainer is logged and
+dropped: no ``CheckpointSaved``, so nothing relies on it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Literal
 
 import msgspec
+import structlog
 
 from controller import recovery
 from controller.core.step_metrics import consumed_group_stats
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
-from workers.api import PayloadStore, StepOutcome, TrainerClient, WeightPublisher
+from workers.api import (
+    CheckpointOutcome,
+    PayloadStore,
+    StepOutcome,
+    TrainerClient,
+    WeightPublisher,
+    WorkerLostError,
+)
+
+log = structlog.get_logger("rl_controller.loop")
+
+#: how often a background checkpoint asks the trainer whether its write is durable
+POLL_S = 0.05
 
 #: called after every StepFinished with (step, trainer_version, metrics)
 OnStep = Callable[[int, int, dict[str, float]], None]
@@ -29,6 +50,10 @@ class CheckpointSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     every_steps: int = 10
     retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
     """``until_checkpoint``: delete a step's payload rows once a checkpoint covers it."""
+    async_save: bool = True
+    """The trainer snapshots its state and writes it in the background while training
+    goes on; ``CheckpointSaved`` (and the payload release it allows) follows once the
+    write is durable. False: the train pump waits for the whole write, as before."""
 
 
 class StepClosing:
@@ -56,6 +81,9 @@ class StepClosing:
         self.on_step = on_step
         #: groups consumed by steps finished in this controller's lifetime
         self.consumed_groups = 0
+        #: the background checkpoint in flight (async_save), and an error it left
+        self._saving: asyncio.Task | None = None
+        self._saving_error: BaseException | None = None
 
     async def close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """The trainer finished ``step``: record it, publish, checkpoint every N."""
@@ -119,11 +147,43 @@ class StepClosing:
 
     async def checkpoint_and_release(self, version: int) -> None:
         j = self.journal
+        await self.wait_checkpoint()  # one in flight at a time
         crash_point("before_checkpoint_saved", version)
         j.ensure_owner()
         # The epoch in the name: a version may be checkpointed again after a crash
         # between the save and its CheckpointSaved, or after a RunRewound.
-        ck = await self.trainer.save_checkpoint(f"{self.checkpoint_dir}/v{version:06d}-e{j.epoch}")
+        directory = f"{self.checkpoint_dir}/v{version:06d}-e{j.epoch}"
+        if not self.checkpoint.async_save:
+            await self._saved(version, await self.trainer.save_checkpoint(directory))
+            return
+        await self.trainer.begin_checkpoint(directory)  # the snapshot: the trainer's own time
+        self._saving = asyncio.create_task(self._finish(version, directory), name=f"checkpoint-v{version}")
+
+    async def wait_checkpoint(self) -> None:
+        """Until the background checkpoint (if any) is recorded; re-raises its error."""
+        if self._saving is not None:
+            await asyncio.wait([self._saving])
+            self._saving = None
+        err, self._saving_error = self._saving_error, None
+        if err is not None:
+            raise err
+
+    async def _finish(self, version: int, directory: str) -> None:
+        try:
+            while (ck := await self.trainer.checkpoint_outcome(directory)) is None:
+                await asyncio.sleep(POLL_S)
+            await self._saved(version, ck)
+        except asyncio.CancelledError:
+            raise
+        except (WorkerLostError, KeyError) as err:  # the trainer (and its write) is gone
+            log.warning("checkpoint_lost", trainer_version=version, reason=str(err)[:300])
+        except Exception as err:  # fenced, store gone: the pump raises it next
+            self._saving_error = err
+        finally:
+            self.journal.wake()
+
+    async def _saved(self, version: int, ck: CheckpointOutcome) -> None:
+        j = self.journal
         j.append(
             j.make(
                 ev.CheckpointSaved,

@@ -62,6 +62,8 @@ class SimOutcome:
     trainer_busy_s: float
     refit_s: float
     checkpoint_s: float
+    #: checkpoint writes that ran behind training (``checkpoint.async_save``)
+    checkpoint_background_s: float
     generation_calls: int
     #: real seconds inside the simulated workers (not charged to the clock)
     workers_real_s: float
@@ -130,6 +132,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         trainer_busy_s=trainer.busy_s,
         refit_s=publisher.busy_s,
         checkpoint_s=trainer.checkpoint_s,
+        checkpoint_background_s=trainer.checkpoint_background_s,
         generation_calls=fleet.calls,
         workers_real_s=loop.uncharged_s,
     )

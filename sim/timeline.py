@@ -50,6 +50,13 @@ from sim.timings import RecordedTimings
 
 
 @dataclass
+class _Behind:
+    """Where a checkpoint written behind a step is counted: not the trainer's time."""
+
+    checkpoint_s: float = 0.0
+
+
+@dataclass
 class Timeline:
     """Run-level figures of one log (recorded or simulated)."""
 
@@ -147,7 +154,8 @@ def read_timeline(
     begun_since_finish = False  # a StepBegun between StepFinished and its publish
     behind_published_ts: float | None = None  # a publish that ran behind the open step
     waited_in_line: dict[int, float] = {}  # version -> its in-line publish's seconds
-    checkpoint: tuple[int, float] | None = None  # awaiting its payload release
+    checkpoint: tuple[int, float, Any] | None = None  # awaiting its payload release
+    begun_since_publish = False  # a StepBegun after the last WeightsPublished
     trainer_version = 0
     for _pos, event in events:
         kind = type(event)
@@ -177,7 +185,7 @@ def read_timeline(
             tl.evicted += 1
         elif kind is StepBegun:
             open_step = _Open(begun_ts=event.ts, last_ts=event.ts, base=event.base_trainer_version)
-            begun_since_finish = True
+            begun_since_finish = begun_since_publish = True
         elif kind is MicrobatchTrained and open_step is not None:
             if open_step.durations:
                 ready = max((committed_ts.get(g, 0.0) for g in event.group_ids), default=0.0)
@@ -216,7 +224,7 @@ def read_timeline(
                 last_finished_ts = event.ts
             open_step = None
         elif kind is WeightsPublished:
-            published_ts = event.ts
+            published_ts, begun_since_publish = event.ts, False
             if last_finished is None:
                 continue
             version, finished_ts = last_finished
@@ -230,15 +238,17 @@ def read_timeline(
                     waited_in_line[version] = event.ts - finished_ts
             last_finished = None
         elif kind is CheckpointSaved:
-            # saved right after the step's weights were published
+            # saved right after the step's weights were published; in line unless a step
+            # began meanwhile (``checkpoint.async_save``: written behind that step)
+            held = tl if not begun_since_publish else _Behind()
             if event.trainer_version > 0:
                 rec.checkpoint[event.trainer_version] = event.ts - published_ts
-                tl.checkpoint_s += event.ts - published_ts
-            checkpoint = (event.trainer_version, event.ts)
+                held.checkpoint_s += event.ts - published_ts
+            checkpoint = (event.trainer_version, event.ts, held)
         elif kind is PayloadsReleased and checkpoint is not None:
-            version, saved_ts = checkpoint
+            version, saved_ts, held = checkpoint
             rec.release[version] = event.ts - saved_ts
-            tl.checkpoint_s += event.ts - saved_ts
+            held.checkpoint_s += event.ts - saved_ts
             checkpoint = None
     # Still generating when the log ends: the recorded run shows they took at least this.
     end_ts = 0.0 if math.isnan(prev_ts) else prev_ts  # NaN: the log had no events

@@ -55,6 +55,7 @@ ALIASES = {
     "generators": "rollout.num_generators",
     "groups_per_call": "rollout.groups_per_call",
     "buffer": "staleness.buffer_groups",
+    "async_checkpoint": "checkpoint.async_save",
 }
 
 
@@ -152,7 +153,12 @@ def run_whatif(
 ) -> WhatIfResult:
     """Simulate the recorded settings, then each scenario, from one recorded log."""
     try:
-        recorded_cfg = config_from_dict(dict(state.config))
+        recorded = dict(state.config)
+        ck = recorded.get("checkpoint")
+        if isinstance(ck, dict) and "async_save" not in ck:
+            # a run recorded before async saves checkpointed in line: reproduce that
+            recorded["checkpoint"] = {**ck, "async_save": False}
+        recorded_cfg = config_from_dict(recorded)
     except ConfigError as err:
         raise SimulateError(f"run {run_id}: its recorded config does not load: {err}") from None
     recorded, timings = read_timeline(events, seed=state.seed)

@@ -106,8 +106,11 @@ class SimTrainer:
         self.tokens = 0
         #: virtual seconds spent in begin/microbatch/finish calls
         self.busy_s = 0.0
-        #: virtual seconds spent saving checkpoints
+        #: virtual seconds spent saving checkpoints (the trainer held), and written
+        #: behind training by async saves
         self.checkpoint_s = 0.0
+        self.checkpoint_background_s = 0.0
+        self._writing: dict[str, tuple[float, CheckpointOutcome]] = {}
 
     async def _work(self, seconds: float) -> None:
         self.busy_s += seconds
@@ -149,6 +152,28 @@ class SimTrainer:
         if seconds > 0:
             await asyncio.sleep(seconds)
         return CheckpointOutcome(trainer_version=self.version, uri=directory, sha256=self.digest())
+
+    #: share of a checkpoint's time the snapshot of an async save holds the trainer for
+    #: (copying its state in memory; the write, fsync and rename run behind it)
+    SNAPSHOT_FRACTION = 0.1
+
+    async def begin_checkpoint(self, directory: str) -> None:
+        seconds = self.fleet.timings.checkpoint_s(self.version)
+        snapshot = seconds * self.SNAPSHOT_FRACTION
+        self.checkpoint_s += snapshot
+        self.checkpoint_background_s += seconds - snapshot
+        if snapshot > 0:
+            await asyncio.sleep(snapshot)
+        loop = self.fleet.loop
+        self._writing[directory] = (loop.time() + seconds - snapshot, CheckpointOutcome(
+            trainer_version=self.version, uri=directory, sha256=self.digest()))
+
+    async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        done_at, outcome = self._writing[directory]
+        if self.fleet.loop.time() < done_at:
+            return None
+        del self._writing[directory]
+        return outcome
 
     async def load_checkpoint(self, directory: str) -> tuple[int, str]:
         raise NotImplementedError("the simulated trainer never reloads")

@@ -163,6 +163,12 @@ class TrainerClientImpl:
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
         return await self.handle.call("save_checkpoint", directory)
 
+    async def begin_checkpoint(self, directory: str) -> None:
+        await self.handle.call("begin_checkpoint", directory)
+
+    async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        return await self.handle.call("checkpoint_outcome", directory)
+
     async def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
         return tuple(await self.handle.call("load_checkpoint", directory, expected_sha256))  # type: ignore[return-value]
 

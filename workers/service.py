@@ -43,6 +43,7 @@ from workers.models.factory import build_model
 from workers.tasks import make_task, prompt_set
 from workers.tasks.config import TaskSection
 from workers.trainer import TorchTrainer
+from workers.trainer.async_checkpoint import AsyncCheckpointer
 from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
 from workers.trainer.config import BuiltModelFactory, TrainSection
 from workers.weight_sync import WeightsAck
@@ -96,6 +97,7 @@ class TrainerWorker(Fenced):
         self.trainer: Any = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
+        self._checkpointer = AsyncCheckpointer()
 
     def _build(self) -> Any:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
@@ -172,6 +174,17 @@ class TrainerWorker(Fenced):
 
     def save_checkpoint(self, directory: str) -> CheckpointOutcome:
         info = self.trainer.save_checkpoint(directory)
+        return CheckpointOutcome(trainer_version=info.trainer_version, uri=info.path, sha256=info.sha256)
+
+    def begin_checkpoint(self, directory: str) -> None:
+        """Snapshot the trainer and write it in the background (``async_checkpoint``)."""
+        self._checkpointer.begin(self.trainer, directory)
+
+    def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        """The begun checkpoint once it is durable; None while it is being written."""
+        info = self._checkpointer.outcome(directory)
+        if info is None:
+            return None
         return CheckpointOutcome(trainer_version=info.trainer_version, uri=info.path, sha256=info.sha256)
 
     def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:

@@ -19,6 +19,7 @@ With ``rollout.partial`` on, the worker drives groups through
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -147,6 +148,7 @@ class Generator:
                 self.on_step(step)
             step += 1
             self.weights.at_step_boundary()
+            self.simulated_decode(prompt, sampling)
 
         start = self.weights.begin_group()
         try:
@@ -164,6 +166,22 @@ class Generator:
         finally:
             self.weights.end_group()
         return self.store_group(group_id, attempt, prompt, prompt_ids, completions, start)
+
+    #: longest sleep of :meth:`simulated_decode` between two chances for a refit to land
+    DECODE_SLICE_S = 0.002
+
+    def simulated_decode(self, example: Example, sampling: SamplingConfig) -> None:
+        """A task that simulates a slower model (``step_latency_s``, benchmarks only) adds
+        that time after each token step, in slices between which a pending refit lands,
+        as it would between the tokens of a real model that slow."""
+        latency = getattr(self.task, "step_latency_s", None)
+        if latency is None:
+            return
+        left = float(latency(example, sampling.max_new_tokens))
+        while left > 0:
+            time.sleep(min(left, self.DECODE_SLICE_S))
+            left -= self.DECODE_SLICE_S
+            self.weights.at_step_boundary()
 
     @contextmanager
     def session(self) -> Iterator[None]:

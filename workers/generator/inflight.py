@@ -153,6 +153,7 @@ class InflightRunner:
                 if self.on_step is not None:
                     self.on_step(req.group_id)
                 weights.at_step_boundary()
+                self.gen.simulated_decode(held.example, sampling)
         finally:
             weights.end_group()
         self.held.pop(req.group_id).decoder.close()
