@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from events.codec import encode  # noqa: E402
 from events.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
-from events.redis_store.replication import StoreConfig  # noqa: E402
+from events.store_config import StoreConfig  # noqa: E402
 from events.schema import GroupCommitted  # noqa: E402
 from tests.sentinel_cluster import SentinelCluster  # noqa: E402
 

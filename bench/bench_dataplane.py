@@ -35,7 +35,8 @@ from tensordict import TensorDict
 
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import MemoryDataPlane
-from workers.dataplane.transferqueue import TransferQueueConfig, TransferQueueDataPlane
+from workers.dataplane.config import DataPlaneConfig
+from workers.dataplane.transferqueue import TransferQueueDataPlane
 
 
 def make_batch(groups: int, samples: int, prompt: int, max_tokens: int):
@@ -215,7 +216,7 @@ def time_storage_units(keys, rows, repeats: int, rounds: int) -> dict[int, float
     times: dict[int, list[float]] = {2: [], 1: []}
     for r in range(rounds):
         for units in (2, 1) if r % 2 == 0 else (1, 2):
-            plane = TransferQueueDataPlane(TransferQueueConfig(num_storage_units=units))
+            plane = TransferQueueDataPlane(DataPlaneConfig(num_storage_units=units))
             try:
                 times[units].append(time_plane(plane, keys, rows, repeats))
             finally:

@@ -26,7 +26,7 @@ below its estimate, ``--force`` to run anyway). The chain comparison is skipped.
 
 Then the hash chain's cost on the read path: the first ``--redis-events`` entries are
 written to a real redis-server twice, as a chained log (an ``h`` field per entry) and
-an unchained one, and ``replay.reader.fold_log`` (what replay and audit fold with)
+an unchained one, and ``controller.projector.Projector.get`` (what replay and audit fold with)
 reads and folds each, interleaved. Target: chained >= 0.9x unchained.
 The three are timed in turn within each repeat (not all (a) first), so a load change on
 a shared machine shows in all of them alike; the load average is printed too.
@@ -253,13 +253,13 @@ def _batched(chunks, size: int):
 
 
 def chain_cost(builder, entries, repeat: int) -> None:
-    """fold_log over a chained vs an unchained copy of ``entries`` in a real redis-server."""
+    """Projector.get over a chained vs an unchained copy of ``entries`` in a real redis-server."""
     import tempfile
 
     from events.chain import Chain
     from events.embedded import ensure_embedded_redis, stop_embedded_redis
     from events.redis_store import RedisEventStore, events_key, meta_key
-    from replay.reader import fold_log
+    from controller.projector import Projector
 
     types = [type(s.event).__name__ for s in builder.events[: len(entries)]]
     ids = [s.event.event_id for s in builder.events[: len(entries)]]
@@ -282,14 +282,14 @@ def chain_cost(builder, entries, repeat: int) -> None:
                         pipe.xadd(events_key(run_id), fields, id=f"0-{i + 1}")
                     pipe.execute()
             t_plain, t_chain = _best_interleaved(
-                [lambda: fold_log(store, "unchained"), lambda: fold_log(store, "chained")],
+                [lambda: Projector(store).get("unchained"), lambda: Projector(store).get("chained")],
                 repeat,
             )
         finally:
             store.close()
             stop_embedded_redis(Path(tmp))
     n = len(entries)
-    print(f"fold_log from redis, {n} events: unchained {n / t_plain:,.0f}/s, "
+    print(f"Projector.get from redis, {n} events: unchained {n / t_plain:,.0f}/s, "
           f"chained {n / t_chain:,.0f}/s")
     ratio = t_plain / t_chain
     verdict = "met" if ratio >= 0.9 else "MISSED"

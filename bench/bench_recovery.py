@@ -97,7 +97,7 @@ def bench_retrain(args: argparse.Namespace, tmp: Path) -> None:
     from controller.config import config_from_dict
     from controller.wiring import worker_spec
     from events.redis_store import RedisEventStore
-    from replay.reader import fold_log
+    from controller.projector import Projector
     from replay.retrain import run_retrain
     from tests.chaos.harness import TINY
     from workers.service import TrainerWorker
@@ -110,7 +110,7 @@ def bench_retrain(args: argparse.Namespace, tmp: Path) -> None:
         wall = time.perf_counter() - started
         assert rc == 0, rc
         store = RedisEventStore(server.url)
-        state = fold_log(store, "b").state
+        state = Projector(store).get("b").state
         store.close()
         ck = state.latest_checkpoint()
         worker = TrainerWorker(worker_spec(config_from_dict(state.config), "b", data / "runs" / "b"))

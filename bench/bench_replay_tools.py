@@ -6,7 +6,7 @@ releases), writes it into a fresh redis-server (temp dir, loopback) through
 ``RedisEventStore.append`` in batches, then times, side by side in one run (best of
 ``--repeat``), each exactly as the CLI runs it (store reads included):
 
-  (a) fold only         -- ``replay.reader.fold_log`` (read pages + decode + reducer)
+  (a) fold only         -- ``controller.projector.Projector.get`` (read pages + decode + reducer)
   (b) audit             -- (a) + the audit report (history, cross-check) + ``to_dict()``
   (c) staleness         -- (a) with the staleness trace + the analysis + ``to_dict()``
   (d) read only         -- the pages alone, for attribution
@@ -61,7 +61,7 @@ from events.redis_store import RedisEventStore  # noqa: E402
 from replay import staleness  # noqa: E402
 from replay.audit import build_report  # noqa: E402
 from replay.chain_audit import audit_chain, audit_log, start_audit_chain  # noqa: E402
-from replay.reader import fold_log, iter_pages  # noqa: E402
+from controller.projector import Projector, iter_pages  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.unit.log_builder import stream_random_run  # noqa: E402
 
@@ -162,10 +162,10 @@ def main() -> None:
                 pass
 
         def fold_only() -> None:
-            assert fold_log(store, run_id).problem is None
+            assert Projector(store).get(run_id).problem is None
 
         def audit() -> None:
-            report = build_report(fold_log(store, run_id))
+            report = build_report(Projector(store).get(run_id))
             assert report.ok, report.problem
             report.to_dict()
 
@@ -188,7 +188,7 @@ def main() -> None:
 
         def stale() -> None:
             trace = staleness.Trace()
-            result = fold_log(store, run_id, observers=trace.observers())
+            result = Projector(store).get(run_id, observers=[trace])
             staleness.analyze(result.state, trace).to_dict()
 
         measures = [

@@ -14,7 +14,7 @@ Printed per fleet size: the controller's real CPU per group (loop thread, simula
 workers' bookkeeping excluded), events appended per real second while busy and per
 virtual second (the load a cluster of that size puts on the log), redis-server CPU per
 group, trainer idle caused by the controller ((b)'s wall time - (a)'s, as a fraction of
-(b)'s: the trainer's busy time is the same in both, so the difference is idle time), the fold time of the resulting log (``replay.reader.fold_log``) and the
+(b)'s: the trainer's busy time is the same in both, so the difference is idle time), the fold time of the resulting log (``controller.projector.Projector.get``) and the
 recovery time of a restart at the end (``controller.startup.resume_run``).
 
 Targets: controller CPU per group <= 1 ms and trainer idle caused by the controller < 1%
@@ -52,9 +52,9 @@ from controller.config import Config, load_config  # noqa: E402
 from controller.startup import resume_run  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
-from replay.reader import fold_log  # noqa: E402
+from controller.projector import Projector  # noqa: E402
 from sim.harness import SimOutcome, SimSpec, simulate  # noqa: E402
-from sim.timeline import read_timeline  # noqa: E402
+from sim.timeline import timeline_of  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -107,18 +107,10 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _idle(store, run_id: str) -> tuple[float, float, int]:
-    tl, _ = read_timeline((s.position, s.event) for s in _read_all(store, run_id))
+    tl, _ = timeline_of(store, run_id)
     return tl.trainer_idle_s, tl.wall_s, tl.groups_consumed
 
 
-def _read_all(store, run_id: str, page: int = 50_000):
-    start = 1
-    while True:
-        got = store.read(run_id, start=start, count=page)
-        yield from got
-        if len(got) < page:
-            return
-        start = got[-1].position + 1
 
 
 def one_point(args: argparse.Namespace, server: RedisServer, generators: int, median_s: float,
@@ -138,7 +130,7 @@ def one_point(args: argparse.Namespace, server: RedisServer, generators: int, me
     redis_cpu = _proc_cpu_s(pid) - redis0
     idle, wall, groups = _idle(store, run_id)
     t0 = time.perf_counter()
-    folded = fold_log(store, run_id)
+    folded = Projector(store).get(run_id)
     fold_s = time.perf_counter() - t0
     assert folded.problem is None, folded.problem
     t0 = time.perf_counter()
@@ -186,7 +178,7 @@ def overlap_point(args: argparse.Namespace, generators: int, sigma: float) -> di
         timings = timings_for(cfg, args.median_s, sigma, 1.0)
         store = MemoryEventStore()
         simulate(store, SimSpec(config=cfg, timings=timings, run_id="overlap"))
-        tl, _ = read_timeline((e.position, e.event) for e in store.read("overlap"))
+        tl, _ = timeline_of(store, "overlap")
         walls[window] = tl.wall_s
         if window == 0:
             sync_tl = tl

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controller.config import load_config  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
-from sim.timeline import read_timeline  # noqa: E402
+from sim.timeline import timeline_of  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
 
 #: partial rollouts as verl runs them: an in-flight group resumes on the new weights at a
@@ -94,7 +94,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
         config=cfg, timings=timings, run_id="verl",
         capacity=int(round((1 + threshold) * GROUPS_PER_STEP)),
     ))
-    tl, _ = read_timeline((e.position, e.event) for e in store.read("verl"))
+    tl, _ = timeline_of(store, "verl")
     s = tl.summary()
     steps = max(1, tl.steps)
     return {

@@ -2,9 +2,10 @@
 
 Where the log is: ``--redis-sentinel`` + ``--redis-master`` (the primary the sentinels
 name, followed across a failover; passwords from ``RLC_REDIS_PASSWORD`` and
-``RLC_SENTINEL_PASSWORD``, an ACL user on the data nodes from ``RLC_REDIS_USERNAME``), else ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the
-embedded redis-server of ``--data-dir`` (default ``./rlc-data``), started if it is not
-running.
+``RLC_SENTINEL_PASSWORD``, an ACL user on the data nodes from ``RLC_REDIS_USERNAME``),
+else ``--redis-url`` or ``RLC_REDIS_URL``; otherwise the embedded redis-server of
+``--data-dir`` (default ``./rlc-data``), started if it is not running. The flags become
+a ``StoreAddress``; ``events.factory.open_store`` builds the store.
 Read-only commands never start a server for a directory that has none: they say so.
 """
 
@@ -18,10 +19,9 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 from events.errors import EventStoreError, RunNotFoundError
-from events.redis_store.replication import StoreConfig
-from events.store import EventStore
+from events.store import EventStore, ServerEventStore
+from events.store_config import DEFAULT_DATA_DIR, StoreAddress, StoreConfig
 
-DEFAULT_DATA_DIR = "./rlc-data"
 ENV_REDIS_URL = "RLC_REDIS_URL"
 ENV_SENTINEL = "RLC_REDIS_SENTINEL"
 ENV_MASTER = "RLC_REDIS_MASTER"
@@ -65,19 +65,18 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_redis_url(args: argparse.Namespace, *, start: bool) -> str:
-    """The Redis URL to use; starts the embedded server only when ``start``."""
-    if args.redis_url:
-        return args.redis_url
-    from events.embedded import ensure_embedded_redis
-
-    data_dir = Path(args.data_dir)
-    if not start and not (data_dir / "redis").exists():
-        raise CliError(
-            f"no runs in {str(data_dir)!r} (no embedded log there); pass --data-dir or "
-            f"--redis-url, or start one with 'rl-controller run'"
-        )
-    return ensure_embedded_redis(data_dir).url
+def store_address(args: argparse.Namespace, *, start: bool = False) -> StoreAddress:
+    """Where the command's log is, from its flags and the environment."""
+    sentinels = getattr(args, "redis_sentinel", "")
+    if sentinels and args.redis_url:
+        raise CliError("pass either --redis-url or --redis-sentinel, not both")
+    return StoreAddress(
+        url=args.redis_url, sentinels=sentinels, master=getattr(args, "redis_master", ""),
+        username=os.environ.get(ENV_USERNAME) or None,
+        password=os.environ.get(ENV_PASSWORD) or None,
+        sentinel_password=os.environ.get(ENV_SENTINEL_PASSWORD) or None,
+        data_dir=args.data_dir, start_embedded=start,
+    )
 
 
 def load_chain_key(path: str) -> bytes | None:
@@ -99,28 +98,22 @@ def open_store(
     start: bool = False,
     replication: StoreConfig | None = None,
     chain_key: bytes | None = None,
-) -> Iterator[EventStore]:
-    from events.redis_store import RedisEventStore
+) -> Iterator[ServerEventStore]:
+    """The store the command's flags name (``events.factory.open_store``), closed after.
+    ``start``: start the embedded server of ``--data-dir`` if it is not running."""
+    from events import factory
 
-    if getattr(args, "redis_sentinel", ""):
-        from events.redis_store.sentinel import open_sentinel_store
-
-        if args.redis_url:
-            raise CliError("pass either --redis-url or --redis-sentinel, not both")
-        try:
-            store = open_sentinel_store(
-                args.redis_sentinel, args.redis_master,
-                password=os.environ.get(ENV_PASSWORD) or None,
-                username=os.environ.get(ENV_USERNAME) or None,
-                sentinel_password=os.environ.get(ENV_SENTINEL_PASSWORD) or None,
-                replication=replication, chain_key=chain_key,
-            )
-        except ValueError as err:
-            raise CliError(str(err)) from None
-    else:
-        store = RedisEventStore(
-            resolve_redis_url(args, start=start), replication=replication, chain_key=chain_key
+    try:
+        store = factory.open_store(
+            store_address(args, start=start), replication, chain_key=chain_key
         )
+    except factory.NoEmbeddedStoreError as err:
+        raise CliError(
+            f"no runs in {str(Path(err.data_dir))!r} (no embedded log there); pass --data-dir or "
+            f"--redis-url, or start one with 'rl-controller run'"
+        ) from None
+    except ValueError as err:  # a malformed --redis-sentinel list
+        raise CliError(str(err)) from None
     try:
         yield store
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cli.common import CliError
 from controller.config import Config
-from events.store import check_run_id
+from events.store import ServerEventStore, check_run_id
 
 
 def check_new_run_id(run_id: str) -> None:
@@ -101,14 +101,12 @@ def _check_prompts(cfg: Config, task) -> None:
         raise CliError(f"config: task.dataset = {dataset!r} cannot be read: {err}") from None
 
 
-def check_durability(store, cfg: Config, url: str) -> None:
+def check_durability(store: ServerEventStore, cfg: Config, url: str) -> None:
     """Warn once (or refuse, with ``store.require_fsync_always``) when an external
     Redis would not keep every acknowledged event through a crash of the server."""
     from events.redis_store import redact_url
 
-    writable = getattr(store, "require_writable", None)
-    if writable is not None:  # a read-only user fails here, not after Ray has started
-        writable()
+    store.require_writable()  # a read-only user fails here, not after Ray has started
     got = store.durability()
     where = f"Redis at {redact_url(url)}"
     if got is None:

@@ -115,7 +115,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def replay_point(args: argparse.Namespace, store: Any) -> Any:
     """Fold to the point ``args`` names; raises CliError / the log's problem."""
-    from replay.reader import fold_log
+    from controller.projector import Projector
 
     require_run(store, args.run)
     at = args.at if args.at is not None else args.until
@@ -124,8 +124,9 @@ def replay_point(args: argparse.Namespace, store: Any) -> Any:
     end = store.last_position(args.run)
     if at is not None and at > end:
         raise CliError(f"--at {at} is past the end of run {args.run!r} (last position {end})")
-    result = fold_log(store, args.run, until=at, stop_step=args.step,
-                      use_snapshot=not args.no_snapshot, progress=render.progress("replay"))
+    result = Projector(store).get(args.run, until=at, stop_step=args.step,
+                                  snapshot=not args.no_snapshot,
+                                  progress=render.progress("replay"))
     if result.problem is not None:
         raise CliError(result.problem.describe(), 1)
     if args.step is not None and not result.reached:
@@ -214,25 +215,19 @@ def _register_staleness(subparsers: Any) -> None:
 
 
 def cmd_staleness(args: argparse.Namespace) -> int:
+    from controller.projector import Projector
     from replay import staleness, whatif
-    from replay.reader import fold_log, read_events
 
     with open_store(args) as store:
         require_run(store, args.run)
         trace = staleness.Trace()
-        result = fold_log(store, args.run, observers=trace.observers(),
-                          progress=render.progress("staleness"))
+        what_if = whatif.WhatIf(args.what_if) if args.what_if else None  # checks the keys
+        result = Projector(store).get(args.run, observers=[trace] + ([what_if] if what_if else []),
+                                      progress=render.progress("staleness"))
         if result.problem is not None:
             raise CliError(result.problem.describe(), 1)
         report = staleness.analyze(result.state, trace)
-        comparison = None
-        if args.what_if:
-            try:
-                settings = whatif.parse_what_if(args.what_if, whatif.recorded_settings(result.state))
-            except whatif.WhatIfError as err:
-                raise CliError(str(err)) from None
-            events = read_events(store, args.run, 1, result.state.position)
-            comparison = whatif.compare(result.state, whatif.simulate(events, settings))
+        comparison = None if what_if is None else whatif.compare(result.state, what_if.result())
     data = report.to_dict()
     if comparison is not None:
         data["what_if"] = comparison

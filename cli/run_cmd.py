@@ -30,10 +30,12 @@ from controller.config import Config, config_from_dict, config_to_dict, load_con
 from controller.loop import Controller, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import RecoveryError, reconcile_workers
-from controller.startup import RunExistsError, create_run, load_state, resume_run
+from controller.projector import Projector
+from controller.startup import RunExistsError, create_run, resume_run
 from events import schema as ev
 from events.chain import Chain
 from events.errors import FencedError
+from replay.settings import with_changes
 
 log = structlog.get_logger("rl_controller.run")
 
@@ -96,20 +98,7 @@ def _resume_config(logged: dict, args: argparse.Namespace) -> Config:
         extra.append(f"run.steps={args.steps}")
     if args.ray_address:
         extra.append(f'ray.address="{args.ray_address}"')
-    return load_config(None, _flatten(config_to_dict(cfg)) + extra) if extra else cfg
-
-
-def _flatten(d: dict, prefix: str = "") -> list[str]:
-    import json
-
-    out = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.extend(_flatten(v, key + "."))
-        else:
-            out.append(f"{key}={json.dumps(v)}")
-    return out
+    return with_changes(cfg, extra) if extra else cfg
 
 
 def checkpoint_dir(run_dir: Path) -> str:
@@ -186,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             # Read-only first: the recorded config is checked before a new epoch is
             # claimed, and a finished run answers without starting anything.
             require_run(store, run_id)
-            state = load_state(store, run_id)
+            state = Projector(store, fork_readers=False).get(run_id).require()
             cfg = _resume_config(state.config, args)
             preflight.check_config(cfg)
             if state.finished and state.trainer_version >= cfg.run.steps:
@@ -295,7 +284,7 @@ def _train(args, cfg: Config, writer, store) -> int:
                 restarter=workers,
             )
             reason = asyncio.run(controller.run())
-            writer.append(writer.make(ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}", reason=reason))
+            writer.append(writer.make(ev.RunFinished, event_id=ev.run_finished_id(writer.epoch, writer.position), reason=reason))
     except FencedError as err:
         raise CliError(f"stopped: {err}", 3) from None
     except (StallError, StepRetriesExhausted) as err:

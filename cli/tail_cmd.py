@@ -102,7 +102,7 @@ class _TailPrinter:
     def print_existing(self, store: Any, run_id: str, start: int) -> int:
         from events.codec import decode
         from events.errors import EventDecodeError
-        from replay.reader import iter_pages
+        from controller.projector import iter_pages
 
         last = start - 1
         for page in iter_pages(store, run_id, start):

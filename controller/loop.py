@@ -58,9 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable, Literal
-
-import msgspec
+from typing import TYPE_CHECKING, Callable
 
 from controller.admission import AdmissionSide
 from controller.journal import Journal, Timers
@@ -79,22 +77,7 @@ from workers.api import (
 if TYPE_CHECKING:
     from controller.config import Config
 
-__all__ = ["Controller", "ControllerSection", "StallError", "StepRetriesExhausted"]
-
-
-class ControllerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[controller]``: the loop's own limits."""
-
-    stall_timeout_s: float = 120.0
-    step_retries: int = 2
-    """Aborted-step retries in a row before the run stops."""
-    snapshot_every_events: int = 5000
-    publish: Literal["in_line", "behind"] = "in_line"
-    """When a finished version goes to the generators. ``in_line``: before the next step
-    begins. ``behind``: while the next step begins and trains its microbatches (its
-    finish waits for the publish), so a refit no longer idles the trainer -- at the price
-    of generators holding older weights for longer (more lag; with ``ready_first``,
-    more evictions). Checkpoint steps and the last step always publish in line."""
+__all__ = ["Controller", "StallError", "StepRetriesExhausted"]
 
 
 class Controller:

@@ -70,7 +70,7 @@ class PartialRecorder:
         self.deletes: set[asyncio.Task] = set()
         self._scratch: list[str] = []
 
-    def record(
+    async def record(
         self,
         reqs: list[GenerationRequest],
         outs: list[GenerationOutcome],
@@ -87,11 +87,8 @@ class PartialRecorder:
         for c in commits:
             crash_point("before_group_committed", c.group_id)
         scratch = segment_keys(state.inflight, [c.group_id for c in commits])
-        journal.append(*(segments_event(journal, req, out) for req, out in flushed), *commits)
-        for req, _ in flushed:
-            crash_point("after_segments_recorded", req.group_id)
-        for c in commits:
-            crash_point("after_group_committed", c.group_id)
+        # the writer fires after_segments_recorded / after_group_committed once acknowledged
+        await journal.append(*(segments_event(journal, req, out) for req, out in flushed), *commits)
         self.drop(scratch)
         return [
             msgspec.structs.replace(req, resume=[], flushes=attempt_flushes(state, req.group_id))

@@ -22,6 +22,11 @@ when it dies during a run (``WorkerLost``):
 3. Payloads a checkpoint now covers (and those of evicted or lost groups) are released
    (``PayloadsReleased``) -- a crash between the delete and the event is repaired here.
 4. Generators: the current weights are published (``WeightsPublished``).
+
+Every append goes through the ``Journal`` (which wakes the loop's pumps when recovery
+runs inside it); the events are the core's decisions (``controller.core.decisions``),
+the side effects shared with the loop are ``controller.effects``, exact re-training is
+``controller.retraining``.
 """
 
 from __future__ import annotations
@@ -30,94 +35,37 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from controller.core import policies
-
-from controller.crashpoints import crash_point
-from controller.log_writer import LogWriter
+from controller import effects
+from controller.core import decisions
 from controller.core.segments import segment_keys
-from controller.core.state import CheckpointRecord, GroupStatus, RunState, StepRecord
-from events import schema as ev
-from workers.api import (
-    MicrobatchRef,
-    PayloadStore,
-    TrainerClient,
-    WeightPublisher,
-    WorkerLostError,
+from controller.core.state import CheckpointRecord, RunState
+from controller.crashpoints import crash_point
+from controller.journal import Journal
+from controller.log_writer import LogWriter
+from controller.retraining import (
+    DigestMismatchError,
+    PayloadsLostError,
+    RecoveryError,
+    digest_mismatch,
+    expected_digest,
+    missing_payloads,
+    retrain_step,
 )
+from events import schema as ev
+from workers.api import PayloadStore, TrainerClient, WorkerLostError
 
 if TYPE_CHECKING:
-    from controller.step_close import CheckpointSection
+    from controller.settings import CheckpointSection
+
+__all__ = [
+    "DigestMismatchError", "PayloadsLostError", "RecoveryError", "bring_trainer_to_log",
+    "reconcile_workers",
+]
 
 log = structlog.get_logger("rl_controller.recovery")
 
-#: groups whose rows must stay in the data plane (a step may still train on them)
-_NEEDS_ROWS = (GroupStatus.COMMITTED, GroupStatus.CLAIMED, GroupStatus.CONSUMED)
-#: groups whose rows no step will ever need again
-_RELEASABLE = (GroupStatus.EVICTED, GroupStatus.LOST)
 
-
-class RecoveryError(RuntimeError):
-    """The workers cannot be brought to the state the log describes."""
-
-
-class DigestMismatchError(RecoveryError):
-    """Re-training a step did not reproduce the weights its StepFinished recorded."""
-
-
-class PayloadsLostError(RecoveryError):
-    """Payload rows that re-training needs are gone from the data plane and the spill."""
-
-
-# -- re-training -------------------------------------------------------------------------
-
-
-def expected_digest(state: RunState, version: int) -> str | None:
-    step = state.version_steps.get(version)
-    return None if step is None else state.steps[step].weights_digest
-
-
-def microbatch_ref(state: RunState, group_ids) -> MicrobatchRef:
-    """A recorded microbatch, rebuilt exactly as the loop built it."""
-    keys, advantages, _ = policies.microbatch_advantages(state, group_ids)
-    return MicrobatchRef(payload_keys=keys, advantages=advantages)
-
-
-async def retrain_step(trainer: TrainerClient, state: RunState, record: StepRecord) -> str:
-    """Re-run one finished step as the log recorded it; returns the resulting digest."""
-    await trainer.begin_train_step(record.step)
-    try:
-        for group_ids in record.microbatches:
-            await trainer.train_microbatch(microbatch_ref(state, group_ids))
-        outcome = await trainer.finish_train_step()
-    except BaseException:
-        await trainer.abort_train_step()
-        raise
-    return outcome.weights_digest
-
-
-def steps_after(state: RunState, version: int) -> list[StepRecord]:
-    """Finished, not-lost steps producing versions version+1 .. trainer_version, in order."""
-    return [
-        state.steps[state.version_steps[v]]
-        for v in range(version + 1, state.trainer_version + 1)
-    ]
-
-
-def digest_mismatch(record: StepRecord, got: str) -> DigestMismatchError:
-    return DigestMismatchError(
-        f"re-training step {record.step} gave weights {got[:12]}..., the log recorded "
-        f"{(record.weights_digest or '?')[:12]}... at trainer_version "
-        f"{record.trainer_version}; refusing to continue from weights the log does "
-        "not describe"
-    )
-
-
-def missing_payloads(state: RunState, records: list[StepRecord], present: set[str]) -> list[str]:
-    """Group ids of ``records`` with at least one payload row not in ``present``."""
-    return [
-        gid for r in records for gid in r.group_ids
-        if any(k not in present for k in state.groups[gid].payload_keys)
-    ]
+# -- the trainer -------------------------------------------------------------------------
 
 
 def usable_checkpoints(state: RunState, at_most: int) -> list[CheckpointRecord]:
@@ -128,7 +76,7 @@ def usable_checkpoints(state: RunState, at_most: int) -> list[CheckpointRecord]:
     ]
 
 
-async def load_checkpoint(writer: LogWriter, trainer: TrainerClient, ck: CheckpointRecord) -> bool:
+async def load_checkpoint(journal: Journal, trainer: TrainerClient, ck: CheckpointRecord) -> bool:
     """Load ``ck`` after checking it against the log; a bad one gets ``CheckpointRejected``."""
     try:
         version, _ = await trainer.load_checkpoint(ck.uri, ck.sha256)
@@ -139,12 +87,12 @@ async def load_checkpoint(writer: LogWriter, trainer: TrainerClient, ck: Checkpo
         raise
     except Exception as err:
         log.warning("checkpoint_rejected", uri=ck.uri, error=str(err))
-        writer.append(writer.make(
+        at = journal.stamp()
+        await journal.append(journal.make(
             ev.CheckpointRejected,
-            event_id=f"checkpoint:{ck.trainer_version}:rejected:e{writer.epoch}:p{writer.position}",
+            event_id=ev.checkpoint_rejected_id(ck.trainer_version, at.epoch, at.position),
             trainer_version=ck.trainer_version, uri=ck.uri, reason=str(err)[:500],
         ))
-        crash_point("after_checkpoint_rejected", ck.trainer_version)
         return False
 
 
@@ -156,7 +104,7 @@ async def _start_from_initial(trainer: TrainerClient, touched: bool) -> None:
 
 
 async def bring_trainer_to_log(
-    writer: LogWriter,
+    journal: Journal,
     trainer: TrainerClient,
     payloads: PayloadStore,
     *,
@@ -164,7 +112,7 @@ async def bring_trainer_to_log(
     checkpoint_dir: str | None = None,
 ) -> None:
     """Step 2 of the module docstring (with ``rewind``: go back instead of failing)."""
-    state = writer.state
+    state = journal.state
     target = state.trainer_version
     version, digest = await trainer.version_and_digest()
     if version == target and (target == 0 or digest == expected_digest(state, target)):
@@ -172,25 +120,25 @@ async def bring_trainer_to_log(
     present = set(await payloads.keys())
     touched = False
     for ck in usable_checkpoints(state, target):
-        lost = missing_payloads(state, steps_after(state, ck.trainer_version), present)
+        lost = missing_payloads(state, state.steps_after(ck.trainer_version), present)
         if lost:
             break  # an older checkpoint needs these rows too
         touched = True
-        if await load_checkpoint(writer, trainer, ck):
-            return await _retrain(writer, trainer, ck.trainer_version)
+        if await load_checkpoint(journal, trainer, ck):
+            return await _retrain(journal, trainer, ck.trainer_version)
     else:
-        lost = missing_payloads(state, steps_after(state, 0), present)
+        lost = missing_payloads(state, state.steps_after(0), present)
         if not lost:
             await _start_from_initial(trainer, touched)
-            return await _retrain(writer, trainer, 0)
+            return await _retrain(journal, trainer, 0)
     if not rewind:
         raise payloads_lost(state, lost)
-    await rewind_to_checkpoint(writer, trainer, lost, checkpoint_dir=checkpoint_dir)
+    await rewind_to_checkpoint(journal, trainer, lost, checkpoint_dir=checkpoint_dir)
 
 
-async def _retrain(writer: LogWriter, trainer: TrainerClient, base: int) -> None:
-    state = writer.state
-    for record in steps_after(state, base):
+async def _retrain(journal: Journal, trainer: TrainerClient, base: int) -> None:
+    state = journal.state
+    for record in state.steps_after(base):
         got = await retrain_step(trainer, state, record)
         if got != record.weights_digest:
             raise digest_mismatch(record, got)
@@ -216,47 +164,29 @@ def payloads_lost(state: RunState, lost_groups: list[str]) -> PayloadsLostError:
 
 
 async def rewind_to_checkpoint(
-    writer: LogWriter,
+    journal: Journal,
     trainer: TrainerClient,
     lost_groups: list[str],
     *,
     checkpoint_dir: str | None,
 ) -> None:
     """Go back to the newest loadable checkpoint; record what was discarded (RunRewound)."""
-    state = writer.state
+    state = journal.state
     to = None
     for ck in usable_checkpoints(state, state.trainer_version):
-        if await load_checkpoint(writer, trainer, ck):
+        if await load_checkpoint(journal, trainer, ck):
             to = ck.trainer_version
             break
-    if to is None:
-        to = await _checkpoint_initial(writer, trainer, checkpoint_dir)
-    lost_steps = [state.version_steps[v] for v in range(to + 1, state.trainer_version + 1)]
-    lost_ids = [g for s in lost_steps for g in state.steps[s].group_ids]
-    writer.append(writer.make(
-        ev.RunRewound,
-        event_id=f"run:rewound:e{writer.epoch}:p{writer.position}",
-        to_trainer_version=to,
-        lost_steps=lost_steps,
-        lost_group_ids=lost_ids,
-        reason=f"--rewind-to-checkpoint: payloads of {len(lost_groups)} consumed groups lost",
-    ))
-    log.warning("run_rewound", to_trainer_version=to, lost_steps=lost_steps)
-    crash_point("after_run_rewound", to)
-
-
-async def _checkpoint_initial(writer: LogWriter, trainer: TrainerClient, directory: str | None) -> int:
-    """No usable checkpoint: checkpoint the initial weights so RunRewound can name one."""
-    if directory is None:
-        raise RecoveryError("rewinding to the initial weights needs a checkpoint directory")
-    await trainer.reset()
-    ck = await trainer.save_checkpoint(f"{directory}/v000000-e{writer.epoch}")
-    writer.append(writer.make(
-        ev.CheckpointSaved,
-        event_id=f"checkpoint:0:saved:e{writer.epoch}",
-        trainer_version=ck.trainer_version, uri=ck.uri, sha256=ck.sha256,
-    ))
-    return 0
+    if to is None:  # no usable checkpoint: checkpoint the initial weights to name one
+        if checkpoint_dir is None:
+            raise RecoveryError("rewinding to the initial weights needs a checkpoint directory")
+        await trainer.reset()
+        await effects.save_checkpoint(journal, trainer, checkpoint_dir, 0)
+        to = 0
+    reason = f"--rewind-to-checkpoint: payloads of {len(lost_groups)} consumed groups lost"
+    rewound = decisions.run_rewound(state, to, reason, journal.stamp())
+    await journal.append(rewound)
+    log.warning("run_rewound", to_trainer_version=to, lost_steps=rewound.lost_steps)
 
 
 # -- data plane --------------------------------------------------------------------------
@@ -283,80 +213,21 @@ async def clean_data_plane(state: RunState, payloads: PayloadStore) -> int:
     return len(orphans)
 
 
-def evict_lost_payloads(writer: LogWriter, present: set[str]) -> list[str]:
+async def evict_lost_payloads(journal: Journal, present: set[str]) -> int:
     """Buffered groups whose rows are gone cannot be trained on: evict them, on the log."""
-    state = writer.state
-    gone = [
-        g.group_id for g in state.iter_buffer()
-        if any(k not in present for k in g.payload_keys)
-    ]
-    if gone:
-        writer.append(*(
-            writer.make(
-                ev.GroupEvicted,
-                event_id=ev.group_event_id(gid, "evicted"),
-                group_id=gid,
-                reason="payload lost (data plane and spill)",
-                lag=state.lag_of(state.groups[gid]) or 0,
-            )
-            for gid in gone
-        ))
-        crash_point("after_lost_payloads_evicted", writer.epoch)
-    return gone
-
-
-async def release_covered(writer: LogWriter, payloads: PayloadStore, version: int) -> None:
-    """Delete rows of consumed groups a checkpoint of ``version`` covers, then record it.
-
-    Evicted and lost groups' rows go too (no step needs them). Delete first, fact after:
-    a crash in between leaves rows already gone and no event -- the next start repeats
-    the (idempotent) delete and writes the event.
-    """
-    state = writer.state
-    groups = [
-        g for g in state.groups.values()
-        if not g.payload_released and g.payload_keys and (
-            g.status in _RELEASABLE
-            or (g.status is GroupStatus.CONSUMED
-                and state.steps[g.consumed_step].trainer_version <= version)
-        )
-    ]
-    if not groups:
-        return
-    await payloads.delete([k for g in groups for k in g.payload_keys])
-    crash_point("before_payloads_released", version)
-    writer.append(writer.make(
-        ev.PayloadsReleased,
-        event_id=f"payloads:released:v{version}:e{writer.epoch}:p{writer.position}",
-        group_ids=[g.group_id for g in groups],
-    ))
-    crash_point("after_payloads_released", version)
-
-
-# -- generators --------------------------------------------------------------------------
-
-
-async def publish_current(
-    writer: LogWriter, publisher: WeightPublisher, only: list[str] | None = None
-) -> None:
-    version = writer.state.trainer_version
-    crash_point("before_weights_published", version)
-    acked = await (publisher.publish(version) if only is None else publisher.publish(version, only))
-    writer.append(writer.make(
-        ev.WeightsPublished,
-        event_id=f"weights:{version}:published:e{writer.epoch}:p{writer.position}",
-        weight_version=version,
-        generators=acked,
-    ))
-    crash_point("after_weights_published", version)
-
-
-# -- the whole procedure -----------------------------------------------------------------
+    evicted = decisions.lost_payload_evictions(journal.state, present, journal.stamp())
+    if evicted:
+        await journal.append(*evicted, batch_point="after_lost_payloads_evicted")
+    return len(evicted)
 
 
 def reload_spill(dataplane: object, run_id: str) -> int:
-    reload = getattr(dataplane, "reload", None)
-    return 0 if reload is None else reload(run_id)
+    from workers.dataplane.api import DurableDataPlane  # torch: only once a run recovers
+
+    return dataplane.reload(run_id) if isinstance(dataplane, DurableDataPlane) else 0
+
+
+# -- the whole procedure -----------------------------------------------------------------
 
 
 async def reconcile_workers(
@@ -367,7 +238,8 @@ async def reconcile_workers(
     checkpoint_dir: str,
     rewind: bool = False,
 ) -> None:
-    """Steps 1-4 of the module docstring, in order."""
+    """Steps 1-4 of the module docstring, in order (at a start, before the loop)."""
+    journal = Journal(writer)
     token = getattr(workers, "token", None)
     if token is not None:  # from here on every worker call carries this epoch
         token.value = writer.epoch
@@ -376,14 +248,15 @@ async def reconcile_workers(
     removed = await clean_data_plane(writer.state, workers.payloads)
     crash_point("after_orphans_deleted", writer.epoch)
     present = set(await workers.payloads.keys())
-    evicted = evict_lost_payloads(writer, present)
+    evicted = await evict_lost_payloads(journal, present)
     log.info("data_plane_reconciled", reloaded=reloaded, orphans_deleted=removed,
-             evicted_lost=len(evicted))
+             evicted_lost=evicted)
     await bring_trainer_to_log(
-        writer, workers.trainer, workers.payloads,
+        journal, workers.trainer, workers.payloads,
         rewind=rewind, checkpoint_dir=checkpoint_dir,
     )
     if checkpoint.retain_payloads == "until_checkpoint":
-        await release_covered(writer, workers.payloads, writer.state.covered_trainer_version())
-    await publish_current(writer, workers.publisher)
-
+        await effects.release_covered(
+            journal, workers.payloads, writer.state.covered_trainer_version()
+        )
+    await effects.publish_current(journal, workers.publisher)

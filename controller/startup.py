@@ -1,7 +1,8 @@
 """Opening a run: create it, or take it over (new epoch) and make the log consistent.
 
 New run::   claim epoch 1 -> [RunStarted, ControllerStarted]
-Resume::    claim epoch e+1 (fences the previous controller) -> fold (snapshot + tail)
+Resume::    claim epoch e+1 (fences the previous controller) -> the projector's state
+            (newest snapshot + tail)
             -> ControllerStarted -> StepAborted(restart) for an open step
             -> GroupFailed(restart) for every admitted-but-uncommitted group
                (the loop re-admits them as the next attempt)
@@ -16,10 +17,10 @@ import os
 import socket
 from typing import Any
 
-from controller.crashpoints import crash_point
-from controller.core.fold import fold_raw, fold_raw_from_snapshot
+from controller.core import decisions
+from controller.core.state import initial_state
 from controller.log_writer import LogWriter
-from controller.core.state import RunState, initial_state
+from controller.projector import Projector
 from events import schema as ev
 from events.errors import RunNotFoundError
 from events.store import EventStore
@@ -27,29 +28,6 @@ from events.store import EventStore
 
 class RunExistsError(RuntimeError):
     """A new run was asked for with an id that already has a log."""
-
-
-def load_state(store: EventStore, run_id: str) -> RunState:
-    """Fold the run's log, starting from its newest snapshot when there is one."""
-    snap = store.load_snapshot(run_id)
-    start = 1 if snap is None else snap[0] + 1
-    tail = ((e.position, e.data) for e in _read_all_raw(store, run_id, start))
-    if snap is None:
-        return fold_raw(tail)
-    try:
-        return fold_raw_from_snapshot(snap[1], tail)
-    except Exception:
-        # A snapshot is only a cache: if it cannot be used, fold from the beginning.
-        return fold_raw((e.position, e.data) for e in _read_all_raw(store, run_id, 1))
-
-
-def _read_all_raw(store: EventStore, run_id: str, start: int, page: int = 20_000):
-    while True:
-        entries = store.read_raw(run_id, start=start, count=page)
-        yield from entries
-        if len(entries) < page:
-            return
-        start = entries[-1].position + 1
 
 
 def create_run(
@@ -86,7 +64,6 @@ def create_run(
         ),
         _controller_started(writer),
     )
-    crash_point("after_run_started", run_id)
     return writer
 
 
@@ -96,40 +73,19 @@ def resume_run(store: EventStore, run_id: str) -> LogWriter:
     # Claim first: from here on the previous controller's appends are refused, so the
     # state folded below cannot move under us.
     epoch = store.claim_epoch(run_id)
-    writer = LogWriter(store, run_id, epoch, load_state(store, run_id))
+    # No forked page readers: this process may already hold Ray's threads.
+    state = Projector(store, fork_readers=False).get(run_id).require()
+    writer = LogWriter(store, run_id, epoch, state)
     writer.append(_controller_started(writer))
-    crash_point("after_controller_started", epoch)
     repair_log(writer, reason="restart")
     return writer
 
 
 def repair_log(writer: LogWriter, *, reason: str) -> None:
     """Abort the open step and fail in-flight generations (both were in the old process)."""
-    state = writer.state
-    events: list[ev.Event] = []
-    if state.open_step is not None:
-        events.append(
-            writer.make(
-                ev.StepAborted,
-                event_id=ev.step_event_id(state.open_step.step, "aborted"),
-                step=state.open_step.step,
-                reason=reason,
-            )
-        )
-    for gid in list(state.admitted):
-        group = state.groups[gid]
-        events.append(
-            writer.make(
-                ev.GroupFailed,
-                event_id=ev.group_event_id(gid, "failed", group.attempt),
-                group_id=gid,
-                attempt=group.attempt,
-                reason=f"{reason}: generation was in flight",
-            )
-        )
+    events = decisions.log_repair(writer.state, reason, writer.stamp())
     if events:
-        writer.append(*events)
-        crash_point("after_log_repaired", writer.epoch)
+        writer.append(*events, batch_point="after_log_repaired")
 
 
 def _controller_started(writer: LogWriter) -> ev.ControllerStarted:

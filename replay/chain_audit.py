@@ -18,9 +18,10 @@ from typing import Any
 
 from events.chain import HMAC_SHA256, SHA256, Chain, verify
 from events.errors import ChainError
-from events.store import EventStore
-from replay import chain_pages, reader
-from replay.reader import FoldResult, fold_log, gc_paused
+from events.store import EventStore, ServerEventStore
+from controller import projector
+from controller.projector import Projection, Projector, gc_paused
+from replay import chain_pages
 
 #: entries per read while verifying
 PAGE = 20_000
@@ -82,8 +83,8 @@ def audit_chain(store: EventStore, run_id: str, key: bytes | None) -> ChainAudit
 
 
 def audit_log(
-    store: EventStore, run_id: str, key: bytes | None, progress: reader.Progress | None = None
-) -> tuple[FoldResult, ChainAudit]:
+    store: EventStore, run_id: str, key: bytes | None, progress: projector.Progress | None = None
+) -> tuple[Projection, ChainAudit]:
     """Fold the whole log and verify its chain, as ``rl-controller audit`` does.
 
     The common case reads the log once: the pages the fold reads check their own links
@@ -98,13 +99,13 @@ def audit_log(
         verdict = start_audit_chain(store, run_id, key)  # no head, or no key: the walk says
     else:
         chain = Chain(run_id, key)
-        fetch = chain_pages.checked_fetch(store, run_id, chain, reader.PAGE_ENTRIES)
+        fetch = chain_pages.checked_fetch(store, run_id, chain, projector.PAGE_ENTRIES)
         if fetch is None:
             verdict = start_audit_chain(store, run_id, key)  # on another core
-    result = fold_log(store, run_id, read=fetch, progress=progress)
+    result = Projector(store).get(run_id, snapshot=False, read=fetch, progress=progress)
     if verdict is not None:
         return result, verdict()
-    found = chain_pages.page_verdict(chain, result.extras["page_checks"], head, result.log_end)
+    found = chain_pages.page_verdict(chain, result.page_checks, head, result.log_end)
     if found is None or head is None:
         return result, audit_chain(store, run_id, key)
     status, last, position, reason = found
@@ -163,11 +164,11 @@ def _chain_child(send: Any, store: EventStore, run_id: str, key: bytes | None) -
 def _all(store: EventStore, run_id: str) -> Iterator[tuple[int, Any, Any, bytes, str]]:
     """(position, type, id, data, hash) of every entry, in order.
 
-    A store with ``read_chain_page(run_id, start, count)`` (chained entries picked out
-    without a per-entry Python object, or None for a page it cannot vouch for) is read
-    through it; any other page goes through ``read_raw``, which names a malformed entry.
+    A ``ServerEventStore`` is read through ``read_chain_page`` (chained entries picked
+    out without a per-entry Python object, or None for a page it cannot vouch for); any
+    other page goes through ``read_raw``, which names a malformed entry.
     """
-    fast = getattr(store, "read_chain_page", None)
+    fast = store.read_chain_page if isinstance(store, ServerEventStore) else None
     start = 1
     while True:
         page = None if fast is None else fast(run_id, start, PAGE)

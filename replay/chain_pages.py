@@ -3,7 +3,7 @@
 Auditing used to read the whole log twice: once to fold it, once (in another process)
 to walk the chain. Every XRANGE page already carries each entry's type, id and hash
 next to its data, so the page readers (forked children for a long log,
-``replay.page_reader``) now check the page's links while they are at it and hand the
+``controller.page_reader``) now check the page's links while they are at it and hand the
 fold the data with a :class:`~events.chain.LinkCheck`. A link is H(stored previous
 hash || entry) == stored hash, so a page is checked from the stored hash of the entry
 before it (read as one extra entry) and pages are checked apart, on as many cores as
@@ -23,20 +23,17 @@ from collections.abc import Callable, Sequence
 
 from events.chain import Chain, ChainHead, LinkCheck, check_links, mismatch_reason
 from events.errors import ChainError
-from events.store import EncodedPage, EventStore
-
-#: a store read of ``count`` chained entries from a position (None: not this way)
-ReadChainPage = Callable[[str, int, int], "list | None"]
+from events.store import EncodedPage, EventStore, ServerEventStore
 
 
 def checked_fetch(
     store: EventStore, run_id: str, chain: Chain, page_entries: int
 ) -> Callable[[int], EncodedPage] | None:
-    """A page fetch (``replay.reader``'s) whose pages carry their ``LinkCheck``; None
+    """A page fetch (the projector's) whose pages carry their ``LinkCheck``; None
     when the store has no chained page read (the caller then walks the chain apart)."""
-    read: ReadChainPage | None = getattr(store, "read_chain_page", None)
-    if read is None:
+    if not isinstance(store, ServerEventStore):
         return None
+    read = store.read_chain_page
 
     def fetch(position: int) -> EncodedPage:
         before = 1 if position > 1 else 0  # the entry before the page: its stored hash

@@ -1,6 +1,11 @@
-"""Staleness plots (matplotlib, Agg backend: no display needed).
+"""The read-only tools' plots (matplotlib, Agg backend: no display needed).
 
-Three panels, each meant to be read at a glance, for a 3-step run or a 3000-step one:
+:func:`write_plot` draws a staleness report, :func:`write_timing_plot` a timing what-if
+(``rl-controller simulate``: progress, lag per step and where the trainer's time went,
+recorded and per scenario).
+
+The staleness plot has three panels, each meant to be read at a glance, for a 3-step run
+or a 3000-step one:
 
 * lag per step: the window as a shaded band (the allowed region) under the lines, so
   a max lag sitting exactly on the window stays visible; max lag as a step line with
@@ -150,12 +155,26 @@ def _reward_panel(ax: Any, raw: dict[str, list[Any]], by_lag: dict[str, list[Any
     ax.legend(loc="lower left", fontsize=8)
 
 
-def write_plot(report: StalenessReport, path: str | Path) -> Path:
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    _pyplot().close(fig)
+    return out
+
+
+def write_plot(report: StalenessReport, path: str | Path) -> Path:
+    plt = _pyplot()
     data = plot_data(report)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.8))
     _lag_panel(ax1, data["lag_per_step"], report.window)
@@ -163,9 +182,34 @@ def write_plot(report: StalenessReport, path: str | Path) -> Path:
     _reward_panel(ax3, data["reward_vs_lag"], data["reward_by_lag"])
     fig.suptitle(f"staleness of run {report.run_id}: {len(report.steps)} steps, "
                  f"window {report.window}, capacity {report.capacity}")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
+
+
+def write_timing_plot(result: Any, path: str | Path) -> Path:
+    """A timing what-if (``sim.whatif.WhatIfResult``): the recorded run and each scenario."""
+    plt = _pyplot()
+    series = [("recorded", result.recorded)] + [(s.name, s.timeline) for s in result.scenarios]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, (name, tl) in enumerate(series):
+        style = dict(lw=2.0, alpha=0.5) if i == 0 else dict(lw=1.0)
+        ax1.plot([p[0] for p in tl.progress], [p[1] for p in tl.progress], label=name, **style)
+        steps = sorted(tl.step_lags)
+        ax2.plot(steps, [tl.step_lags[s][0] for s in steps], label=name, **style)
+    ax1.set(xlabel="seconds since the first admission", ylabel="trainer_version", title="progress")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax2.set(xlabel="step", ylabel="mean lag (versions)", title="lag per step")
+    names = [n for n, _ in series]
+    parts = [
+        ("busy", [tl.trainer_busy_s for _, tl in series]),
+        ("refit", [tl.refit_s for _, tl in series]),
+        ("checkpoint", [tl.checkpoint_s for _, tl in series]),
+        ("idle", [tl.trainer_idle_s for _, tl in series]),
+    ]
+    bottom = [0.0] * len(series)
+    for label, values in parts:
+        ax3.barh(names, values, left=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax3.set(xlabel="seconds", title="trainer time")
+    ax3.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"timing what-if of run {result.run_id} (virtual time)")
+    return _save(fig, path)

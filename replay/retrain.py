@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from controller.config import config_from_dict
-from controller.recovery import missing_payloads, retrain_step, steps_after
+from controller.retraining import missing_payloads, retrain_step
 from controller.core.state import CheckpointRecord, RunState
+from replay.settings import recorded_config
 
 
 class RetrainError(RuntimeError):
@@ -114,7 +114,7 @@ def build_trainer(state: RunState, run_dir: Path, plane):
     from workers.handles import LocalHandle, TrainerClientImpl
     from workers.service import TrainerWorker
 
-    cfg = config_from_dict(state.config)
+    cfg = recorded_config(state)
     spec = worker_spec(cfg, state.run_id, run_dir)
     return TrainerClientImpl(LocalHandle(TrainerWorker(spec, plane), name="replay-trainer", role="trainer"))
 
@@ -129,7 +129,7 @@ async def retrain(
     on_step: Callable[[StepCheck], None] | None = None,
 ) -> RetrainReport:
     base = 0 if from_checkpoint is None else from_checkpoint.trainer_version
-    records = steps_after(state, base)
+    records = state.steps_after(base)
     lost = missing_payloads(state, records, present)
     if lost:
         raise RetrainError(

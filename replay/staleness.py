@@ -19,12 +19,13 @@ live groups over time.
 
 Time the admission gate was closed -- method: after every event that changes the number
 of live groups (admitted, committed or claimed but not consumed) or the trainer/weight
-versions, the gate of ``controller.core.policies.admission`` is evaluated on those numbers
-(closed when live >= capacity, or when a group dispatched at the published weight
-version could be trained beyond the window: trainer_version + live // groups_per_step -
-weight_version > window); a closed gate counts until the next such event. Capacity is
-``staleness.buffer_groups`` from the run's config, else groups_per_step * (window + 1).
-The gate also waits for a free generator; that is not visible in the log and not counted.
+versions, the controller's own gate (``controller.core.policies.gate_open``) is evaluated
+on those numbers (closed when live >= capacity, or when a group dispatched at the
+published weight version could be trained beyond the window: trainer_version + live //
+groups_per_step - weight_version > window); a closed gate counts until the next such
+event. Capacity is the run's, from its recorded config read typed
+(``replay.settings.recorded_config``). The gate also waits for a free generator; that
+is not visible in the log and not counted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from typing import Any
 
 import msgspec
 
+from controller.core import policies
+from controller.core.fold import Callback
 from controller.core.state import RunState, StepStatus
 from events.schema import (
     GroupCommitted,
@@ -51,7 +54,8 @@ from events.schema import (
     StepFinished,
     WeightsPublished,
 )
-from replay.reader import gc_paused
+from controller.projector import gc_paused
+from replay.settings import recorded_config
 
 GATE_METHOD = (
     "gate closed while live groups >= capacity or trainer_version + live // groups_per_step "
@@ -61,14 +65,13 @@ GATE_METHOD = (
 
 
 def capacity_of(state: RunState) -> int:
-    """Buffer capacity of the run, from its RunStarted config (as the run resolved it)."""
-    staleness = state.config.get("staleness", {}) if isinstance(state.config, dict) else {}
-    explicit = staleness.get("buffer_groups", 0) if isinstance(staleness, dict) else 0
-    return int(explicit or state.groups_per_step * (state.window_versions + 1))
+    """Buffer capacity of the run, from its recorded config (as the run resolved it)."""
+    return recorded_config(state).buffer_capacity
 
 
 class Trace:
-    """Fold observer: what the state does not keep. Register with :meth:`observers`."""
+    """What the state does not keep, collected as an observer of the projector's fold
+    (``controller.core.fold.Observer``): ``Projector.get(run, observers=[trace])``."""
 
     def __init__(self) -> None:
         self.ts = array("d")
@@ -83,7 +86,7 @@ class Trace:
         self._capacity = 0
         self._per_step = 1
 
-    def observers(self) -> dict[type, Any]:
+    def watches(self) -> dict[type, Callback]:
         sample = self._sample
         return {
             RolloutAdmitted: sample,
@@ -105,10 +108,10 @@ class Trace:
             self._per_step = max(state.groups_per_step, 1)
         buffered = len(state.buffer)
         live = len(state.admitted) + buffered + self._claimed
-        closed = live >= self._capacity or (
-            state.window_basis != "newest_token"  # that window is not a dispatch bound
-            and state.trainer_version + live // self._per_step - state.weight_version
-            > state.window_versions
+        closed = not policies.gate_open(
+            live, state.trainer_version, dispatch_version=state.weight_version,
+            window=policies.dispatch_window(state, state.window_versions),
+            groups_per_step=self._per_step, capacity=self._capacity,
         )
         self.ts.append(event.ts)
         self.live.append(live)

@@ -44,17 +44,21 @@ exactly (the result's ``baseline_identical`` says so for a given log).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Any, get_args
+from dataclasses import asdict, dataclass
+from typing import Any
 
+from controller.config import Config
 from controller.core import policies
-from controller.core.segments import WINDOW_BASES
+from controller.core.fold import Callback
 from controller.core.state import GroupStatus, RunState, StepStatus
-from replay.whatif_sim import SimResult, SimStep, Simulation, simulate
+from events.schema import AnyEvent, RunStarted
+from replay.settings import WhatIfError, apply_changes, parse_changes, recorded_config
+from replay.whatif_sim import FED_EVENTS, SimResult, SimStep, Simulation, simulate
 
 __all__ = [
-    "ASSUMPTIONS", "SimResult", "SimStep", "Simulation", "WhatIfError", "WhatIfSettings",
-    "compare", "parse_what_if", "recorded_batches", "recorded_settings", "simulate",
+    "ASSUMPTIONS", "SimResult", "SimStep", "Simulation", "WhatIf", "WhatIfError",
+    "WhatIfSettings", "compare", "recorded_batches", "recorded_settings", "simulate",
+    "what_if_settings",
 ]
 
 ASSUMPTIONS = (
@@ -71,20 +75,11 @@ ASSUMPTIONS = (
     "the what-if stops at the first RunRewound",
 )
 
-_KEYS = {
-    "window": "window",
-    "window_versions": "window",
-    "policy": "policy",
-    "selection": "policy",
-    "microbatch": "groups_per_microbatch",
-    "groups_per_microbatch": "groups_per_microbatch",
-    "basis": "window_basis",
-    "window_basis": "window_basis",
-}
-
-
-class WhatIfError(ValueError):
-    """A bad ``--what-if key=value``; the message names the key."""
+#: the config keys this what-if varies (the policies'); timings are ``simulate``'s
+POLICY_KEYS = (
+    "staleness.window_versions", "staleness.selection", "train.groups_per_microbatch",
+    "staleness.window_basis",
+)
 
 
 @dataclass(frozen=True)
@@ -96,56 +91,54 @@ class WhatIfSettings:
     #: which token's version the window bounds (``staleness.window_basis``)
     window_basis: str = "oldest_token"
 
+    @classmethod
+    def of(cls, cfg: Config) -> WhatIfSettings:
+        return cls(
+            window=cfg.staleness.window_versions,
+            policy=cfg.staleness.selection,
+            groups_per_step=cfg.train.groups_per_step,
+            groups_per_microbatch=cfg.train.groups_per_microbatch,
+            window_basis=cfg.staleness.window_basis,
+        )
+
 
 def recorded_settings(state: RunState) -> WhatIfSettings:
-    """The settings the run recorded in RunStarted (microbatch size inferred if absent)."""
-    cfg = state.config if isinstance(state.config, dict) else {}
-    policy = (cfg.get("staleness") or {}).get("selection", "in_order")
-    per_mb = (cfg.get("train") or {}).get("groups_per_microbatch")
-    if not per_mb:
-        sizes = [len(mb) for s in state.steps.values() for mb in s.microbatches]
-        per_mb = max(sizes, default=state.groups_per_step)
-    return WhatIfSettings(
-        window=state.window_versions,
-        policy=policy if policy in policies.SELECTION_POLICIES else "in_order",
-        groups_per_step=max(state.groups_per_step, 1),
-        groups_per_microbatch=int(per_mb),
-        window_basis=state.window_basis,
-    )
+    """The policy settings the run recorded (its typed config, ``replay.settings``)."""
+    return WhatIfSettings.of(recorded_config(state))
 
 
-def parse_what_if(items: list[str], base: WhatIfSettings) -> WhatIfSettings:
-    """Apply ``key=value`` items (window, policy, microbatch) to ``base``."""
-    changes: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or key not in _KEYS:
-            raise WhatIfError(
-                f"--what-if {item!r}: expected key=value with key one of window, policy, "
-                "microbatch, basis"
-            )
-        name = _KEYS[key]
-        if name == "window_basis":
-            if value not in WINDOW_BASES:
-                raise WhatIfError(f"--what-if {key}={value!r}: choose one of {', '.join(WINDOW_BASES)}")
-            changes[name] = value
-            continue
-        if name == "policy":
-            if value not in get_args(policies.SelectionPolicy):
-                raise WhatIfError(
-                    f"--what-if {key}={value!r}: choose one of {', '.join(policies.SELECTION_POLICIES)}"
-                )
-            changes[name] = value
-            continue
-        try:
-            number = int(value)
-        except ValueError:
-            raise WhatIfError(f"--what-if {key}={value!r}: expected an integer") from None
-        if number < (0 if name == "window" else 1):
-            raise WhatIfError(f"--what-if {key}={number}: out of range")
-        changes[name] = number
-    return replace(base, **changes)
+def what_if_settings(state: RunState, items: list[str]) -> WhatIfSettings:
+    """The recorded settings with ``key=value`` items (window, policy, microbatch)."""
+    changes = parse_changes(items, allowed=POLICY_KEYS)
+    return WhatIfSettings.of(apply_changes(state, changes)) if changes else recorded_settings(state)
+
+
+class WhatIf:
+    """The what-if as an observer of the projector's fold (``controller.core.fold.Observer``):
+    the settings are read off the run's RunStarted, every later group and trainer event
+    feeds the :class:`Simulation`; :meth:`result` once the fold is done."""
+
+    def __init__(self, items: list[str]) -> None:
+        parse_changes(items, allowed=POLICY_KEYS)  # a bad key fails before the log is read
+        self.items = items
+        self.simulation: Simulation | None = None
+
+    def watches(self) -> dict[type, Callback]:
+        out: dict[type, Callback] = {RunStarted: self._started}
+        out.update(dict.fromkeys(FED_EVENTS, self._feed))
+        return out
+
+    def _started(self, event: AnyEvent, position: int, state: RunState) -> None:
+        self.simulation = Simulation(what_if_settings(state, self.items))
+
+    def _feed(self, event: AnyEvent, position: int, state: RunState) -> None:
+        if self.simulation is not None:
+            self.simulation.feed(position, event)
+
+    def result(self) -> SimResult:
+        if self.simulation is None:
+            raise WhatIfError("--what-if: the log has no RunStarted to take the settings from")
+        return self.simulation.finish()
 
 
 # -- comparison with the recorded run ---------------------------------------------------------

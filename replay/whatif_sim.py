@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from controller.core import policies
+from controller.core import decisions, policies
 from controller.core.reducer import apply_event
 from controller.core.state import GroupStatus, RunState, initial_state
 from events.schema import (
     AnyEvent,
     Event,
     GroupCommitted,
-    GroupEvicted,
     GroupFailed,
     MicrobatchTrained,
     RolloutAdmitted,
@@ -36,6 +35,9 @@ from events.schema import (
     StepAborted,
     StepBegun,
     StepFinished,
+    microbatch_event_id,
+    run_started_id,
+    step_event_id,
 )
 
 if TYPE_CHECKING:
@@ -75,6 +77,8 @@ class SimResult:
 
 _GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed, SegmentsRecorded)
 _TRAINER_EVENTS = (StepBegun, MicrobatchTrained, StepFinished, StepAborted)
+#: every event type :meth:`Simulation.feed` acts on
+FED_EVENTS = (*_GROUP_EVENTS, *_TRAINER_EVENTS, RunRewound)
 
 
 class Simulation:
@@ -84,7 +88,7 @@ class Simulation:
         self.s = settings
         self.state = initial_state()
         self._apply(RunStarted(
-            event_id="what-if:started", epoch=_EPOCH, ts=0.0, run_id="what-if",
+            event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if",
             config={"staleness": {"window_basis": settings.window_basis}},
             seed=0, code_version="what-if", window_versions=settings.window,
             groups_per_step=settings.groups_per_step, samples_per_group=1,
@@ -98,6 +102,7 @@ class Simulation:
         self.evicted: list[tuple[str, int]] = []
         self.lengths: dict[str, int] = {}
         self.stopped = "end of log"
+        self.rewound = False
         self.seen_steps = 0
         #: the recorded trainer_version as the stream goes, and each group's version
         #: deficit (recorded - what-if) at its admission
@@ -109,28 +114,33 @@ class Simulation:
 
     # -- the stream ----------------------------------------------------------------
 
-    def run(self, events: Iterable[tuple[int, AnyEvent]]) -> SimResult:
-        for position, event in events:
-            kind = type(event)
-            if kind in _GROUP_EVENTS:
-                self._drain(event.ts)
-                self._apply_group(event)
-                self._on_change(event.ts)
-            elif kind in _TRAINER_EVENTS:
-                self.seen_steps += kind is StepBegun
-                self.recorded_tv += kind is StepFinished
-                self.queue.append(event)
-                if (
-                    kind is StepAborted
-                    and self.blocked_due is not None
-                    and self.current is not None
-                    and self.current.step == event.step
-                ):
-                    self._abort_while_blocked()
-                self._drain(event.ts)
-            elif kind is RunRewound:
-                self.stopped = f"RunRewound at position {position}"
-                break
+    def feed(self, position: int, event: AnyEvent) -> None:
+        """The next recorded event, in log order (nothing after the first RunRewound)."""
+        if self.rewound:
+            return
+        kind = type(event)
+        if kind in _GROUP_EVENTS:
+            self._drain(event.ts)
+            self._apply_group(event)
+            self._on_change(event.ts)
+        elif kind in _TRAINER_EVENTS:
+            self.seen_steps += kind is StepBegun
+            self.recorded_tv += kind is StepFinished
+            self.queue.append(event)
+            if (
+                kind is StepAborted
+                and self.blocked_due is not None
+                and self.current is not None
+                and self.current.step == event.step
+            ):
+                self._abort_while_blocked()
+            self._drain(event.ts)
+        elif kind is RunRewound:
+            self.stopped = f"RunRewound at position {position}"
+            self.rewound = True
+
+    def finish(self) -> SimResult:
+        """The log ended: run what is left of the recorded schedule; the result."""
         self._drain(float("inf"))
         if self.queue:
             self.stopped = (
@@ -230,7 +240,7 @@ class Simulation:
         state = self.state
         ts = event.ts + self.lateness
         self._apply(StepBegun(
-            event_id=f"what-if:step:{state.next_step}", epoch=_EPOCH, ts=ts,
+            event_id=step_event_id(state.next_step, "begun"), epoch=_EPOCH, ts=ts,
             step=state.next_step, base_trainer_version=state.trainer_version,
         ))
         self.current = SimStep(
@@ -257,20 +267,18 @@ class Simulation:
         plan = policies.plan_microbatch(
             state, window=s.window, selection=s.policy, groups_per_step=s.groups_per_step,
             groups_per_microbatch=s.groups_per_microbatch,
+            at=decisions.Stamp(epoch=_EPOCH, ts=0.0, position=state.position),
         )
-        for gid, lag in plan.evict:
-            self._apply(GroupEvicted(
-                event_id=f"what-if:{gid}:evicted", epoch=_EPOCH, ts=0.0, group_id=gid,
-                reason=f"lag {lag} > window {s.window}", lag=lag,
-            ))
-            self.evicted.append((gid, lag))
+        for evicted in plan.evictions:
+            self._apply(evicted)
+            self.evicted.append((evicted.group_id, evicted.lag))
         if not plan.ready:
             return False
         step, open_step = self.current, state.open_step
         assert step is not None and open_step is not None
         ids = list(plan.group_ids)
         self._apply(MicrobatchTrained(
-            event_id=f"what-if:step:{open_step.step}:mb:{len(open_step.microbatches)}",
+            event_id=microbatch_event_id(open_step.step, len(open_step.microbatches)),
             epoch=_EPOCH, ts=0.0, step=open_step.step, index=len(open_step.microbatches),
             group_ids=ids, num_sequences=0, num_tokens=0,
         ))
@@ -287,22 +295,25 @@ class Simulation:
         step.status, step.ended_ts = status, ts
         if status == "finished":
             self._apply(StepFinished(
-                event_id=f"what-if:step:{open_step.step}:finished", epoch=_EPOCH, ts=ts,
+                event_id=step_event_id(open_step.step, "finished"), epoch=_EPOCH, ts=ts,
                 step=open_step.step, trainer_version=open_step.base_trainer_version + 1,
                 metrics={}, grad_norm=0.0, weights_digest="",
             ))
         else:
-            self._apply(StepAborted(
-                event_id=f"what-if:step:{open_step.step}:aborted", epoch=_EPOCH, ts=ts,
-                step=open_step.step, reason="recorded step aborted",
+            self._apply(decisions.step_aborted(
+                self.state, "recorded step aborted", decisions.Stamp(_EPOCH, ts, self.state.position)
             ))
         self.steps.append(step)
         self.current = None
 
 
 def simulate(events: Iterable[tuple[int, AnyEvent]], settings: "WhatIfSettings") -> SimResult:
-    """Re-run the policies with ``settings`` over recorded ``(position, event)`` pairs."""
-    return Simulation(settings).run(events)
+    """Re-run the policies with ``settings`` over recorded ``(position, event)`` pairs
+    (the CLI feeds the simulation from the projector's fold: ``replay.whatif.WhatIf``)."""
+    sim = Simulation(settings)
+    for position, event in events:
+        sim.feed(position, event)
+    return sim.finish()
 
 
-__all__ = ["RunState", "SimResult", "SimStep", "Simulation", "simulate"]
+__all__ = ["FED_EVENTS", "RunState", "SimResult", "SimStep", "Simulation", "simulate"]

@@ -21,7 +21,7 @@ import msgspec
 from controller.config import Config, config_to_dict
 from controller.log_writer import LogWriter
 from controller.loop import Controller
-from controller.recovery import publish_current
+from controller.effects import publish_current
 from controller.startup import create_run
 from events import schema as ev
 from events.store import EventStore
@@ -46,7 +46,7 @@ class SimSpec:
     stall_timeout_s: float = 86_400.0
     #: live-group capacity of the admission gate instead of the config's (a what-if of a
     #: buffer the config validation would refuse: between groups_per_step and
-    #: groups_per_step * (window + 1))
+    #: policies.full_capacity)
     capacity: int | None = None
 
 
@@ -112,10 +112,11 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     )
 
     async def main() -> None:
-        await publish_current(writer, publisher)  # as reconcile_workers ends
+        journal = controller.journal
+        await publish_current(journal, publisher)  # as reconcile_workers ends
         await controller.run()
-        writer.append(writer.make(
-            ev.RunFinished, event_id=f"run:finished:e{writer.epoch}:p{writer.position}",
+        await journal.append(journal.make(
+            ev.RunFinished, event_id=ev.run_finished_id(writer.epoch, writer.position),
             reason="completed",
         ))
 

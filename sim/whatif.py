@@ -12,6 +12,9 @@ the recorded order of commits and the recorded batches exactly, and the recorded
 time within :data:`WALL_TOLERANCE` -- the residue is the part of the recorded
 controller's latency the log does not show.
 
+The changes are spelled as for the staleness what-if (``replay.settings``: one key
+table, the recorded config read typed); the plot is ``replay.plots.write_timing_plot``.
+
 Assumptions: :data:`ASSUMPTIONS` (printed with every result; see docs/scale.md).
 """
 
@@ -20,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from controller.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
-from controller.core.state import RunState
-from events.schema import AnyEvent
+from controller.config import Config
+from controller.projector import Projector
 from events.memory_store import MemoryEventStore
+from events.store import EventStore
+from replay.settings import parse_changes, recorded_config, with_changes
 from sim.harness import SimOutcome, SimSpec, simulate
-from sim.timeline import Timeline, read_timeline
+from sim.timeline import Timeline, TimelineObserver, timeline_of
 
 ASSUMPTIONS = (
     "a group takes its recorded generation time (commit ts - admission ts, plus the "
@@ -46,55 +50,18 @@ ASSUMPTIONS = (
 #: the baseline's wall time must be within this fraction of the recorded one
 WALL_TOLERANCE = 0.05
 
-#: short names accepted by --what-if, and the config key each sets
-ALIASES = {
-    "window": "staleness.window_versions",
-    "window_versions": "staleness.window_versions",
-    "policy": "staleness.selection",
-    "selection": "staleness.selection",
-    "generators": "rollout.num_generators",
-    "groups_per_call": "rollout.groups_per_call",
-    "buffer": "staleness.buffer_groups",
-    "async_checkpoint": "checkpoint.async_save",
-}
-
 
 class SimulateError(ValueError):
-    """A bad scenario or a log that cannot be simulated; the message says which."""
+    """A log that cannot be simulated; the message says why."""
 
 
 def parse_scenario(text: str) -> dict[str, str]:
-    """``"window=2,generators=16"`` -> {config key: value}."""
-    out: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SimulateError(f"--what-if {text!r}: expected key=value[,key=value...]")
-        key = key.strip()
-        out[ALIASES.get(key, key)] = value.strip()
-    return out
+    """``"window=2,generators=16"`` -> {config key: value} (``replay.settings`` keys)."""
+    return parse_changes([text])
 
 
 def scenario_config(recorded: Config, changes: dict[str, str], steps: int) -> Config:
-    base = _flatten(config_to_dict(recorded))
-    overrides = [f"{k}={v}" for k, v in base.items()]
-    overrides += [f"{k}={v}" for k, v in changes.items()] + [f"run.steps={steps}"]
-    try:
-        return load_config(None, overrides)
-    except ConfigError as err:
-        raise SimulateError(str(err)) from None
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    import json
-
-    out: dict[str, str] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = json.dumps(value)
-    return out
+    return with_changes(recorded, {**changes, "run.steps": str(steps)})
 
 
 @dataclass
@@ -145,33 +112,23 @@ class WhatIfResult:
         }
 
 
-def run_whatif(
-    run_id: str,
-    state: RunState,
-    events: list[tuple[int, AnyEvent]],
-    scenarios: list[dict[str, str]],
-) -> WhatIfResult:
-    """Simulate the recorded settings, then each scenario, from one recorded log."""
-    try:
-        recorded = dict(state.config)
-        ck = recorded.get("checkpoint")
-        if isinstance(ck, dict) and "async_save" not in ck:
-            # a run recorded before async saves checkpointed in line: reproduce that
-            recorded["checkpoint"] = {**ck, "async_save": False}
-        recorded_cfg = config_from_dict(recorded)
-    except ConfigError as err:
-        raise SimulateError(f"run {run_id}: its recorded config does not load: {err}") from None
-    recorded, timings = read_timeline(events, seed=state.seed)
+def run_whatif(store: EventStore, run_id: str, scenarios: list[dict[str, str]]) -> WhatIfResult:
+    """Simulate the recorded settings, then each scenario, from one recorded log (read
+    by one fold of the projector, the timeline an observer of it)."""
+    recording = TimelineObserver()
+    state = Projector(store).get(run_id, observers=[recording]).require()
+    recorded, timings = recording.result()
     if recorded.steps == 0:
         raise SimulateError(f"run {run_id} has no finished step to simulate")
-    start = next((e.ts for _, e in events if type(e).__name__ == "RolloutAdmitted"), 0.0)
+    recorded_cfg = recorded_config(state)
+    start = recorded.first_admission_ts or 0.0
     out = []
     for i, changes in enumerate([{}, *scenarios]):
         cfg = scenario_config(recorded_cfg, changes, recorded.steps)
-        store = MemoryEventStore()
+        sim_store = MemoryEventStore()
         sim_id = f"{run_id}-sim{i}"
-        outcome = simulate(store, SimSpec(config=cfg, timings=timings, run_id=sim_id, start_s=start))
-        timeline, _ = read_timeline((s.position, s.event) for s in store.read(sim_id))
+        outcome = simulate(sim_store, SimSpec(config=cfg, timings=timings, run_id=sim_id, start_s=start))
+        timeline, _ = timeline_of(sim_store, sim_id)
         name = "recorded settings" if not changes else ", ".join(f"{k}={v}" for k, v in changes.items())
         out.append(Scenario(name, changes, cfg, timeline, outcome))
     return WhatIfResult(run_id, recorded, out)

@@ -43,12 +43,12 @@ def check_megatron(*, installed: bool, cuda: bool, require_gpu: bool = False) ->
     """Raise if the megatron trainer cannot run (it runs on CPU unless ``require_gpu``)."""
     if not installed:
         raise BackendUnavailableError(
-            "trainer.backend = 'megatron' needs megatron-core, which is not installed; "
+            "train.backend = 'megatron' needs megatron-core, which is not installed; "
             + MEGATRON_INSTALL_HINT
         )
     if require_gpu and not cuda:
         raise BackendUnavailableError(
-            "trainer.backend = 'megatron' with the distributed optimizer needs a CUDA GPU, "
+            "train.backend = 'megatron' with the distributed optimizer needs a CUDA GPU, "
             "and none is visible; use megatron.use_distributed_optimizer = false on CPU"
         )
 

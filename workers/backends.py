@@ -3,9 +3,9 @@
 ==================  =======================  =========================================
 config key          value                    built by
 ==================  =======================  =========================================
-trainer.backend     ``"torch"`` (default)    ``workers.trainer.torch_backend.TorchTrainer``
-trainer.backend     ``"megatron"``           ``workers.trainer.megatron_backend.MegatronTrainer``
-trainer.backend     ``"fsdp2"``              ``workers.trainer.fsdp2_backend.Fsdp2Trainer``
+train.backend       ``"torch"`` (default)    ``workers.trainer.torch_backend.TorchTrainer``
+train.backend       ``"megatron"``           ``workers.trainer.megatron_backend.MegatronTrainer``
+train.backend       ``"fsdp2"``              ``workers.trainer.fsdp2_backend.Fsdp2Trainer``
 rollout.backend     ``"torch"`` (default)    ``workers.generator.generator.Generator``
 rollout.backend     ``"vllm"``               ``workers.generator.vllm_backend.VllmGenerator``
 ==================  =======================  =========================================
@@ -54,10 +54,10 @@ def make_trainer(
     backend: TrainerBackend, model_factory: Any, config: Any = None, **options: Any
 ) -> "Trainer":
     """One trainer rank of the selected backend (call inside the rank's process)."""
-    _check_choice("trainer.backend", backend, get_args(TrainerBackend))
+    _check_choice("train.backend", backend, get_args(TrainerBackend))
     if backend == "torch":
         if options:
-            raise TypeError(f"trainer.backend = 'torch' takes no options, got {sorted(options)}")
+            raise TypeError(f"train.backend = 'torch' takes no options, got {sorted(options)}")
         from workers.trainer.torch_backend import TorchTrainer
 
         return TorchTrainer(model_factory, config)

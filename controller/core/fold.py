@@ -1,9 +1,20 @@
-"""Folding a log into a ``RunState``: from the start, from a snapshot, or from raw entries.
+"""Folding a log into a ``RunState``: the pure half of the projector.
 
-``fold`` advances the state it is given **in place** (see ``controller.core.reducer``); pass
-``state.copy()`` to keep the original. The raw-entry helpers are the hot path of
-recovery and replay over 1M-event logs: they decode with the event codec and call the
-reducer directly, without building a ``StoredEvent`` per entry.
+``controller.projector.Projector.get`` is how every reader gets a run's state (the
+controller at start, replay, staleness, audit, the simulator); it reads pages from the
+store and folds them here. Two entry points, by what the caller holds:
+
+* :func:`fold` -- decoded ``StoredEvent`` values (tests, hand-built logs);
+* :func:`apply_raw` -- raw ``(position, bytes)`` entries as a store returns them, decoded
+  with the event codec (:func:`fold_raw` is the same, returning the state).
+
+Both apply each event with ``reducer.apply_event`` -- the one dispatch from an event to
+its handler -- and advance the state they are given **in place** (pass
+``state.copy()`` to keep the original).
+
+Observers watch a fold without being part of it (:class:`Observer`): each names the event
+types it wants and gets a callback right after each of them is applied. Staleness
+traces, the simulator's timeline and the what-if are observers of the one fold.
 
 Pure: no I/O, no clock, no randomness.
 """
@@ -11,12 +22,13 @@ Pure: no I/O, no clock, no randomness.
 from __future__ import annotations
 
 import gc
-from typing import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from controller.core.reducer import HANDLERS, apply_event, check_preamble, handler_for
-from controller.core.state import RunState, decode_state, initial_state
+from controller.core.reducer import apply_event
+from controller.core.state import RunState, initial_state
 from events.codec import decode
 from events.schema import CURRENT_SCHEMA_VERSION, AnyEvent, StoredEvent
 
@@ -29,8 +41,40 @@ _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 #: One log entry as a store returns it: (position, encoded event bytes).
 RawEntry = tuple[int, bytes]
 
-#: Called with (event, its position, the state right after it) by ``apply_raw``.
-Observer = Callable[[AnyEvent, int, RunState], None]
+#: Called with (event, its position, the state right after it -- the event included).
+Callback = Callable[[AnyEvent, int, RunState], None]
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """Something that watches a fold (``Projector.get(..., observers=[...])``).
+
+    ``watches()`` maps each event type the observer wants to the callback to run right
+    after each event of that type is applied: ``callback(event, position, state)``, with
+    ``state`` the fold's own accumulator (read it, never change it; copy what must
+    outlive the callback). Types it does not name cost the fold nothing. An exception a
+    callback raises stops the fold there and reaches the caller. An observer sees every
+    event from the start of the log: the projector never starts it from a snapshot.
+    """
+
+    def watches(self) -> Mapping[type, Callback]: ...
+
+
+def watching(observers: Iterable[Observer]) -> dict[type, Callback]:
+    """One callback per event type for several observers (each called in turn)."""
+    merged: dict[type, list[Callback]] = {}
+    for observer in observers:
+        for cls, callback in observer.watches().items():
+            merged.setdefault(cls, []).append(callback)
+    return {cls: cbs[0] if len(cbs) == 1 else _chain(cbs) for cls, cbs in merged.items()}
+
+
+def _chain(callbacks: list[Callback]) -> Callback:
+    def each(event: AnyEvent, position: int, state: RunState) -> None:
+        for callback in callbacks:
+            callback(event, position, state)
+
+    return each
 
 
 def fold(events: Iterable[StoredEvent], state: RunState | None = None) -> RunState:
@@ -41,16 +85,8 @@ def fold(events: Iterable[StoredEvent], state: RunState | None = None) -> RunSta
     return state
 
 
-def fold_from_snapshot(snapshot: bytes, tail: Iterable[StoredEvent]) -> RunState:
-    """Decode a snapshot (``encode_state`` bytes) and fold the events after it."""
-    return fold(tail, decode_state(snapshot))
-
-
 def fold_raw(entries: Iterable[RawEntry], state: RunState | None = None) -> RunState:
-    """Decode and apply raw ``(position, bytes)`` entries (the fast path).
-
-    Raises ``EventDecodeError`` or ``InvariantViolation`` naming the entry's position.
-    """
+    """:func:`apply_raw` from ``state`` (a fresh initial state if None); returns it."""
     state = initial_state() if state is None else state
     apply_raw(state, entries)
     return state
@@ -59,103 +95,41 @@ def fold_raw(entries: Iterable[RawEntry], state: RunState | None = None) -> RunS
 def apply_raw(
     state: RunState,
     entries: Iterable[RawEntry],
-    observers: Mapping[type, Observer] | None = None,
+    watches: Mapping[type, Callback] | None = None,
 ) -> AnyEvent | None:
     """Decode and apply raw entries to ``state`` in place; the last event applied (None
-    when there was none).
+    when there was none). ``watches``: the observers' callbacks (:func:`watching`).
 
-    ``observers`` maps an event type to a callback run right after each event of that
-    type is applied (replay's traces); an exception it raises stops the fold there.
-    Raises like ``fold_raw``; ``state`` then stands at the entry before the bad one. The
-    collector is off meanwhile: the fold makes no reference cycles, and with 10^5 live
-    records each full pass (triggered by the decoded events' allocations) would walk them.
+    Raises ``EventDecodeError`` or ``InvariantViolation`` naming the entry's position;
+    ``state`` then stands at the entry before the bad one. The collector is off
+    meanwhile: the fold makes no reference cycles, and with 10^5 live records each full
+    pass (triggered by the decoded events' allocations) would walk them.
     """
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        if observers:
-            return _apply_raw_observed(state, entries, observers)
-        return _apply_raw(state, entries)
+        return _apply_raw(state, entries, watches.get if watches else None)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _apply_raw(state: RunState, entries: Iterable[RawEntry]) -> AnyEvent | None:
-    # ``reducer.apply_event`` inlined (one call less per entry; see ``reducer.HANDLERS``),
-    # with the position, epoch and started flag the preamble test reads kept in locals:
-    # only RunStarted and ControllerStarted change the latter two, and both take the
-    # slow branch (the first event; a new epoch), which reloads them. ``state.position``
-    # is written once at the end (or at the first error), as no handler reads it.
-    handlers, fast_decode = HANDLERS, _fast_decode
-    event = None
-    last, epoch, started = state.position, state.epoch, state.started
-    try:
-        for position, data in entries:
-            try:
-                event = fast_decode(data)
-            except _DECODE_ERRORS:
-                event = decode(data, position)  # raises EventDecodeError, or upcasts
-            if event.schema_version != CURRENT_SCHEMA_VERSION:
-                event = decode(data, position)
-            if position == last + 1 and event.epoch == epoch and started:
-                (handlers.get(type(event)) or handler_for(event))(state, event, position)
-            else:
-                state.position = last
-                check_preamble(state, event, position)
-                (handlers.get(type(event)) or handler_for(event))(state, event, position)
-                epoch, started = state.epoch, state.started
-            last = position
-    finally:
-        state.position = last
-    return event
-
-
-def _apply_raw_observed(
-    state: RunState, entries: Iterable[RawEntry], observers: Mapping[type, Observer]
+def _apply_raw(
+    state: RunState, entries: Iterable[RawEntry],
+    watch: Callable[[type], Callback | None] | None,
 ) -> AnyEvent | None:
-    # _apply_raw plus the observer lookup; kept apart so plain folds do not pay for it.
-    # Observers see the state right after their event, ``state.position`` included.
-    handlers, fast_decode = HANDLERS, _fast_decode
+    fast_decode, apply = _fast_decode, apply_event
     event = None
-    epoch, started = state.epoch, state.started
     for position, data in entries:
         try:
             event = fast_decode(data)
         except _DECODE_ERRORS:
-            event = decode(data, position)
+            event = decode(data, position)  # raises EventDecodeError, or upcasts
         if event.schema_version != CURRENT_SCHEMA_VERSION:
             event = decode(data, position)
-        if position == state.position + 1 and event.epoch == epoch and started:
-            (handlers.get(type(event)) or handler_for(event))(state, event, position)
-        else:
-            check_preamble(state, event, position)
-            (handlers.get(type(event)) or handler_for(event))(state, event, position)
-            epoch, started = state.epoch, state.started
-        state.position = position
-        observe = observers.get(type(event))
-        if observe is not None:
-            observe(event, position, state)
+        apply(state, event, position)
+        if watch is not None:
+            observe = watch(type(event))
+            if observe is not None:
+                observe(event, position, state)
     return event
-
-
-def fold_raw_from_snapshot(snapshot: bytes, tail: Iterable[RawEntry]) -> RunState:
-    return fold_raw(tail, decode_state(snapshot))
-
-
-def decode_entries(entries: Iterable[RawEntry]) -> Iterator[StoredEvent]:
-    """Raw entries as ``StoredEvent`` values (for callers that keep the events)."""
-    for position, data in entries:
-        yield StoredEvent(position=position, event=decode(data, position))
-
-
-def fold_until(
-    events: Iterable[StoredEvent], position: int, state: RunState | None = None
-) -> RunState:
-    """The state right after the event at ``position`` (replay's "state at any event")."""
-    state = initial_state() if state is None else state
-    for stored in events:
-        if stored.position > position:
-            break
-        apply_event(state, stored.event, stored.position)
-    return state

@@ -29,10 +29,24 @@ from typing import Literal
 import msgspec
 
 from controller.core.segments import WindowBasis
+from controller.core.decisions import Stamp, window_evictions
 from controller.core.state import GroupRecord, GroupStatus, RunState
+from events.schema import GroupEvicted
+from events.config_checks import non_negative
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
 SELECTION_POLICIES: tuple[SelectionPolicy, ...] = ("in_order", "oldest_first", "ready_first")
+
+
+def full_capacity(groups_per_step: int, window: int) -> int:
+    """Live groups that hold every step the window allows: the gate's default capacity
+    and the smallest that cannot deadlock (a step must fill while ``window`` lead)."""
+    return groups_per_step * (window + 1)
+
+
+def buffer_capacity(buffer_groups: int, groups_per_step: int, window: int) -> int:
+    """The capacity the admission gate enforces: ``buffer_groups``, 0 = the full one."""
+    return buffer_groups or full_capacity(groups_per_step, window)
 
 
 class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,9 +62,12 @@ class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     buffer_groups: int = 0
     """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
 
+    def __post_init__(self) -> None:
+        non_negative("staleness", self, "window_versions", "buffer_groups")
+
     def capacity(self, groups_per_step: int) -> int:
         """The buffer capacity the admission gate enforces."""
-        return self.buffer_groups or groups_per_step * (self.window_versions + 1)
+        return buffer_capacity(self.buffer_groups, groups_per_step, self.window_versions)
 
 
 @dataclass(frozen=True)
@@ -82,11 +99,11 @@ def admission(
 ) -> Admission:
     return _gate(
         live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
-        window=_dispatch_window(state, window), groups_per_step=groups_per_step, capacity=capacity,
+        window=dispatch_window(state, window), groups_per_step=groups_per_step, capacity=capacity,
     )
 
 
-def _dispatch_window(state: RunState, window: int) -> int | None:
+def dispatch_window(state: RunState, window: int) -> int | None:
     """The window the dispatch-lag clause enforces; None when the window bounds each
     group's newest token instead: a group generated across refits keeps its tail fresh
     whenever it was dispatched, so only the capacity and the eviction at training
@@ -106,7 +123,7 @@ def admission_room(
     """
     live = live_groups(state)
     room = 0
-    lag_window = _dispatch_window(state, window)
+    lag_window = dispatch_window(state, window)
     while room < limit and _gate(
         live + room, state.trainer_version, dispatch_version=dispatch_version, window=lag_window,
         groups_per_step=groups_per_step, capacity=capacity,
@@ -115,50 +132,53 @@ def admission_room(
     return room
 
 
+def gate_open(
+    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
+    groups_per_step: int, capacity: int,
+) -> bool:
+    """The admission gate on bare numbers: room in the buffer, and a group dispatched at
+    ``dispatch_version`` now would be trained within the window (module docstring;
+    ``window`` None: capacity only, see :func:`dispatch_window`)."""
+    return live < capacity and (
+        window is None or trainer_version + live // groups_per_step - dispatch_version <= window
+    )
+
+
 def _gate(
     live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
     groups_per_step: int, capacity: int,
 ) -> Admission:
+    if gate_open(live, trainer_version, dispatch_version=dispatch_version, window=window,
+                 groups_per_step=groups_per_step, capacity=capacity):
+        return Admission(True)
     if live >= capacity:
         return Admission(False, f"buffer full ({live}/{capacity} live groups)")
-    if window is None:
-        return Admission(True)
     steps_ahead = live // groups_per_step
     lag_bound = trainer_version + steps_ahead - dispatch_version
-    if lag_bound > window:
-        return Admission(
-            False,
-            f"window closed (a group dispatched at v{dispatch_version} could be trained "
-            f"at v{trainer_version + steps_ahead}, lag {lag_bound} > {window})",
-        )
-    return Admission(True)
+    return Admission(
+        False,
+        f"window closed (a group dispatched at v{dispatch_version} could be trained "
+        f"at v{trainer_version + steps_ahead}, lag {lag_bound} > {window})",
+    )
 
 
 def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
     """Raise if the buffer can never hold a full step (the run would deadlock)."""
-    need = groups_per_step * (window + 1)
+    need = full_capacity(groups_per_step, window)
     if capacity < need:
         raise ValueError(
             f"buffer capacity {capacity} < groups_per_step * (window + 1) = {need}"
         )
 
 
-def lag_of(group: GroupRecord, trainer_version: int, basis: str = "oldest_token") -> int:
-    """The lag the window bounds: of the group's oldest token, or of its newest one
-    (``staleness.window_basis``; they differ for a group generated across refits)."""
-    version = group.weight_version_end if basis == "newest_token" else group.weight_version_start
-    assert version is not None, "lag of an uncommitted group"
-    return trainer_version - version
-
-
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:
     """(group_id, lag) of buffered groups too stale to train at ``trainer_version``."""
     out = []
-    basis = state.window_basis
-    for gid in state.buffer:
-        lag = lag_of(state.groups[gid], trainer_version, basis)
+    newest = state.window_basis == "newest_token"  # the lag the window bounds
+    for group in state.iter_buffer():  # buffered groups are committed: lag is an int
+        lag: int = state.lag_of(group, trainer_version, newest=newest)  # type: ignore[assignment]
         if lag > window:
-            out.append((gid, lag))
+            out.append((group.group_id, lag))
     return out
 
 
@@ -220,8 +240,9 @@ class MicrobatchPlan:
 
     #: groups the microbatch needs (0: the step is full)
     want: int
-    #: (group_id, lag) of buffered groups to evict first, in buffer order
-    evict: tuple[tuple[str, int], ...]
+    #: buffered groups too stale to train, to evict first (in buffer order), as the
+    #: events that record it
+    evictions: tuple[GroupEvicted, ...]
     #: the microbatch to claim, once it is full; fewer than ``want``: wait for commits
     group_ids: tuple[str, ...]
 
@@ -237,16 +258,20 @@ def plan_microbatch(
     selection: SelectionPolicy,
     groups_per_step: int,
     groups_per_microbatch: int,
+    at: Stamp,
 ) -> MicrobatchPlan:
     """Evict what is too stale at the current trainer_version, then select the next
     microbatch from what is left. The one decision both the controller loop and the
-    replay what-if make; the caller turns it into events (GroupEvicted, then
-    MicrobatchTrained after the trainer ran it)."""
+    replay what-if make: they append (or apply) ``evictions`` as they are, and record
+    the claim as MicrobatchTrained once the trainer ran it."""
     want = min(groups_per_microbatch, groups_per_step - claimed_count(state))
-    evict = tuple(to_evict(state, trainer_version=state.trainer_version, window=window))
-    gone = {gid for gid, _ in evict}
-    ids = select(state, selection, want, exclude=gone)
-    return MicrobatchPlan(want=max(want, 0), evict=evict, group_ids=tuple(ids))
+    stale = to_evict(state, trainer_version=state.trainer_version, window=window)
+    ids = select(state, selection, want, exclude={gid for gid, _ in stale})
+    return MicrobatchPlan(
+        want=max(want, 0),
+        evictions=window_evictions(stale, window=window, at=at),
+        group_ids=tuple(ids),
+    )
 
 
 def microbatch_advantages(

@@ -259,7 +259,7 @@ def _on_run_rewound(state: RunState, ev: RunRewound, pos: int) -> None:
         c.trainer_version == to and not c.rejected and not c.lost for c in state.checkpoints
     ):
         _violation(pos, ev, f"rewind to trainer_version {to}: no usable checkpoint of it")
-    lost_steps = [state.version_steps[v] for v in range(to + 1, state.trainer_version + 1)]
+    lost_steps = [s.step for s in state.steps_after(to)]
     if sorted(ev.lost_steps) != lost_steps:
         _violation(
             pos, ev, f"lost_steps {sorted(ev.lost_steps)} must be exactly the steps after it: {lost_steps}"

@@ -346,11 +346,24 @@ class RunState(msgspec.Struct, kw_only=True):
         step = self.version_steps.get(trainer_version)
         return None if step is None else self.steps[step]
 
-    def lag_of(self, group: GroupRecord) -> int | None:
-        """Lag the group would have if trained now (trainer_version - start version)."""
-        if group.weight_version_start is None:
+    def steps_after(self, version: int) -> list[StepRecord]:
+        """The finished, not lost steps that produced versions version+1 .. trainer_version,
+        in order: what re-training from a checkpoint of ``version`` runs again, and what a
+        rewind to it discards."""
+        steps, by_version = self.steps, self.version_steps
+        return [steps[by_version[v]] for v in range(version + 1, self.trainer_version + 1)]
+
+    def lag_of(
+        self, group: GroupRecord, at_version: int | None = None, *, newest: bool = False
+    ) -> int | None:
+        """Lag the group would have if trained at ``at_version`` (default: now), i.e. that
+        version - its start version (its oldest token's; with ``newest``, its newest
+        token's: ``staleness.window_basis``); None for a group not committed yet."""
+        start = group.weight_version_end if newest else group.weight_version_start
+        if start is None:
             return None
-        return self.trainer_version - group.weight_version_start
+        version = self.trainer_version if at_version is None else at_version
+        return version - start
 
     def copy(self) -> RunState:
         """A deep copy (the reducer updates states in place)."""

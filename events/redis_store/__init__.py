@@ -1,11 +1,11 @@
 """The Redis implementation of the EventStore: the only code that speaks the Redis
 protocol (a test checks that nothing outside this package imports ``redis``).
 
-    store.py        RedisEventStore: appends, reads, snapshots, runs
+    store.py        RedisEventStore (a ServerEventStore): appends, reads, snapshots, runs
     layout.py       the keys and the server-side Lua scripts
     replies.py      parsing stream replies (the fast paths of the bulk reads)
     connection.py   the pinned hot-path connection, error translation, PING
-    replication.py  ``[store]``: appends that WAIT for replicas
+    replication.py  appends that WAIT for replicas (``store.replicas``)
     sentinel.py     opening the store through Redis Sentinel
     acl.py          least-privilege ACL roles (docs/security.md)
 """

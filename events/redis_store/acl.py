@@ -7,7 +7,7 @@ Two roles, both limited to the ``rlc:*`` keys and no pub/sub channels:
 * ``reader`` -- read commands only (``+@read``): ``runs``, ``tail --follow``, ``replay``,
   ``staleness`` and ``audit`` work; ``run`` fails at its first write, before any write.
 
-The reader gets no scripting: the scripted page read of ``replay.reader`` falls back
+The reader gets no scripting: the scripted page read of ``controller.projector`` falls back
 to plain XRANGE when EVAL is refused.
 
     ACL SETUSER rlc-controller on >secret <rules of acl_rules("controller")>

@@ -13,7 +13,8 @@ already in the log writes nothing, so a ``WAIT`` after it would confirm nothing 
 that batch; :func:`confirm` then writes a tiny barrier key first, whose offset lies
 after the batch, and waits for that.
 
-Only ``events.redis_store`` calls this module.
+Only ``events.redis_store`` calls this module; its setting, ``StoreConfig`` (the
+``[store]`` table), lives in ``events.store_config``, which imports no redis.
 """
 
 from __future__ import annotations
@@ -21,34 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import msgspec
 from redis import exceptions as rex
 
 from events.errors import ReplicationTimeoutError
-
-
-class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How durable an append must be before the store acknowledges it."""
-
-    replicas: int = 0
-    """Replicas that must confirm each append (``WAIT N``). 0: the primary's own AOF only."""
-    wait_timeout_s: float = 5.0
-    """How long an append waits for its replicas; past it the append fails as in doubt."""
-    require_fsync_always: bool = False
-    """Refuse an external Redis whose AOF is off or whose appendfsync is not "always"
-    (by default such a server is used with a warning saying what a crash can lose)."""
-    chain_key_file: str = ""
-    """File with the HMAC key of the log's hash chain (>= 16 bytes; never sent to Redis).
-    Empty = plain SHA-256 chain (``events.chain``)."""
-
-    def check(self) -> StoreConfig:
-        if self.replicas < 0:
-            raise ValueError(f"config: store.replicas must be >= 0 (got {self.replicas})")
-        if self.wait_timeout_s <= 0:
-            raise ValueError(
-                f"config: store.wait_timeout_s must be > 0 (got {self.wait_timeout_s})"
-            )
-        return self
+from events.store_config import StoreConfig
 
 
 class Pipelined(Protocol):

@@ -16,7 +16,7 @@ import msgspec
 
 from events.chain import HASH_FIELD
 from events.errors import EventDecodeError
-from events.store import EncodedPage, RawEntry
+from events.store import ChainEntry, EncodedPage, RawEntry
 
 _entry_fields = itemgetter(1)
 _field_4 = itemgetter(4)
@@ -85,8 +85,6 @@ def xrange_page(batch: Sequence[Any] | None) -> PageReply:
     return batch[0][0], batch[-1][0], data
 
 
-#: (position, type, id, data, chain hash) of one entry, as ``events.chain.verify`` takes it
-ChainEntry = tuple[int, bytes, bytes, bytes, str]
 _f0, _f1, _f2, _f3, _f6, _f7 = (itemgetter(i) for i in (0, 1, 2, 3, 6, 7))
 _isascii = bytes.isascii
 

@@ -23,7 +23,7 @@ from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from events.redis_store.store import RedisEventStore
-from events.redis_store.replication import StoreConfig
+from events.store_config import StoreConfig
 
 DEFAULT_PORT = 26379
 

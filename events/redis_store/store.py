@@ -34,13 +34,14 @@ from events.redis_store.layout import (
     snapshot_key,
 )
 from events.redis_store.replies import (
-    ChainEntry, as_text, raw_entry, scripted_page, trusted_page, xrange_chain_page,
+    as_text, raw_entry, scripted_page, trusted_page, xrange_chain_page,
     xrange_page,
 )
-from events.redis_store.replication import StoreConfig, check_confirmed, replicated_append, wait_command
+from events.redis_store.replication import check_confirmed, replicated_append, wait_command
 from events.schema import Event, StoredEvent
+from events.store_config import StoreConfig
 from events.store import (
-    BULK_PAGE_SIZE, READ_PAGE_SIZE, EncodedPage, RawEntry, RunInfo, check_append_args,
+    BULK_PAGE_SIZE, READ_PAGE_SIZE, ChainEntry, EncodedPage, RawEntry, RunInfo, check_append_args,
     check_range, check_run_id, check_snapshot_position, decode_entries, page_of,
 )
 
@@ -51,7 +52,7 @@ PageReads = Literal["auto", "xrange", "script", "raw"]
 
 
 class RedisEventStore:
-    """EventStore over Redis Streams. See the module docstring for keys and the script.
+    """ServerEventStore over Redis Streams (build it with ``events.factory.open_store``). See the module docstring for keys and the script.
 
     ``url`` is ``redis://[:password@]host:port[/db]`` or ``rediss://`` for TLS. Tests
     may pass a ready ``client`` (fakeredis) plus an ``async_client_factory`` for
@@ -77,7 +78,7 @@ class RedisEventStore:
     ) -> None:
         self.url = url
         #: appends wait for this many replicas (``events.redis_store.replication``)
-        self.replication = (replication or StoreConfig()).check()
+        self.replication = replication or StoreConfig()
         self._chain = ChainWriter(chain_key)
         self._safe_url = redact_url(url)
         self._connect_timeout_s = connect_timeout_s

@@ -30,7 +30,7 @@ def _preload() -> None:
     import controller.wiring  # noqa: F401  (torch, the workers)
     import replay.audit  # noqa: F401
     import cli.replay_cmd  # noqa: F401
-    import replay.reader  # noqa: F401
+    import controller.projector  # noqa: F401
     import replay.retrain  # noqa: F401
     import workers.service  # noqa: F401
     import events.redis_store  # noqa: F401  (redis: ~2 s)

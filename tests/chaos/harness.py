@@ -160,11 +160,11 @@ class Chaos:
 
     def fold(self, run_id: str):
         from events.redis_store import RedisEventStore
-        from replay.reader import fold_log
+        from controller.projector import Projector
 
         store = RedisEventStore(self.redis_url)
         try:
-            return fold_log(store, run_id)
+            return Projector(store).get(run_id)
         finally:
             store.close()
 

@@ -153,11 +153,11 @@ def test_generator_node_lost_mid_run(cluster: RayCluster, redis_server: RedisSer
 
 def _fold(url: str, run_id: str):
     from events.redis_store import RedisEventStore
-    from replay.reader import fold_log
+    from controller.projector import Projector
 
     store = RedisEventStore(url)
     try:
-        result = fold_log(store, run_id)
+        result = Projector(store).get(run_id)
     finally:
         store.close()
     assert result.problem is None, result.problem

@@ -37,7 +37,7 @@ from events.errors import FencedError, StoreUnavailableError
 from events.redis_store import RedisEventStore, events_key
 from events.schema import GroupFailed, step_event_id
 from events.redis_store.sentinel import open_sentinel_store
-from replay.reader import fold_log
+from controller.projector import Projector
 from tests.chaos.harness import TINY
 from tests.redis_server import RedisServer
 from tests.sentinel_cluster import MASTER, SentinelCluster, find_redis_sentinel
@@ -184,7 +184,7 @@ def test_primary_killed_mid_run(cluster: SentinelCluster, tmp_path: Path, replic
     assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
     store = open_sentinel_store(cluster.sentinel_spec, MASTER, password=cluster.password,
                                 sentinel_password=cluster.sentinel_password)
-    result = fold_log(store, RUN)
+    result = Projector(store).get(RUN)
     assert result.problem is None, result.problem
     assert result.state.trainer_version == STEPS
     assert all(step_event_id(s, "finished") in final for s in _reported_steps(data_dir))

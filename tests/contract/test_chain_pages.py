@@ -124,21 +124,21 @@ def test_audit_in_one_read_gives_the_walks_verdict_and_the_plain_fold(
     """``audit_log`` (pages that check their own links) against the separate walk and a
     plain fold, with 7-entry pages so edits land on page boundaries."""
     from controller.core.state import encode_state
-    from replay import page_reader, reader
+    from controller import page_reader, projector
     from replay.chain_audit import audit_log
     from replay.chain_pages import page_verdict
     from events.chain import Chain
 
-    monkeypatch.setattr(reader, "PAGE_ENTRIES", 7)
+    monkeypatch.setattr(projector, "PAGE_ENTRIES", 7)
     monkeypatch.setattr(page_reader, "FORK_ABOVE_ENTRIES", 0 if forked else 10**9)
     monkeypatch.setattr(page_reader, "reader_count", lambda: 2)
     EDITS[edit](store)
     result, verdict = audit_log(store, RUN, None)
     assert verdict == audit_chain(store, RUN, None)
-    plain = reader.fold_log(store, RUN)
+    plain = projector.Projector(store).get(RUN)
     assert encode_state(result.state) == encode_state(plain.state)
     assert result.problem == plain.problem
-    found = page_verdict(Chain(RUN), result.extras["page_checks"], store.chain_head(RUN),
+    found = page_verdict(Chain(RUN), result.page_checks, store.chain_head(RUN),
                          result.log_end)
     if edit in ("none", "data at a page's first entry", "hash of a page's last entry",
                 "hash not hex", "head in meta", "tail truncated"):

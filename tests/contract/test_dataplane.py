@@ -11,6 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 from tests.dataplane_fixtures import grpo_rows, partition, plane, tq_plane  # noqa: F401
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import (
+    DataPlane,
     DataPlaneConfig,
     DataPlaneError,
     MemoryDataPlane,
@@ -300,3 +301,13 @@ def test_factory_builds_memory_and_spill(tmp_path):
 def test_factory_rejects_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
         DataPlaneConfig(kind="redis")  # type: ignore[arg-type]
+
+
+def test_only_a_plane_that_keeps_rows_declares_reload(plane):
+    """Recovery reloads kept rows only through the ``DurableDataPlane`` tier: a plane
+    is one exactly when it can reload (never probed for with getattr)."""
+    from workers.dataplane import DurableDataPlane
+
+    assert isinstance(plane, DataPlane)
+    assert isinstance(plane, DurableDataPlane) == isinstance(plane, SpillDataPlane)
+    assert hasattr(type(plane), "reload") == isinstance(plane, DurableDataPlane)

@@ -28,7 +28,7 @@ from events.errors import (
 from events.redis_store import RedisEventStore
 from events.schema import GroupFailed, RunStarted, StepBegun, StoredEvent
 from events.memory_store import MemoryEventStore
-from events.store import EventStore, RawEntry, RunInfo
+from events.store import EventStore, RawEntry, RunInfo, ServerEventStore
 
 RUN = "run-a"
 
@@ -68,18 +68,43 @@ def event_ids(stored: list[StoredEvent]) -> list[str]:
     return [s.event.event_id for s in stored]
 
 
+def _declared(protocol: type) -> dict[str, object]:
+    """The public methods a protocol declares, its base tiers' included."""
+    return {
+        n: v for tier in reversed(protocol.__mro__) if tier is not object
+        for n, v in vars(tier).items() if callable(v) and not n.startswith("_")
+    }
+
+
 def test_implements_the_protocol_with_its_signatures(store: EventStore) -> None:
     # isinstance() on a runtime Protocol only checks that the names exist; the
     # parameters (names, kinds, defaults, annotations) must match the protocol's too.
     assert isinstance(store, EventStore)
-    methods = [n for n, v in vars(EventStore).items() if callable(v) and not n.startswith("_")]
-    assert {"read_page", "chain_head"} <= set(methods) and len(methods) == 14
+    methods = list(_declared(EventStore))
+    assert {"read_page", "chain_head", "append_raw"} <= set(methods) and len(methods) == 15
     for name in methods:
         want = inspect.signature(getattr(EventStore, name))
         got = inspect.signature(getattr(type(store), name))
         assert list(got.parameters.values()) == list(want.parameters.values()), name
         assert got.return_annotation == want.return_annotation, name
     assert inspect.isasyncgenfunction(type(store).follow)
+
+
+def test_every_capability_of_a_store_is_declared_by_its_tier(store: EventStore) -> None:
+    """A store's public methods are exactly those of the tier it implements, so a
+    caller never has to probe for one with getattr: the in-memory twin is an
+    ``EventStore``, a Redis store a ``ServerEventStore`` (which adds what a shared
+    server can do)."""
+    tier = ServerEventStore if isinstance(store, RedisEventStore) else EventStore
+    assert isinstance(store, ServerEventStore) == (tier is ServerEventStore)
+    declared = _declared(tier)
+    public = {
+        n for n, v in vars(type(store)).items() if callable(v) and not n.startswith("_")
+    }
+    assert public == set(declared), f"{type(store).__name__} vs {tier.__name__}"
+    for name, member in declared.items():
+        got = inspect.signature(getattr(type(store), name))
+        assert list(got.parameters) == list(inspect.signature(member).parameters), name
 
 
 def test_a_store_missing_a_method_is_not_an_event_store() -> None:
@@ -236,19 +261,22 @@ async def test_follow_yields_existing_then_new_events(store: EventStore) -> None
     epoch = store.claim_epoch(RUN)
     store.append(RUN, batch(1, 3), expected_position=0, epoch=epoch)
     seen: list[int] = []
+    caught_up = asyncio.Event()
 
     async def consume() -> None:
         async with contextlib.aclosing(store.follow(RUN, 1, block_ms=50)) as stream:
             async for stored in stream:
                 seen.append(stored.position)
+                if stored.position == 3:
+                    caught_up.set()
                 if stored.position == 5:
                     return
 
     task = asyncio.create_task(consume())
-    while len(seen) < 2:  # the existing events 2 and 3 arrive without waiting
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(caught_up.wait(), timeout=5)  # the existing events 2 and 3
     assert seen == [2, 3]
-    await asyncio.sleep(0.1)  # the follower is now blocked waiting for news
+    # Appended after the follower caught up: whether it is blocked in its read by now or
+    # between two reads, the contract is that these arrive, in order, exactly once.
     store.append(RUN, batch(4, 2), expected_position=3, epoch=epoch)
     await asyncio.wait_for(task, timeout=5)
     assert seen == [2, 3, 4, 5]

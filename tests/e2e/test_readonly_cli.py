@@ -255,10 +255,10 @@ def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
 def test_long_folds_report_progress_on_stderr_only(capsys, redis_url, run, monkeypatch, command):
     """Progress lines (here every 100 events, on 50-entry pages) go to stderr, one per
     multiple passed, and leave stdout's JSON whole."""
-    from replay import reader
+    from controller import projector
 
-    monkeypatch.setattr(reader, "PROGRESS_EVERY", 100)
-    monkeypatch.setattr(reader, "PAGE_ENTRIES", 50)
+    monkeypatch.setattr(projector, "PROGRESS_EVERY", 100)
+    monkeypatch.setattr(projector, "PAGE_ENTRIES", 50)
     code, out, err = cli(capsys, redis_url, command[0], "--run", run.run_id, *command[1:],
                          *(["--no-snapshot"] if command[0] == "replay" else []))
     assert code == 0, err

@@ -18,7 +18,7 @@ from controller.config import config_to_dict
 from controller.startup import create_run, resume_run
 from events.errors import FencedError
 from events.redis_store import RedisEventStore
-from replay.reader import fold_log
+from controller.projector import Projector
 from tests.integration.recovery_helpers import controller_for, reconcile, start_local, tiny_config
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def test_zombie_controller_makes_no_side_effect(redis_url: str, tmp_path, moment
     reconcile(run_b, writer_b)
     asyncio.run(controller_for(run_b, writer_b).run())
     run_b.workers.close()
-    result = fold_log(store_b, RUN)
+    result = Projector(store_b).get(RUN)
     assert result.problem is None, result.problem
     assert result.state.trainer_version == 3
     claim_pos = next(e.position for e in result.state.epochs if e.epoch == writer_b.epoch)

@@ -64,6 +64,19 @@ def _pids_naming(text: str) -> list[int]:
     return out
 
 
+def _node_registered(port: int, env: dict[str, str]) -> bool:
+    """``ray status`` sees a live node offering the head's 4 CPUs."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        out = subprocess.run(
+            [_ray_exe(), "status", "--address", f"127.0.0.1:{port}"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "/4.0 CPU" in out.stdout
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     temp = tempfile.mkdtemp(prefix="rlc-ray-", dir="/tmp")  # short: Ray's socket paths
@@ -80,16 +93,13 @@ def ray_head():
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
+        # Ready when the head's node (its 4 CPUs) is registered with the GCS -- what a
+        # run's capacity check reads --, not merely when the GCS port listens.
         deadline = time.monotonic() + 180
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if head.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("ray start failed:\n" + (Path(temp) / "head.log").read_text()[-3000:])
-                time.sleep(1)
-        time.sleep(3)  # the raylet registers with the GCS just after it listens
+        while not _node_registered(port, env):
+            if head.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("ray start failed:\n" + (Path(temp) / "head.log").read_text()[-3000:])
+            time.sleep(1)  # between polls only; the condition decides
         yield {"address": f"127.0.0.1:{port}", "token_file": str(token_file)}
     finally:
         try:

@@ -14,10 +14,11 @@ import torch
 
 from controller import crashpoints
 from controller.config import config_to_dict
+from controller.journal import Journal
 from controller.recovery import DigestMismatchError, bring_trainer_to_log
 from controller.startup import create_run, resume_run
 from events.redis_store import RedisEventStore
-from replay.reader import fold_log
+from controller.projector import Projector
 from replay.retrain import run_retrain
 from tests.integration.recovery_helpers import controller_for, reconcile, start_local, tiny_config
 from workers.dataplane import MemoryDataPlane, SpillDataPlane
@@ -56,7 +57,7 @@ def test_workers_die_mid_run_and_the_run_continues(redis_url: str, tmp_path, dis
     crashpoints.rearm("after_microbatch_trained:2@trainer,after_rollout_admitted:g000006@generator-0")
     run = _train(cfg, writer, tmp_path)
     run.workers.close()
-    result = fold_log(store, RUN)
+    result = Projector(store).get(RUN)
     assert result.problem is None, result.problem
     state = result.state
     assert state.trainer_version == 4
@@ -78,7 +79,7 @@ def test_trainer_that_matches_the_log_is_kept(redis_url: str, tmp_path) -> None:
     run = _train(cfg, writer, tmp_path)
     writer2 = resume_run(RedisEventStore(redis_url), RUN)
     run.calls.phase = "reconcile"
-    asyncio.run(bring_trainer_to_log(writer2, run.workers.trainer, run.workers.payloads))
+    asyncio.run(bring_trainer_to_log(Journal(writer2), run.workers.trainer, run.workers.payloads))
     assert run.calls.during("reconcile") == [("trainer", "version_and_digest")]
     run.workers.close()
     store.close()
@@ -89,7 +90,7 @@ def test_digest_mismatch_stops_recovery(redis_url: str, tmp_path) -> None:
     cfg = tiny_config(tmp_path, "run.steps=3")
     store, writer = _new_run(redis_url, cfg)
     _train(cfg, writer, tmp_path).workers.close()
-    state = fold_log(store, RUN).state
+    state = Projector(store).get(RUN).state
     step = state.steps[state.version_steps[3]]  # after checkpoint v2: re-trained on resume
     # a group with a learning signal (zero-variance groups have zero advantages)
     gid = max(step.group_ids, key=lambda g: torch.tensor(state.groups[g].rewards).var().item())

@@ -14,7 +14,7 @@ import pytest
 
 from events.errors import ReplicationTimeoutError
 from events.redis_store import RedisEventStore, events_key
-from events.redis_store.replication import StoreConfig
+from events.store_config import StoreConfig
 from events.schema import GroupFailed
 from tests.sentinel_cluster import SentinelCluster
 
@@ -105,6 +105,6 @@ def test_replicas_zero_does_not_wait(pair: SentinelCluster) -> None:
 
 def test_bad_replication_settings_are_named() -> None:
     with pytest.raises(ValueError, match="store.replicas must be >= 0"):
-        StoreConfig(replicas=-1).check()
+        StoreConfig(replicas=-1)
     with pytest.raises(ValueError, match="store.wait_timeout_s must be > 0"):
-        StoreConfig(wait_timeout_s=0).check()
+        StoreConfig(wait_timeout_s=0)

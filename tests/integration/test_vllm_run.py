@@ -107,11 +107,11 @@ def data_dir(tmp_path):
 
 def _events(data_dir: Path, run_id: str) -> tuple:
     from events.redis_store import RedisEventStore
-    from replay.reader import fold_log
+    from controller.projector import Projector
 
     store = RedisEventStore(ensure_embedded_redis(data_dir).url)
     try:
-        return fold_log(store, run_id), [s.event for s in store.read(run_id)]
+        return Projector(store).get(run_id), [s.event for s in store.read(run_id)]
     finally:
         store.close()
 

@@ -152,7 +152,8 @@ class LogBuilder:
     def run_started(self, *, config: dict[str, Any] | None = None, **overrides: Any) -> LogBuilder:
         fields = dict(
             run_id=self.run_id,
-            config=config if config is not None else {"model": "tiny", "lr": 1e-5},
+            # a config the run's own loader accepts: tools read it typed
+            config=config if config is not None else {"run": {"seed": self.seed}},
             seed=self.seed,
             code_version="0.1.0",
             window_versions=self.window,
@@ -527,7 +528,7 @@ def _simulate(
         groups_per_step=groups_per_step,
         samples_per_group=samples_per_group,
         seed=seed,
-    ).start()
+    ).start(config={"run": {"seed": seed}, "train": {"groups_per_microbatch": microbatch_groups}})
     b.checkpoint()  # initial weights, version 0
     sim = _Sim(b, rng, microbatch_groups)
     sim.ckpt_version = 0

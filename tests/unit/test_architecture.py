@@ -3,10 +3,13 @@
 * ``controller.core`` (state, reducer, policies, fold, step metrics) pulls in nothing
   with I/O, a clock, randomness or logging: importing it in a fresh interpreter must
   leave redis, ray, torch, asyncio and structlog out of ``sys.modules``.
-* loading a run's config (``controller.config``, which composes the Structs that live
-  next to the workers) imports no torch or tensordict, so the CLI stays quick to start;
+* loading a run's config (``controller.config``, which composes the config types that
+  live next to their components) imports no runtime module and none of redis, ray,
+  torch, asyncio or structlog;
 * ``workers/`` never imports ``controller/``: the contracts between them live in
   ``workers.api``, so the arrow between the two packages runs one way.
+
+The layers as a whole (one-way imports, no cycles) are checked in ``test_layers.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ def test_controller_core_imports_nothing_with_io_clock_or_logging():
     assert leaked == [], f"controller.core pulled in {leaked}"
 
 
-def test_loading_a_config_imports_no_torch():
+def test_loading_a_config_runs_no_runtime_code():
+    """``controller.config`` composes config types only: loading (and validating) a
+    config imports no loop, store or worker runtime, and none of redis, ray, torch,
+    asyncio or structlog (so ``--help`` and the read-only commands start fast, and a
+    config can be checked anywhere)."""
     code = (
         "import json, sys\n"
         "from controller.config import load_config\n"
@@ -61,13 +68,22 @@ def test_loading_a_config_imports_no_torch():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     loaded = set(json.loads(out.stdout))
-    assert {"workers.trainer.config", "workers.dataplane.config"} <= loaded
-    leaked = sorted(m for m in loaded if m.split(".")[0] in ("torch", "tensordict"))
+    assert {"workers.trainer.config", "workers.dataplane.config", "controller.settings",
+            "events.store_config"} <= loaded
+    leaked = sorted(
+        m for m in loaded if m.split(".")[0] in (*FORBIDDEN_IN_CORE, "tensordict")
+    )
     assert leaked == [], f"loading a config pulled in {leaked[:5]}"
+    runtime = sorted(
+        m for m in loaded if m.startswith(("controller.", "events.", "workers."))
+        and m.rsplit(".", 1)[-1] in {"loop", "admission", "training", "step_close",
+                                     "recovery", "journal", "log_writer", "store", "redis_store"}
+    )
+    assert runtime == [], f"loading a config imported runtime modules {runtime}"
 
 
 def test_core_modules_import_only_core_and_pure_events():
-    allowed_events = {"events.schema", "events.codec", "events.errors"}
+    allowed_events = {"events.schema", "events.codec", "events.errors", "events.config_checks"}
     for path in sorted((ROOT / "controller" / "core").glob("*.py")):
         for name in _imported_top_level(path):
             if name.startswith(("controller", "events")):
@@ -84,82 +100,6 @@ def test_workers_import_nothing_from_controller():
         if name == "controller" or name.startswith("controller.")
     ]
     assert offenders == []
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (never run)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
-                todo.extend(child.orelse)
-                continue
-            todo.append(child)
-
-
-def _module_graph(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports when it runs (``from pkg import
-    submodule`` counts as importing the submodule; imports inside functions count too,
-    annotations-only imports under ``TYPE_CHECKING`` do not)."""
-    files = {}
-    for path in (ROOT / package).rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        files[name.removesuffix(".__init__")] = path
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        out: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                out.update(a.name for a in node.names if a.name in files)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
-                out.update(subs or ({node.module} & files.keys()))
-        out.discard(name)
-        graph[name] = out
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
-def test_cycle_finder_finds_a_cycle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_no_import_cycles_in_workers_or_controller():
-    for package in ("workers", "controller", "replay", "cli"):
-        assert _cycles(_module_graph(package)) == [], package
 
 
 def _methods(cls: type) -> dict[str, list[str]]:
@@ -195,3 +135,64 @@ def test_worker_clients_implement_their_protocols_exactly():
         for name, params in _methods(protocol).items():
             assert name in have, f"{impl.__name__} lacks {protocol.__name__}.{name}"
             assert have[name] == params, f"{impl.__name__}.{name}{have[name]} != {params}"
+
+
+def _window_capacity_products(path: Path) -> list[int]:
+    """Lines of ``path`` that compute ``x * (<window> + 1)``: the buffer capacity rule."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for side in (node.left, node.right):
+                if (
+                    isinstance(side, ast.BinOp) and isinstance(side.op, ast.Add)
+                    and "window" in ast.unparse(side.left)
+                    and isinstance(side.right, ast.Constant) and side.right.value == 1
+                ):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_the_capacity_rule_is_written_once():
+    """``groups_per_step * (window + 1)`` lives in ``policies.full_capacity``; the
+    config, the gate, the replay tools and the simulator call it."""
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for package in ("events", "workers", "controller", "replay", "sim", "cli")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (lines := _window_capacity_products(path))
+    }
+    assert list(found) == ["controller/core/policies.py"] and len(found[list(found)[0]]) == 1, found
+
+
+#: table types whose checks another branch in flight moves into the type (the loss
+#: options); the list may only shrink
+TABLES_CHECKED_ELSEWHERE = {"LossSection"}
+
+
+def _tables(struct: type, prefix: str = "") -> dict[str, type]:
+    import msgspec
+
+    out = {}
+    for field in msgspec.structs.fields(struct):
+        kind = field.type
+        if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            out[f"{prefix}{field.name}"] = kind
+            out.update(_tables(kind, f"{prefix}{field.name}."))
+    return out
+
+
+def test_every_config_table_checks_itself():
+    """Validation lives in each table's ``__post_init__`` (not in a central list in the
+    composer), so a table is checked however it is built."""
+    from controller.config import Config
+
+    tables = _tables(Config)
+    assert {"train", "rollout.vllm", "store"} <= set(tables)
+    unchecked = sorted(
+        key for key, kind in tables.items()
+        if "__post_init__" not in vars(kind) and kind.__name__ not in TABLES_CHECKED_ELSEWHERE
+    )
+    assert unchecked == []
+    names = {kind.__name__ for kind in tables.values()}
+    assert TABLES_CHECKED_ELSEWHERE <= names, "remove what landed from TABLES_CHECKED_ELSEWHERE"
+    assert "__post_init__" in vars(Config)  # the rules that span tables

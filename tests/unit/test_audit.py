@@ -11,7 +11,7 @@ import pytest
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from replay.audit import build_report, first_cross_check_problem, write_csv
-from replay.reader import fold_log
+from controller.projector import Projector
 from tests.unit.log_builder import LogBuilder, random_run
 
 
@@ -26,7 +26,7 @@ def store_of(b: LogBuilder, garbage_at: dict[int, bytes] | None = None) -> Memor
 
 
 def audit(b: LogBuilder, **kw: Any):
-    return build_report(fold_log(store_of(b, **kw), b.run_id))
+    return build_report(Projector(store_of(b, **kw)).get(b.run_id))
 
 
 def _ready(b: LogBuilder) -> LogBuilder:

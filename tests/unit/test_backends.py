@@ -38,7 +38,7 @@ def test_torch_trainer_rejects_backend_options():
     [
         (
             lambda: make_trainer("deepspeed", FACTORY),
-            r"trainer.backend = 'deepspeed'; expected one of \['torch', 'megatron', 'fsdp2'\]",
+            r"train.backend = 'deepspeed'; expected one of \['torch', 'megatron', 'fsdp2'\]",
         ),
         (
             lambda: make_generator("sglang"),

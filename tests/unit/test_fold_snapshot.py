@@ -9,14 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controller.core.errors import InvariantViolation, SnapshotDecodeError
-from controller.core.fold import (
-    decode_entries,
-    fold,
-    fold_from_snapshot,
-    fold_raw,
-    fold_raw_from_snapshot,
-    fold_until,
-)
+from controller.core.fold import fold, fold_raw
 from controller.core.state import STATE_FORMAT_VERSION, RunState, decode_state, encode_state
 from events.errors import EventDecodeError
 from tests.unit.log_builder import LogBuilder, random_run
@@ -48,7 +41,6 @@ def test_fold_from_snapshot_of_any_prefix_equals_full_fold(builder: LogBuilder, 
     snapshot = encode_state(fold(log[:k]))
     resumed = fold(log[k:], decode_state(snapshot))
     assert resumed == full
-    assert fold_from_snapshot(snapshot, log[k:]) == full
     assert encode_state(resumed) == encode_state(full)
 
 
@@ -59,14 +51,7 @@ def test_raw_fold_equals_typed_fold(builder: LogBuilder, data: st.DataObject) ->
     k = data.draw(st.integers(0, len(entries)), label="split")
     full = fold(builder.build())
     assert fold_raw(entries) == full
-    assert fold_raw_from_snapshot(encode_state(fold_raw(entries[:k])), entries[k:]) == full
-    assert list(decode_entries(entries)) == builder.build()
-
-
-def test_fold_until_stops_after_the_position() -> None:
-    log = LogBuilder().start().admit("g1").commit("g1").build()
-    assert fold_until(log, 3).groups["g1"].status.value == "admitted"
-    assert fold_until(log, 4) == fold(log)
+    assert fold_raw(entries[k:], decode_state(encode_state(fold_raw(entries[:k])))) == full
 
 
 def test_fold_advances_the_given_state_in_place() -> None:

@@ -29,7 +29,7 @@ from controller.wiring import Workers, start_workers, worker_spec
 from events import schema as ev
 from events.memory_store import MemoryEventStore
 from replay.audit import build_report
-from replay.reader import fold_log
+from controller.projector import Projector
 from workers.service import GeneratorWorker, TrainerWorker
 from workers.trainer.tensors import digest_parameters
 
@@ -178,7 +178,7 @@ class Harness:
 
     def check_log(self) -> None:
         """The stored log folds without a problem to the writer's state and audits clean."""
-        result = fold_log(self.store, RUN)
+        result = Projector(self.store).get(RUN)
         assert result.problem is None, result.problem
         report = build_report(result)
         assert report.ok, report.problem

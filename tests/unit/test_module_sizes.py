@@ -1,4 +1,4 @@
-"""No module of the shipped packages grows past 400 lines (STYLE.md: small pieces).
+"""No module of the shipped packages grows past 400 lines (docs/style.md: small pieces).
 
 A file over the limit is named with its length, so the fix is to split it where its
 roles part, not to raise the number.

@@ -1,4 +1,4 @@
-"""Pages read by forked children (replay/page_reader.py): the same pages as the
+"""Pages read by forked children (controller/page_reader.py): the same pages as the
 in-process read, errors reported as the in-process read reports them, children gone
 when the fold stops early, and folds bitwise identical either way."""
 
@@ -12,8 +12,8 @@ from controller.core.state import encode_state
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from events.store import EncodedPage
-from replay import page_reader
-from replay.reader import fold_log
+from controller import page_reader
+from controller.projector import Projector
 from tests.unit.log_builder import random_run
 
 RUN = "sim-3"
@@ -74,13 +74,13 @@ def test_closing_early_stops_the_children(store: MemoryEventStore) -> None:
 
 
 def test_folds_are_identical_with_forked_readers(store, monkeypatch) -> None:
-    in_process = fold_log(store, RUN)
+    in_process = Projector(store).get(RUN)
     monkeypatch.setattr(page_reader, "FORK_ABOVE_ENTRIES", 1)
     monkeypatch.setattr(page_reader, "reader_count", lambda: 2)
-    forked = fold_log(store, RUN)
+    forked = Projector(store).get(RUN)
     assert encode_state(forked.state) == encode_state(in_process.state)
     assert (forked.last_ts, forked.log_end) == (in_process.last_ts, in_process.log_end)
-    stopped = fold_log(store, RUN, stop_step=7)
+    stopped = Projector(store).get(RUN, stop_step=7)
     assert stopped.reached and stopped.state.trainer_version >= 1
 
 
@@ -90,7 +90,7 @@ def test_a_malformed_entry_is_named_with_forked_readers(monkeypatch) -> None:
     for s in events:
         made.append_raw(RUN, encode(s.event), event_type=type(s.event).__name__)
     made.append_raw(RUN, b"{not json")
-    expected = fold_log(made, RUN).problem
+    expected = Projector(made).get(RUN).problem
     monkeypatch.setattr(page_reader, "FORK_ABOVE_ENTRIES", 1)
-    assert fold_log(made, RUN).problem == expected
+    assert Projector(made).get(RUN).problem == expected
     assert expected is not None and expected.position == len(events) + 1

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from controller.core import policies
+from controller.core import policies, reducer
+from controller.core.decisions import Stamp
+from events import schema as ev
 from tests.unit.log_builder import LogBuilder
 
 
@@ -156,6 +159,84 @@ def test_eviction_of_groups_past_the_window():
     assert state.trainer_version == 2
     assert policies.to_evict(state, trainer_version=2, window=1) == [("g3", 2)]
     assert policies.to_evict(state, trainer_version=2, window=2) == []
+
+
+# -- the train side's plan -----------------------------------------------------------
+
+AT = Stamp(epoch=3, ts=123.5, position=40)
+
+
+def _buffered_at_v2() -> LogBuilder:
+    """Trainer at v2 (two 1-group steps); g3 started at v0 (lag 2), g4 at v1, g5 at v2."""
+    return (
+        LogBuilder(window=1, groups_per_step=1).start()
+        .group("g1", start=0, end=0).group("g2", start=0, end=0)
+        .group("g3", start=0, end=0)
+        .begin_step().microbatch(["g1"]).finish_step().publish()
+        .group("g4", start=1, end=1)
+        .begin_step().microbatch(["g2"]).finish_step().publish()
+        .group("g5", start=2, end=2)
+    )
+
+
+@pytest.mark.parametrize(
+    "name, build, window, selection, per_step, per_mb, want, evicted, ids",
+    [
+        ("nothing buffered: wait for a full microbatch",
+         lambda: LogBuilder(window=1, groups_per_step=4).start().admit("g1"),
+         1, "in_order", 4, 2, 2, [], []),
+        ("a full microbatch in admission order",
+         lambda: LogBuilder(window=1, groups_per_step=4).start().group("g1").group("g2").group("g3"),
+         1, "in_order", 4, 2, 2, [], ["g1", "g2"]),
+        ("the claimed part of the open step shrinks the next microbatch",
+         lambda: LogBuilder(window=1, groups_per_step=3).start().group("g1").group("g2")
+         .group("g3").begin_step().microbatch(["g1", "g2"]),
+         1, "in_order", 3, 2, 1, [], ["g3"]),
+        ("a full step wants nothing more",
+         lambda: LogBuilder(window=1, groups_per_step=2).start().group("g1").group("g2")
+         .group("g3").begin_step().microbatch(["g1", "g2"]),
+         1, "in_order", 2, 2, 0, [], []),
+        ("too stale for the window: evicted first, never selected",
+         _buffered_at_v2, 1, "in_order", 2, 2, 2, [("g3", 2)], ["g4", "g5"]),
+        ("window 0 keeps only groups of the current version",
+         _buffered_at_v2, 0, "ready_first", 2, 2, 2, [("g3", 2), ("g4", 1)], ["g5"]),
+        ("in_order waits for the oldest admitted group",
+         lambda: LogBuilder(window=1, groups_per_step=2).start().admit("g1").group("g2"),
+         1, "in_order", 2, 1, 1, [], []),
+        ("ready_first takes what is committed",
+         lambda: LogBuilder(window=1, groups_per_step=2).start().admit("g1").group("g2"),
+         1, "ready_first", 2, 1, 1, [], ["g2"]),
+    ],
+)
+def test_plan_microbatch(name, build, window, selection, per_step, per_mb, want, evicted, ids):
+    state = build().fold()
+    plan = policies.plan_microbatch(
+        state, window=window, selection=selection, groups_per_step=per_step,
+        groups_per_microbatch=per_mb, at=AT,
+    )
+    assert plan.want == want, name
+    assert [(e.group_id, e.lag) for e in plan.evictions] == evicted, name
+    assert list(plan.group_ids) == ids, name
+    assert plan.ready is (len(ids) == want), name
+
+
+def test_plan_evictions_are_ready_made_events():
+    """The plan's evictions go to the log as they are: canonical ids, the caller's stamp,
+    and a reason naming the lag and the window; applied, they leave the selection valid."""
+    state = _buffered_at_v2().fold()
+    plan = policies.plan_microbatch(
+        state, window=0, selection="in_order", groups_per_step=2, groups_per_microbatch=2, at=AT,
+    )
+    assert plan.evictions == (
+        ev.GroupEvicted(event_id="group:g3:evicted", epoch=3, ts=123.5, group_id="g3",
+                        reason="lag 2 > window 0", lag=2),
+        ev.GroupEvicted(event_id="group:g4:evicted", epoch=3, ts=123.5, group_id="g4",
+                        reason="lag 1 > window 0", lag=1),
+    )
+    for event in plan.evictions:  # the epoch of the log that built the state
+        reducer.apply_event(state, msgspec.structs.replace(event, epoch=state.epoch),
+                            state.position + 1)
+    assert [g for g in state.buffer] == ["g5"]
 
 
 # -- advantages ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from controller.config import load_config
 from events import schema as ev
 from events.memory_store import MemoryEventStore
 from sim.harness import SimSpec, simulate
-from sim.timeline import read_timeline
+from sim.timeline import timeline_of
 from sim.timings import Lognormal, SyntheticTimings
 
 STEPS = 6
@@ -39,11 +39,11 @@ def _run(publish_s: float, overlap: bool):
     )
     store = MemoryEventStore()
     simulate(store, SimSpec(config=cfg, timings=timings, run_id="o"))
-    return [(s.position, s.event) for s in store.read("o")]
+    return store
 
 
-def _finished_ts(events) -> list[float]:
-    return [e.ts for _, e in events if isinstance(e, ev.StepFinished)]
+def _finished_ts(store) -> list[float]:
+    return [s.event.ts for s in store.read("o") if isinstance(s.event, ev.StepFinished)]
 
 
 @pytest.mark.parametrize("publish_s", [3.0, 10.0])
@@ -58,8 +58,8 @@ def test_a_step_takes_what_the_schedule_says(publish_s):
     )
     # The timeline charges the trainer only what it waited for: the whole publish in
     # line, the part the microbatch did not cover behind the next step.
-    tl_behind, _ = read_timeline(behind)
-    tl_in_line, _ = read_timeline(in_line)
+    tl_behind, _ = timeline_of(behind, "o")
+    tl_in_line, _ = timeline_of(in_line, "o")
     assert tl_in_line.refit_wait_s == pytest.approx(publish_s * (STEPS - 1), abs=1e-9)
     assert tl_behind.refit_wait_s == pytest.approx(
         max(0.0, publish_s - MICROBATCH_S) * (STEPS - 1), abs=1e-9
@@ -69,7 +69,7 @@ def test_a_step_takes_what_the_schedule_says(publish_s):
 
 
 def test_a_version_is_published_before_the_next_finish_and_after_the_next_begin():
-    events = [e for _, e in _run(10.0, overlap=True)]
+    events = [s.event for s in _run(10.0, overlap=True).read("o")]
     finished = {e.trainer_version: i for i, e in enumerate(events) if isinstance(e, ev.StepFinished)}
     published = {e.weight_version: i for i, e in enumerate(events) if isinstance(e, ev.WeightsPublished)}
     begun = {e.step: i for i, e in enumerate(events) if isinstance(e, ev.StepBegun)}

@@ -10,7 +10,7 @@ from controller.core.fold import fold_raw
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from sim.harness import simulate, SimSpec
-from sim.timeline import read_timeline
+from sim.timeline import timeline_of
 from sim.timings import Lognormal, SyntheticTimings
 
 #: fields that depend on the machine or the wall clock, not on the simulation
@@ -64,7 +64,7 @@ def test_the_log_is_a_valid_run_of_the_real_controller():
     assert state.trainer_version == 6 and state.finished
     assert len(state.checkpoints) == 2
     # events carry virtual time: the log spans the simulated run, not the real one
-    timeline, _ = read_timeline((e.position, e.event) for e in store.read("sim"))
+    timeline, _ = timeline_of(store, "sim")
     assert timeline.wall_s == pytest.approx(out.virtual_s, rel=0.2)
     assert out.real_s < timeline.wall_s / 10
     assert timeline.groups_consumed == 48
@@ -78,6 +78,6 @@ def test_a_wider_window_trains_faster_and_staler():
     _, async1 = _run(seed=3, window=1)
     tl = {}
     for name, out in (("sync", sync), ("async", async1)):
-        tl[name], _ = read_timeline((e.position, e.event) for e in out.writer.store.read("sim"))
+        tl[name], _ = timeline_of(out.writer.store, "sim")
     assert tl["async"].wall_s < tl["sync"].wall_s
     assert max(tl["sync"].lags) == 0 < max(tl["async"].lags)

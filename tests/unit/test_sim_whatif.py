@@ -21,7 +21,7 @@ from controller.core.fold import fold_raw
 from events import schema as ev
 from events.memory_store import MemoryEventStore
 from sim.harness import SimSpec, simulate
-from sim.timeline import read_timeline
+from sim.timeline import timeline_of
 from sim.timings import Lognormal, SyntheticTimings
 from sim.whatif import run_whatif
 
@@ -74,16 +74,12 @@ def hand_log(store, run_id: str = "hand") -> None:
     store.append(run_id, events, expected_position=0, epoch=epoch)
 
 
-def _events(store, run_id):
-    return [(e.position, e.event) for e in store.read(run_id)]
-
-
 def test_hand_log_is_valid_and_reads_as_described():
     store = MemoryEventStore()
     hand_log(store)
     state = fold_raw((e.position, e.data) for e in store.read_raw("hand"))
     assert state.trainer_version == STEPS
-    timeline, timings = read_timeline(_events(store, "hand"))
+    timeline, timings = timeline_of(store, "hand")
     assert timeline.wall_s == 19 * STEPS
     assert timings.generation["g000000"] == 10 and timings.generation["g000001"] == 11
     assert timings.microbatches[0] == [8.0] and timings.finish[0] == 0.0
@@ -93,8 +89,7 @@ def test_hand_log_is_valid_and_reads_as_described():
 def test_recorded_settings_reproduce_the_hand_log_and_a_wider_window_is_as_solved():
     store = MemoryEventStore()
     hand_log(store)
-    state = fold_raw((e.position, e.data) for e in store.read_raw("hand"))
-    result = run_whatif("hand", state, _events(store, "hand"),
+    result = run_whatif(store, "hand",
                         [{"staleness.window_versions": "1"}, {"staleness.window_versions": "2"}])
     repro = result.reproduction()
     assert repro["commit_order_identical"] and repro["batches_identical"]
@@ -118,8 +113,7 @@ def test_a_simulated_run_is_reproduced_exactly():
                                finish=2.0, publish=3.0, checkpoint=7.0, seed=5)
     store = MemoryEventStore()
     simulate(store, SimSpec(config=cfg, timings=timings, run_id="rec", start_s=5_000.0))
-    state = fold_raw((e.position, e.data) for e in store.read_raw("rec"))
-    result = run_whatif("rec", state, _events(store, "rec"), [{"staleness.window_versions": "0"}])
+    result = run_whatif(store, "rec", [{"staleness.window_versions": "0"}])
     repro = result.reproduction()
     assert repro["commit_order_identical"] and repro["batches_identical"], repro
     assert repro["wall_relative_error"] < 1e-9

@@ -7,14 +7,14 @@ import pytest
 from controller.core.state import StepStatus
 from replay import staleness
 from replay.plots import plot_data, write_plot
-from replay.reader import fold_log
+from controller.projector import Projector
 from tests.unit.log_builder import LogBuilder, random_run
 from tests.unit.test_audit import store_of
 
 
 def analyze(b: LogBuilder) -> staleness.StalenessReport:
     trace = staleness.Trace()
-    result = fold_log(store_of(b), b.run_id, observers=trace.observers())
+    result = Projector(store_of(b)).get(b.run_id, observers=[trace])
     assert result.problem is None
     return staleness.analyze(result.state, trace)
 
@@ -110,7 +110,7 @@ def test_plot_draws_a_lag_whose_mean_is_outside_its_interquartile_range(tmp_path
 def test_occupancy_is_downsampled_to_the_limit():
     b = random_run(4, 60)
     trace = staleness.Trace()
-    result = fold_log(store_of(b), b.run_id, observers=trace.observers())
+    result = Projector(store_of(b)).get(b.run_id, observers=[trace])
     report = staleness.analyze(result.state, trace, max_points=50)
     assert len(report.occupancy) <= 50 < len(trace.ts)
 

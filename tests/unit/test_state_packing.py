@@ -15,7 +15,7 @@ import pytest
 
 from controller.core.errors import SnapshotDecodeError
 from controller.core.fold import fold, fold_raw
-from controller.startup import load_state
+from controller.projector import Projector
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from controller.core.state import KEY_SEPARATOR, decode_state, encode_state, pack_keys
@@ -90,4 +90,4 @@ def test_resume_over_a_format_1_snapshot_folds_the_log_from_the_start() -> None:
     store.save_snapshot("r1", full.position, msgspec.msgpack.encode(old))
     with pytest.raises(SnapshotDecodeError, match="state format 1"):
         decode_state(store.load_snapshot("r1")[1])  # type: ignore[index]
-    assert encode_state(load_state(store, "r1")) == encode_state(full)
+    assert encode_state(Projector(store).get("r1").require()) == encode_state(full)

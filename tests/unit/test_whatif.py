@@ -142,7 +142,7 @@ def test_smaller_window_removes_lag_and_evicts_more():
     assert recorded["recorded"]["lag_max"] == 2  # the run did use its window
     for window in (0, 1):
         cmp = whatif.compare(
-            state, whatif.simulate(_pairs(b), whatif.parse_what_if([f"window={window}"], base))
+            state, whatif.simulate(_pairs(b), whatif.what_if_settings(state, [f"window={window}"]))
         )
         assert cmp["what_if"]["lag_max"] <= window
         assert cmp["what_if"]["lag_mean"] < recorded["recorded"]["lag_mean"]
@@ -161,7 +161,7 @@ def test_bigger_window_keeps_groups_that_were_evicted():
     base = whatif.recorded_settings(state)
     same = whatif.compare(state, whatif.simulate(_pairs(b), base))
     assert same["steps"]["identical"] == 2 and same["what_if"]["evicted"] == 1
-    wider = whatif.simulate(_pairs(b), whatif.parse_what_if(["window=1"], base))
+    wider = whatif.simulate(_pairs(b), whatif.what_if_settings(state, ["window=1"]))
     cmp = whatif.compare(state, wider)
     assert cmp["recorded"]["evicted"] == 1 and cmp["what_if"]["evicted"] == 0
     assert [s.group_ids for s in wider.finished()] == [["g1"], ["g2"]]
@@ -173,22 +173,24 @@ def test_policy_change_changes_composition_not_group_set_size():
     b = loop_like_run(5, policy="in_order", window=1, steps=30, p_abort=0.0)
     state = fold(b.events)
     base = whatif.recorded_settings(state)
-    result = whatif.simulate(_pairs(b), whatif.parse_what_if(["policy=oldest_first"], base))
+    result = whatif.simulate(_pairs(b), whatif.what_if_settings(state, ["policy=oldest_first"]))
     assert all(len(s.group_ids) == 4 for s in result.finished())
     assert all(0 <= lag <= 1 for s in result.finished() for lag in s.lags)
 
 
 @pytest.mark.parametrize("item, message", [
-    ("window=-1", "out of range"),
-    ("window=x", "expected an integer"),
+    ("window=-1", "staleness.window_versions must be >= 0"),
+    ("window=x", "staleness.window_versions: Expected `int`"),
     ("policy=random", "choose one of"),
+    ("microbatch=0", "train.groups_per_microbatch must be > 0"),
     ("speed=3", "key one of"),
     ("window", "key one of"),
+    ("generators=4", "key one of basis, groups_per_microbatch, microbatch, policy"),  # timing
 ])
 def test_bad_what_if_names_the_key(item, message):
-    base = whatif.WhatIfSettings(window=1, policy="in_order", groups_per_step=4, groups_per_microbatch=2)
+    state = fold(LogBuilder(window=1, groups_per_step=4).start().events)
     with pytest.raises(whatif.WhatIfError, match=message):
-        whatif.parse_what_if([item], base)
+        whatif.what_if_settings(state, [item])
 
 
 def test_what_if_stops_at_a_rewind():
@@ -222,7 +224,7 @@ def test_what_if_never_reports_a_negative_lag():
 
     base = whatif.recorded_settings(state)
     assert whatif.simulate(_pairs(b), base).finished()  # sanity: the baseline trains
-    result = whatif.simulate(_pairs(b), whatif.parse_what_if(["window=0"], base))
+    result = whatif.simulate(_pairs(b), whatif.what_if_settings(state, ["window=0"]))
     lags = [lag for step in result.finished() for lag in step.lags]
     assert lags and min(lags) >= 0, lags
     stats = whatif.compare(state, result)["what_if"]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         DataPlane,
         DataPlaneError,
         DataPlaneUnavailable,
+        DurableDataPlane,
         MissingPayloadError,
         Row,
         Tags,
@@ -33,6 +34,7 @@ _EXPORTS = {
     "DataPlane": "workers.dataplane.api",
     "DataPlaneError": "workers.dataplane.api",
     "DataPlaneUnavailable": "workers.dataplane.api",
+    "DurableDataPlane": "workers.dataplane.api",
     "MemoryDataPlane": "workers.dataplane.memory",
     "MissingPayloadError": "workers.dataplane.api",
     "Row": "workers.dataplane.api",
@@ -63,18 +65,9 @@ def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
         plane = MemoryDataPlane()
     else:
         # Imported here so that only runs that ask for TransferQueue import it.
-        from workers.dataplane.transferqueue import TransferQueueConfig, TransferQueueDataPlane
+        from workers.dataplane.transferqueue import TransferQueueDataPlane
 
-        plane = TransferQueueDataPlane(
-            TransferQueueConfig(
-                ray_address=config.ray_address,
-                ray_num_cpus=config.ray_num_cpus,
-                num_storage_units=config.num_storage_units,
-                storage_node_resource=config.storage_node_resource,
-                start_timeout_s=config.start_timeout_s,
-                join=config.join,
-            )
-        )
+        plane = TransferQueueDataPlane(config)
     if config.spill_dir is not None:
         plane = SpillDataPlane(plane, config.spill_dir)
     return plane

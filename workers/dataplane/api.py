@@ -108,6 +108,16 @@ class DataPlane(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class DurableDataPlane(DataPlane, Protocol):
+    """A :class:`DataPlane` whose rows outlive its process (``SpillDataPlane``): after a
+    restart, recovery puts them back into the plane before it asks what is there."""
+
+    def reload(self, partition: str | None = None) -> int:
+        """Put every kept row (of ``partition``, or all) back; the number of keys."""
+        ...
+
+
 def as_columns(
     keys: Sequence[str], fields: Fields, tags: Sequence[Tags] | None
 ) -> tuple[list[str], dict[str, list[torch.Tensor]], list[Tags] | None]:

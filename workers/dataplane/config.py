@@ -10,12 +10,16 @@ from typing import Literal
 
 import msgspec
 
+from events.config_checks import positive
+
 DataPlaneKind = Literal["memory", "transferqueue"]
 
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    """Which data plane a run uses."""
+    """Which data plane a run uses, and where it runs: what ``make_dataplane`` and the
+    TransferQueue adapter are built from (``DataPlaneSection.dataplane_config`` places
+    the user's table under a run directory and on a Ray cluster)."""
 
     #: "transferqueue" in production; "memory" for tests and single-process runs
     kind: DataPlaneKind = "transferqueue"
@@ -57,6 +61,9 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     start_timeout_s: float = 120.0
     """How long TransferQueue's controller and storage units may take to be placed and
     answer when the run starts them; past it the run stops and says which are pending."""
+
+    def __post_init__(self) -> None:
+        positive("dataplane", self, "storage_units", "start_timeout_s")
 
     def dataplane_config(
         self, *, run_dir: str | Path, ray_address: str, ray_num_cpus: int

@@ -28,8 +28,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import ray
 from tensordict import TensorDict
 
@@ -43,33 +41,13 @@ from workers.dataplane.api import (
     batch_of,
     rows_of,
 )
+from workers.dataplane.config import DataPlaneConfig
 
 #: TransferQueue's controller and storage units need this many logical CPUs in Ray.
 MIN_RAY_CPUS = 4
 
 
-@dataclass(frozen=True)
-class TransferQueueConfig:
-    """How to reach (or start) TransferQueue."""
-
-    #: Ray address to join (None: the already initialised Ray, else start a local one)
-    ray_address: str | None = None
-    #: logical CPUs for a Ray started here (>= 4, or TransferQueue's init hangs)
-    ray_num_cpus: int = MIN_RAY_CPUS
-    #: SimpleStorage units (Ray actors holding the payloads)
-    num_storage_units: int = 2
-    #: only nodes offering this Ray resource hold storage units (None: every node)
-    storage_node_resource: str | None = None
-    #: seconds TransferQueue's controller and storage units may take to be placed and
-    #: answer, when this process starts them (config key ``dataplane.start_timeout_s``)
-    start_timeout_s: float = 120.0
-    #: only join a TransferQueue that another process starts, waiting up to
-    #: ``start_timeout_s`` for it to be up; never start one (a worker created at the
-    #: same time as the data plane, so that their processes start side by side)
-    join: bool = False
-
-
-def _ensure_ray(cfg: TransferQueueConfig) -> None:
+def _ensure_ray(cfg: DataPlaneConfig) -> None:
     if not ray.is_initialized():
         if cfg.ray_address is None:
             ray.init(
@@ -104,7 +82,7 @@ def _named_actor(name: str, namespace: str | None = None):
         return None
 
 
-def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> bool:
+def _init_watched(tq, conf: dict, cfg: DataPlaneConfig) -> bool:
     """``tq.init`` with a limit when this process is the one that starts TransferQueue;
     True when it did start it (False: it joined a running one)."""
     if _named_actor(*_CONTROLLER) is not None:
@@ -142,7 +120,7 @@ def _init_watched(tq, conf: dict, cfg: TransferQueueConfig) -> bool:
     return True
 
 
-def _await_started(cfg: TransferQueueConfig, poll_s: float = 0.1) -> None:
+def _await_started(cfg: DataPlaneConfig, poll_s: float = 0.1) -> None:
     """Wait until TransferQueue's controller is named and holds its configuration (it
     does once its storage units are up), for at most ``start_timeout_s``."""
     deadline = time.monotonic() + cfg.start_timeout_s
@@ -179,7 +157,7 @@ def _answers(actor) -> bool:
     return bool(ready)
 
 
-def _pending(cfg: TransferQueueConfig) -> str:
+def _pending(cfg: DataPlaneConfig) -> str:
     """Which of TransferQueue's actors are not up yet, and what Ray has free."""
     units = cfg.num_storage_units
     pending: list[str] = []
@@ -208,7 +186,7 @@ def _pending(cfg: TransferQueueConfig) -> str:
 class TransferQueueDataPlane:
     """Data plane over TransferQueue's SimpleStorage backend."""
 
-    def __init__(self, cfg: TransferQueueConfig = TransferQueueConfig()) -> None:
+    def __init__(self, cfg: DataPlaneConfig = DataPlaneConfig()) -> None:
         try:
             import transfer_queue as tq
 

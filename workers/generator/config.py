@@ -11,6 +11,7 @@ from typing import Literal
 
 import msgspec
 
+from events.config_checks import non_negative, positive
 from workers.generator.vllm_config import MIB, VllmOptions
 from workers.models.config import KvOnRefit
 
@@ -28,6 +29,10 @@ class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chunk_tokens: int = 0
     """0: an update landing mid-group waits for the group's end; k: generate k tokens at
     a time and apply an update between chunks (the group is tagged start != end)."""
+
+    def __post_init__(self) -> None:
+        positive("rollout.vllm", self, "kv_cache_mib", "max_num_seqs")
+        non_negative("rollout.vllm", self, "chunk_tokens")
 
     def options(self, seed: int, prefix_caching: bool = True) -> VllmOptions:
         """The engine's options; ``seed`` is the run's (per-request seeds make sampling
@@ -56,3 +61,6 @@ class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A refit landing mid-group: ``recompute`` prefills prompt + tokens so far under the
     new weights (each token's logprob is exactly its version's); ``keep`` goes on with
     the KV cache of the old weights (no prefill). See bench/bench_inflight_kv.py."""
+
+    def __post_init__(self) -> None:
+        positive("rollout.partial", self, "segment_tokens")

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from events.config_checks import positive, require
+
 if TYPE_CHECKING:
     from workers.models.factory import ModelConfig
     from workers.models.sampling import SamplingConfig
@@ -34,6 +36,11 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n_heads: int = 4
     context_len: int = 32
     """Longest prompt + completion in tokens (tiny model)."""
+
+    def __post_init__(self) -> None:
+        positive("model", self, "d_model", "n_layers", "n_heads", "context_len")
+        if self.kind == "hf" and not self.path:
+            raise ValueError('model.path is required when model.kind = "hf"')
 
     def model_config(self, seed: int) -> "ModelConfig":
         """What ``workers.models.factory.build_model`` builds; the run's ``seed``
@@ -58,6 +65,11 @@ class SamplingSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_p: float = 1.0
     """Nucleus sampling; 1.0 = the whole vocabulary."""
     max_new_tokens: int = 6
+
+    def __post_init__(self) -> None:
+        require(self.temperature > 0, "sampling.temperature", "> 0", self.temperature)
+        require(0 < self.top_p <= 1, "sampling.top_p", "in (0, 1]", self.top_p)
+        positive("sampling", self, "max_new_tokens")
 
     def sampling_config(self) -> "SamplingConfig":
         from workers.models.sampling import SamplingConfig

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from events.config_checks import positive
+
 
 class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[task]``: the prompts and the reward (``workers.tasks``)."""
@@ -17,3 +19,6 @@ class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dataset: str = ""
     """Optional JSONL prompt file (``prompt``, ``answer``); empty = generated prompts."""
     num_prompts: int = 4096
+
+    def __post_init__(self) -> None:
+        positive("task", self, "num_prompts")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from events.config_checks import non_negative, positive
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -212,6 +214,15 @@ class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     with tiny microbatches; full parameters + gradient during the step).
     See docs/backends.md."""
     loss: LossSection = msgspec.field(default_factory=LossSection)
+
+    def __post_init__(self) -> None:
+        positive(
+            "train", self, "groups_per_step", "groups_per_microbatch", "data_parallel",
+            "tensor_parallel", "grad_clip",
+        )
+        non_negative("train", self, "lr", "weight_decay", "warmup_steps")
+        if self.tensor_parallel > 1 and self.backend != "fsdp2":
+            raise ValueError('train.tensor_parallel > 1 needs train.backend = "fsdp2"')
 
     def trainer_config(self, seed: int) -> TrainerConfig:
         """The optimizer and step settings every rank runs with, seeded by the run."""

@@ -39,7 +39,7 @@ def require_megatron() -> None:
         import megatron.core  # noqa: F401
     except ImportError as err:
         raise BackendUnavailableError(
-            f"trainer.backend = 'megatron' needs megatron-core, which is not installed "
+            f"train.backend = 'megatron' needs megatron-core, which is not installed "
             f"({err}); {MEGATRON_INSTALL_HINT}"
         ) from err
 
