@@ -217,7 +217,7 @@ def partial_point(args: argparse.Namespace, server: RedisServer, generators: int
         timings = dataclasses.replace(timings, lengths_follow_time=True)
         store = MemoryEventStore()
         out = simulate(store, SimSpec(config=cfg, timings=timings, run_id=mode))
-        tl, _ = read_timeline((e.position, e.event) for e in store.read(mode))
+        tl, _ = timeline_of(store, mode)
         lag, token_lag, span = _token_lags(out.writer.state)
         row.update({f"{mode}_rate": tl.groups_consumed / tl.wall_s, f"{mode}_evicted": tl.evicted,
                     f"{mode}_events": out.events / max(1, tl.groups_consumed),

@@ -89,13 +89,12 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     writer.clock = lambda: origin + loop.time()  # every later event carries virtual time
     # The run's own config, with the watchdog's limit in virtual seconds and, for a
     # what-if buffer, the gate's capacity set past the config's validation.
-    staleness = cfg.staleness
-    if spec.capacity is not None:
-        staleness = msgspec.structs.replace(staleness, buffer_groups=spec.capacity)
     run_cfg = msgspec.structs.replace(
-        cfg, staleness=staleness,
-        controller=msgspec.structs.replace(cfg.controller, stall_timeout_s=spec.stall_timeout_s),
+        cfg, controller=msgspec.structs.replace(cfg.controller, stall_timeout_s=spec.stall_timeout_s),
     )
+    if spec.capacity is not None:
+        # an attribute set, not a replace: ``Config.__post_init__`` would refuse the buffer
+        run_cfg.staleness = msgspec.structs.replace(cfg.staleness, buffer_groups=spec.capacity)
     fleet = Fleet(loop=loop, timings=spec.timings)
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)

@@ -161,6 +161,7 @@ class TimelineObserver:
         #: (version, saved ts, written behind a step) awaiting its payload release
         self.checkpoint: tuple[int, float, bool] | None = None
         self.begun_since_publish = False  # a StepBegun after the last WeightsPublished
+        self.async_saves = False  # checkpoint.async_save in the run's config
         #: version -> checkpoint seconds counted as the trainer's (in-line saves)
         self.counted: dict[int, float] = {}
         self.trainer_version = 0
@@ -193,6 +194,9 @@ class TimelineObserver:
 
     def _run_started(self, event: RunStarted) -> None:
         self.rec.seed = event.seed  # groups the recorded run never had draw with it
+        checkpoint = event.config.get("checkpoint")
+        # a run with async saves wrote every checkpoint behind training
+        self.async_saves = isinstance(checkpoint, dict) and bool(checkpoint.get("async_save"))
 
     def _admitted(self, event: RolloutAdmitted) -> None:
         if event.ts != self.batch_ts:  # a new admission append: the loop's reaction time
@@ -292,7 +296,7 @@ class TimelineObserver:
         # saved right after the step's weights were published: in line, unless a step
         # began meanwhile (``checkpoint.async_save``: written behind that step, the
         # trainer did not wait for it and neither for the release that follows)
-        behind = self.begun_since_publish
+        behind = self.async_saves or self.begun_since_publish
         if event.trainer_version > 0:
             self.rec.checkpoint[event.trainer_version] = event.ts - self.published_ts
             self._count(event.trainer_version, event.ts - self.published_ts, behind)
