@@ -251,10 +251,10 @@ def run_once(
         append_cpu = [0.0]
         plain_append = writer.append
 
-        def timed_append(*events):
+        def timed_append(*events, **kwargs):
             started = time.thread_time()
             try:
-                return plain_append(*events)
+                return plain_append(*events, **kwargs)
             finally:
                 append_cpu[0] += time.thread_time() - started
 
