@@ -64,10 +64,11 @@ def memory(trainer) -> int:
     (read from its internals: the bench may look; the trainer does not).
     """
     params = list(trainer.model.parameters())
-    state = [t for s in trainer._optimizer.state.values() for t in s.values()
+    state = [t for s in trainer.optimizer.state.values() for t in s.values()
              if isinstance(t, torch.Tensor) and t.dim() > 0]
     unsharded = []
-    for m in getattr(trainer, "_fsdp_modules", []):
+    p = trainer.parallel
+    for m in p.reduction.fsdp_modules if p.backend == "fsdp2" else []:
         for group in m._get_fsdp_state()._fsdp_param_groups:
             for fp in group.fsdp_params:
                 unsharded.append(fp.unsharded_accumulated_grad)

@@ -7,9 +7,13 @@ cuda and two GPUs) it times, interleaved step by step so drift hits every mode a
 * ``split K=1`` -- begin / one train_microbatch / finish: the API's own overhead;
 * ``split K=k`` -- begin / k train_microbatch / finish: the real use, smaller forwards.
 
-and prints the median step time and its ratio to one-shot (target: <= 1.05).
+and prints the median step time and its ratio to one-shot (target: <= 1.05), for each
+loss in ``--losses`` (``[train.loss]`` presets, all timed in the same interleaved loop):
+``default`` (token-level GRPO with truncated IS), ``gspo`` (sequence-level ratio against
+the generator, sequence-level IS, sequence-mean aggregation) and ``dr-grpo``
+(seq-mean-token-sum-norm, whose constant normaliser spans microbatches), ``cispo``.
 
-    python bench/bench_trainer_split.py --iters 20 --microbatches 4
+    python bench/bench_trainer_split.py --iters 20 --microbatches 4 --losses default,gspo
 """
 
 from __future__ import annotations
@@ -36,6 +40,26 @@ from workers.trainer.config import (  # noqa: E402
     TrainerConfig,
 )
 from workers.trainer.torch_backend import TorchTrainer  # noqa: E402
+
+
+#: ``--losses`` presets: name -> ``[train.loss]`` keys (``--seq-len`` fills norm_length)
+LOSSES: dict[str, dict[str, object]] = {
+    "default": {},
+    "gspo": {
+        "policy_loss": "gspo", "old_policy": "generator", "is_correction": "seq-tis",
+        "is_cap": 5.0, "aggregation": "sequence",
+    },
+    "dr-grpo": {"aggregation": "seq-mean-token-sum-norm", "norm_length": -1},
+    "cispo": {"policy_loss": "cispo", "old_policy": "generator", "is_correction": "icepop",
+              "is_min": 0.5},
+}
+
+
+def loss_config(name: str, args: argparse.Namespace) -> LossConfig:
+    opts = dict(LOSSES[name])
+    if opts.get("norm_length") == -1:
+        opts["norm_length"] = args.seq_len
+    return LossConfig(**opts)
 
 
 def make_batch(args: argparse.Namespace, seed: int) -> TrainBatch:
@@ -72,17 +96,18 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out_dir
             optimizer=OptimizerConfig(lr=1e-4), device=args.device, digest_on_finish=False
         ),
     )
-    loss = LossConfig()
     batch = rows(make_batch(args, 0), world)[rank]
     modes = {
         "oneshot": None,
         "split K=1": rows(batch, 1),
         f"split K={args.microbatches}": rows(batch, args.microbatches),
     }
+    losses = {name: loss_config(name, args) for name in args.losses.split(",")}
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    times: dict[tuple[str, str], list[float]] = {(n, m): [] for n in losses for m in modes}
     for it in range(args.warmup + args.iters):
-        for mode, mbs in modes.items():
+        for (name, mode), ts in times.items():
+            loss, mbs = losses[name], modes[mode]
             dd.barrier()
             sync()
             t0 = time.perf_counter()
@@ -95,14 +120,14 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out_dir
                 trainer.finish_train_step()
             sync()
             if it >= args.warmup:
-                times[mode].append(time.perf_counter() - t0)
+                ts.append(time.perf_counter() - t0)
     if rank == 0:
         with open(Path(out_dir) / "times.pkl", "wb") as f:
             pickle.dump(times, f)
     dd.destroy_process_group()
 
 
-def measure(world: int, args: argparse.Namespace) -> dict[str, list[float]]:
+def measure(world: int, args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
     with tempfile.TemporaryDirectory() as out:
         if world == 1:
             run_rank(0, 1, 0, args, out)
@@ -131,20 +156,28 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", default="cpu")
     p.add_argument("--worlds", default="1,2")
+    p.add_argument("--losses", default="default,gspo,dr-grpo",
+                   help=f"comma-separated [train.loss] presets: {', '.join(LOSSES)}")
     args = p.parse_args()
+    unknown = set(args.losses.split(",")) - set(LOSSES)
+    if unknown:
+        p.error(f"--losses: unknown preset(s) {', '.join(sorted(unknown))}; choose from {', '.join(LOSSES)}")
 
     print(
         f"tiny LM d_model={args.d_model} layers={args.layers}, global batch {args.batch}x"
         f"{args.seq_len}, {args.threads} thread(s)/rank, device {args.device}, "
         f"median of {args.iters} interleaved steps"
     )
-    print(f"{'DP':>3} {'mode':<12} {'median s':>10} {'min s':>9} {'vs one-shot':>12}")
+    print(f"{'DP':>3} {'loss':<9} {'mode':<12} {'median s':>10} {'min s':>9} {'vs one-shot':>12}")
     for world in (int(w) for w in args.worlds.split(",")):
         times = measure(world, args)
-        base = statistics.median(times["oneshot"])
-        for mode, ts in times.items():
+        for (name, mode), ts in times.items():
+            base = statistics.median(times[(name, "oneshot")])
             med = statistics.median(ts)
-            print(f"{world:>3} {mode:<12} {med:>10.4f} {min(ts):>9.4f} {med / base:>11.3f}x")
+            print(
+                f"{world:>3} {name:<9} {mode:<12} {med:>10.4f} {min(ts):>9.4f} "
+                f"{med / base:>11.3f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ or any worker starts, so a mistake costs one line and a non-zero exit, never a
 half-created run or a traceback from inside a Ray actor half a minute later:
 
 * the run id (the store's rules, and it names a directory under ``runs/``);
-* the task (a built-in name, or a ``module:Class`` plugin that imports and builds);
+* the task (a built-in name, a family member such as ``reasoning-gym/<dataset>``, or a
+  ``module:Class`` plugin, built with ``task.options``; episode tasks need the torch
+  generator);
 * the model (``model.kind = "hf"``: a local directory holding ``config.json``);
 * the prompts (every line of ``task.dataset``, or the generated set; with the tiny
   model every prompt is also encoded and checked to fit ``model.context_len``).
@@ -48,13 +50,21 @@ def _check_task(cfg: Config):
     from workers.tasks import UnknownTaskError, make_task
 
     try:
-        return make_task(cfg.task.name)
+        task = make_task(cfg.task.name, **cfg.task.options)
     except UnknownTaskError as err:
         raise CliError(f"config: task.name: {err}") from None
     except Exception as err:  # a plugin whose constructor fails
         raise CliError(
             f"config: task.name = {cfg.task.name!r} cannot be built: {type(err).__name__}: {err}"
         ) from None
+    from workers.envs.task import EpisodeTask
+
+    if isinstance(task, EpisodeTask) and cfg.rollout.backend == "vllm":
+        raise CliError(
+            f"config: task.name = {cfg.task.name!r} runs multi-turn episodes, which the vLLM "
+            "generator does not run yet; use rollout.backend = \"torch\""
+        )
+    return task
 
 
 def _check_model(cfg: Config) -> None:
@@ -83,7 +93,8 @@ def _check_prompts(cfg: Config, task) -> None:
     if cfg.model.kind == "tiny":  # the tokenizer is known without loading a model
         from workers.models.tokenizer import CharTokenizer
 
-        encode, context_len = CharTokenizer().encode, cfg.model.context_len
+        tokenizer = CharTokenizer(cfg.model.alphabet) if cfg.model.alphabet else CharTokenizer()
+        encode, context_len = tokenizer.encode, cfg.model.context_len
     try:
         prompt_set(
             task, cfg.task.num_prompts, cfg.run.seed, dataset,

@@ -36,6 +36,7 @@ from events import schema as ev
 from events.chain import Chain
 from events.errors import FencedError
 from replay.settings import with_changes
+from workers.loss.metrics import mismatch_warning
 
 log = structlog.get_logger("rl_controller.run")
 
@@ -246,6 +247,7 @@ def _train(args, cfg: Config, writer, store) -> int:
     structlog.contextvars.bind_contextvars(run_id=writer.run_id, epoch=writer.epoch)
     progress = Progress(cfg.run.steps, enabled=not args.no_progress)
     sink = MetricsSink(run_dir)
+    exporter = _serve_metrics(cfg, writer, progress)
     progress.console.print(
         f"run [bold]{writer.run_id}[/] epoch {writer.epoch}: trainer_version "
         f"{writer.state.trainer_version} -> {cfg.run.steps}, log at position {writer.position}"
@@ -276,6 +278,10 @@ def _train(args, cfg: Config, writer, store) -> int:
                 progress.step(step, version, metrics, len(writer.state.buffer), len(writer.state.admitted))
                 structlog.contextvars.bind_contextvars(step=step, trainer_version=version)
                 log.info("step_finished", **metrics)
+                alert = mismatch_warning(metrics, cfg.train.loss.mismatch_kl_warn)
+                if alert:
+                    log.warning("train_inference_mismatch", detail=alert)
+                    progress.warn(alert)
 
             progress.status("training")
             controller = Controller(
@@ -296,11 +302,30 @@ def _train(args, cfg: Config, writer, store) -> int:
         raise CliError(f"interrupted; the log is consistent, continue with: {resume}", 130) from None
     finally:
         sink.close()
+        if exporter is not None:
+            exporter.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
             writer.snapshot()
     _summary(args, progress, writer, run_dir, time.monotonic() - started)
     return 0
+
+
+def _serve_metrics(cfg: Config, writer, progress: Progress):
+    """With ``metrics.port`` set: Prometheus ``/metrics`` fed by the writer's appends."""
+    if not cfg.metrics.port:
+        return None
+    from controller.prometheus import ControllerMetrics
+
+    exporter = ControllerMetrics()
+    try:
+        url = exporter.serve(cfg.metrics)
+    except OSError as err:
+        raise CliError(f"metrics.port {cfg.metrics.port} on {cfg.metrics.host}: {err.strerror or err}") from None
+    exporter.on_append([], writer.state)  # a resumed run's figures before its first append
+    writer.listeners.append(exporter.on_append)
+    progress.console.print(f"metrics at {url}", markup=False, highlight=False)
+    return exporter
 
 
 def _summary(args, progress: Progress, writer, run_dir: Path, elapsed_s: float) -> None:

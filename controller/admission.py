@@ -160,7 +160,9 @@ class AdmissionSide:
             # append (one round trip, one fsync): the same decisions as one admission at
             # a time (policies.admission_room), each call still carrying at most
             # groups_per_call groups, the first free generator first.
-            batch = self._next_admissions(room)
+            batch = self._next_admissions(
+                room, [gen.name for gen in gens for _ in range(per_call)]
+            )
             try:
                 await self.journal.append(*batch)  # intent before the side effect
             except BaseException:
@@ -170,12 +172,13 @@ class AdmissionSide:
             for i, gen in zip(range(0, room, per_call), gens):
                 self._dispatch(gen, batch[i:i + per_call])
 
-    def _next_admissions(self, n: int) -> list[ev.RolloutAdmitted]:
-        """The next ``n`` admissions: failed groups' retries first, then new groups."""
+    def _next_admissions(self, n: int, generators: list[str]) -> list[ev.RolloutAdmitted]:
+        """The next ``n`` admissions: failed groups' retries first, then new groups;
+        the i-th goes to ``generators[i]`` (recorded, so views can tell them apart)."""
         state = self.journal.state
         out: list[ev.RolloutAdmitted] = []
         new = 0
-        for _ in range(n):
+        for i in range(n):
             if self._retry_queue:
                 prev = state.groups[self._retry_queue.pop(0)]
                 group_id, index, attempt = prev.group_id, prev.prompt_index, prev.attempt + 1
@@ -194,6 +197,7 @@ class AdmissionSide:
                 weight_version=state.weight_version,
                 n_samples=self.rollout.samples_per_group,
                 sample_seed=sample_seed(self.seed, index, attempt),
+                generator=generators[i],
             ))
         return out
 

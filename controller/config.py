@@ -26,6 +26,7 @@ The resolved config is written into ``RunStarted`` so a log describes its own ru
 
 from __future__ import annotations
 
+import enum
 import tomllib
 import typing
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 import msgspec
 
 from controller.core.policies import StalenessSection, full_capacity
+from controller.prometheus import MetricsSection
 from controller.settings import (
     CheckpointSection, ControllerSection, RayConfig, RolloutSection, RunSection,
 )
@@ -66,6 +68,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
     def __post_init__(self) -> None:
         """The rules that span tables (each table checked its own fields already)."""
@@ -147,6 +150,8 @@ def _choices(dotted: str) -> tuple[str, ...]:
     for part in dotted.split("."):
         hint = typing.get_type_hints(owner)[part]
         owner = hint
+    if isinstance(owner, type) and issubclass(owner, enum.Enum):
+        return tuple(str(e.value) for e in owner)
     return typing.get_args(owner)
 
 

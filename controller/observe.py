@@ -66,9 +66,13 @@ class MetricsSink:
 
 
 class Progress:
-    """A live table for people: step, trainer_version, reward, lag, groups/s, buffer."""
+    """A live table for people: step, trainer_version, reward, lag, the train/inference
+    mismatch (KL(generator || trainer) at the trainer's version), groups/s, buffer."""
 
-    COLUMNS = ("step", "version", "reward", "lag mean/max", "groups/s", "buffer", "in flight")
+    COLUMNS = (
+        "step", "version", "reward", "lag mean/max", "mismatch kl", "groups/s", "buffer",
+        "in flight",
+    )
 
     def __init__(self, total_steps: int, *, console: Console | None = None, enabled: bool = True):
         self.total_steps = total_steps
@@ -100,6 +104,7 @@ class Progress:
             f"{version}/{self.total_steps}",
             f"{m.get('reward/mean', float('nan')):.3f}",
             f"{m.get('lag/mean', 0):.2f}/{m.get('lag/max', 0):.0f}",
+            f"{m['mismatch_kl']:.1e}" if "mismatch_kl" in m else "-",
             f"{m.get('perf/groups_per_s', 0):.2f}",
             str(buffer),
             str(in_flight),
@@ -109,6 +114,10 @@ class Progress:
             self._live.update(self._render())
         else:  # not a terminal: one plain line per step
             self.console.print(" ".join(f"{c}={v}" for c, v in zip(self.COLUMNS, row)))
+
+    def warn(self, text: str) -> None:
+        """A line above the table (or among the plain lines) that a person should see."""
+        self.console.print(f"warning: {text}", markup=False, highlight=False)
 
     def _render(self) -> Table:
         table = Table(title=f"rl-controller  {self._status}", expand=False)

@@ -52,7 +52,7 @@ from controller.retraining import (
     retrain_step,
 )
 from events import schema as ev
-from workers.api import PayloadStore, TrainerClient, WorkerLostError
+from workers.api import PayloadStore, StartedWorkers, TrainerClient, WorkerLostError
 
 if TYPE_CHECKING:
     from controller.settings import CheckpointSection
@@ -232,7 +232,7 @@ def reload_spill(dataplane: object, run_id: str) -> int:
 
 async def reconcile_workers(
     writer: LogWriter,
-    workers,
+    workers: StartedWorkers,
     checkpoint: CheckpointSection,
     *,
     checkpoint_dir: str,
@@ -240,9 +240,7 @@ async def reconcile_workers(
 ) -> None:
     """Steps 1-4 of the module docstring, in order (at a start, before the loop)."""
     journal = Journal(writer)
-    token = getattr(workers, "token", None)
-    if token is not None:  # from here on every worker call carries this epoch
-        token.value = writer.epoch
+    workers.token.value = writer.epoch  # from here on every worker call carries it
     reloaded = reload_spill(workers.dataplane, writer.run_id)
     crash_point("after_spill_reloaded", writer.epoch)
     removed = await clean_data_plane(writer.state, workers.payloads)

@@ -37,7 +37,8 @@ def expected_digest(state: RunState, version: int) -> str | None:
 def microbatch_ref(state: RunState, group_ids: Iterable[str]) -> MicrobatchRef:
     """A recorded microbatch, rebuilt exactly as the loop built it."""
     keys, advantages, _ = policies.microbatch_advantages(state, group_ids)
-    return MicrobatchRef(payload_keys=keys, advantages=advantages)
+    versions = policies.microbatch_versions(state, group_ids)
+    return MicrobatchRef(payload_keys=keys, advantages=advantages, versions=versions)
 
 
 async def retrain_step(trainer: TrainerClient, state: RunState, record: StepRecord) -> str:

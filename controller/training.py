@@ -174,9 +174,9 @@ class TrainSide:
             raise _StepLost(step)
         index = len(open_step.microbatches)
         j.ensure_owner()
-        out = await self._timed_trainer(
-            self.trainer.train_microbatch(MicrobatchRef(payload_keys=keys, advantages=advantages))
-        )
+        versions = policies.microbatch_versions(j.state, ids)
+        ref = MicrobatchRef(payload_keys=keys, advantages=advantages, versions=versions)
+        out = await self._timed_trainer(self.trainer.train_microbatch(ref))
         crash_point("before_microbatch_trained", step)
         await j.append(
             j.make(

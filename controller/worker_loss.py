@@ -21,6 +21,7 @@ from events import schema as ev
 from workers.api import (
     GeneratorClient,
     PayloadStore,
+    Replaceable,
     TrainerClient,
     WeightPublisher,
     WorkerLostError,
@@ -99,7 +100,9 @@ class WorkerLossHandling:
 
     def _failed_handle_is_current(self, err: WorkerLostError) -> bool:
         # A death reported by a call on an already replaced handle is old news.
-        return getattr(self.trainer, "handle", None) is getattr(err, "handle", None)
+        if not isinstance(self.trainer, Replaceable):
+            return True  # nothing swaps this trainer: its death is always news
+        return self.trainer.handle is err.handle
 
     async def trainer_ready(self) -> None:
         """Wait for a trainer replacement in progress (returns at once when none is)."""

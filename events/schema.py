@@ -97,6 +97,9 @@ class RolloutAdmitted(Event, frozen=True):
     weight_version: WeightVersion
     n_samples: int
     sample_seed: int
+    #: the generator the group is dispatched to ("" in logs written before it was
+    #: recorded); what the trace's per-generator tracks are built from
+    generator: str = ""
 
 
 class GroupCommitted(Event, frozen=True):

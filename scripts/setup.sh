@@ -27,15 +27,28 @@ if [ ${#missing[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+# chromium + chromium-driver: the dashboard's browser tests drive a real headless
+# Chromium (selenium, in the dev extra). Installed only when missing, and only as root;
+# elsewhere the browser tests skip and say so.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium chromium-driver (apt; the browser tests)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "[setup] note: chromium / chromedriver not found; the browser tests will skip" >&2
+  fi
+fi
 # The packaged service is not used: the CLI and the tests start their own servers.
 if command -v systemctl >/dev/null 2>&1; then
   systemctl disable --now redis-server redis-sentinel >/dev/null 2>&1 || true
 fi
 
 PY=${PYTHON:-python3}
-# RLC_EXTRAS: the project's extras (the Docker image sets "megatron", or "vllm" for
-# CUDA); RLC_TORCH_INDEX: where torch comes from (the CPU image sets PyTorch's CPU index).
-EXTRAS=${RLC_EXTRAS-dev,megatron}
+# RLC_EXTRAS: the project's extras, by default dev, megatron and envs (the multi-turn
+# environment packages; the Docker image sets "megatron", or "vllm" for CUDA);
+# RLC_TORCH_INDEX: where torch comes from (the CPU image sets PyTorch's CPU index).
+EXTRAS=${RLC_EXTRAS-dev,megatron,envs}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv

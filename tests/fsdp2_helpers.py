@@ -33,7 +33,7 @@ F64 = Fsdp2Options(param_dtype="float64")
 WRONG_NORMALISER = replace(F64, gradient_divide_factor=None)
 
 CONFIGS: dict[str, TrainerConfig] = {"sgd": SGD, "adamw": ADAMW}
-TOKEN_KL = LossConfig(aggregation=Aggregation.TOKEN, kl_coef=0.1, is_truncation_cap=1.5)
+TOKEN_KL = LossConfig(aggregation=Aggregation.TOKEN, kl_coef=0.1, is_cap=1.5)
 #: token without KL, sequence with KL, token with KL (the reference model's forward)
 LOSSES: dict[str, LossConfig] = {"token": TOKEN, "sequence_kl": SEQUENCE, "token_kl": TOKEN_KL}
 
@@ -94,8 +94,8 @@ def local_state(t: Fsdp2Trainer) -> dict[str, Any]:
 
     return {
         "params": [local(p.detach()) for p in t.model.parameters()],
-        "optimizer": local(t._optimizer.state_dict()),
-        "scheduler": t._scheduler.state_dict(),
+        "optimizer": local(t.optimizer.state_dict()),
+        "scheduler": t.scheduler.state_dict(),
         "version": t.trainer_version,
         "rng": torch.get_rng_state(),
         "grads": [p.grad is None for p in t.model.parameters()],

@@ -89,7 +89,7 @@ def weight_tolerance(config: TrainerConfig, steps: int) -> float:
         return SGD_F32
     return adamw_f32_tolerance(config, steps)
 
-TOKEN = LossConfig(aggregation=Aggregation.TOKEN, is_truncation_cap=1.5)
+TOKEN = LossConfig(aggregation=Aggregation.TOKEN, is_cap=1.5)
 SEQUENCE = LossConfig(aggregation=Aggregation.SEQUENCE, kl_coef=0.05, temperature=0.8)
 
 

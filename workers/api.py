@@ -12,11 +12,12 @@ controller's ``wiring`` picks one.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
 from events.schema import Segment, SegmentKind
+from workers.fencing import EpochToken
 
 
 class WorkerLostError(RuntimeError):
@@ -80,6 +81,9 @@ class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):
     payload_keys: list[str]
     #: one advantage per payload key (GRPO, normalised within each group)
     advantages: list[float]
+    #: the weight version each key's generation started at (its group's
+    #: weight_version_start; the mismatch metrics use it); empty = unknown
+    versions: list[int] = msgspec.field(default_factory=list)
 
 
 class MicrobatchOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,3 +169,23 @@ class PayloadStore(Protocol):
 
     async def delete(self, keys: list[str]) -> None: ...
     async def keys(self) -> list[str]: ...
+
+
+@runtime_checkable
+class Replaceable(Protocol):
+    """A client whose worker can be replaced behind it: a restart swaps ``handle``, and
+    ``WorkerLostError.handle`` names the incarnation that failed."""
+
+    handle: object
+
+
+class StartedWorkers(Protocol):
+    """The started workers as recovery reconciles them (``controller.wiring.Workers``)."""
+
+    trainer: TrainerClient
+    publisher: WeightPublisher
+    payloads: PayloadStore
+    #: the controller's data plane client
+    dataplane: object
+    #: the controller's epoch, stamped by every handle on every call (``workers.fencing``)
+    token: EpochToken

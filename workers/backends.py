@@ -1,14 +1,20 @@
 """Backend selection: which trainer and which generator a run builds, by config.
 
-==================  =======================  =========================================
-config key          value                    built by
-==================  =======================  =========================================
-train.backend       ``"torch"`` (default)    ``workers.trainer.torch_backend.TorchTrainer``
-train.backend       ``"megatron"``           ``workers.trainer.megatron_backend.MegatronTrainer``
-train.backend       ``"fsdp2"``              ``workers.trainer.fsdp2_backend.Fsdp2Trainer``
-rollout.backend     ``"torch"`` (default)    ``workers.generator.generator.Generator``
-rollout.backend     ``"vllm"``               ``workers.generator.vllm_backend.VllmGenerator``
-==================  =======================  =========================================
+================  =====================  ================================================
+config key        value                  built by
+================  =====================  ================================================
+train.backend     ``"torch"`` (default)  ``trainer.torch_backend.parallelize_torch``
+train.backend     ``"megatron"``         ``trainer.megatron_backend.parallelize_megatron``
+train.backend     ``"fsdp2"``            ``trainer.fsdp2_backend.parallelize_fsdp2``
+rollout.backend   ``"torch"`` (default)  ``generator.generator.Generator``
+rollout.backend   ``"vllm"``             ``generator.vllm_backend.VllmGenerator``
+================  =====================  ================================================
+
+(modules under ``workers.``)
+
+Every trainer backend is the one :class:`workers.trainer.rank.RankTrainer` with that
+backend's parallelism applied (``workers.trainer.parallel``); ``make_trainer`` is the
+only place that picks one, for the trainer worker and for each rank actor alike.
 
 Optional backends are imported only when selected, so a run that never asks for them
 needs neither package. A backend that cannot run here fails at construction with
@@ -21,7 +27,7 @@ import instead of this table).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 from workers.availability import (
     MEGATRON_INSTALL_HINT,
@@ -32,43 +38,69 @@ from workers.availability import (
     cuda_available,
     package_available,
 )
-from workers.trainer.config import TrainerBackend
+from workers.trainer.config import ModelFactory, TrainerBackend, TrainerConfig
+from workers.trainer.options import BackendOptions, Fsdp2Options, MegatronOptions
 
 if TYPE_CHECKING:
-    from workers.trainer.api import Trainer
+    from workers.trainer.config import TrainSection
+    from workers.trainer.rank import RankTrainer
 
 GeneratorBackend = Literal["torch", "vllm"]
+_T = TypeVar("_T")
 
 __all__ = [
     "MEGATRON_INSTALL_HINT", "VLLM_INSTALL_HINT", "BackendUnavailableError", "GeneratorBackend",
     "TrainerBackend", "check_megatron", "check_vllm", "cuda_available", "make_generator",
-    "make_trainer", "package_available",
+    "make_trainer", "package_available", "trainer_options",
 ]
+
 
 def _check_choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{key} = {value!r}; expected one of {list(allowed)}")
 
 
+def _checked(backend: str, options: object, kind: type[_T] | None) -> _T | None:
+    """``options`` if the backend takes that type (None: it takes none)."""
+    if options is None:
+        return None
+    if kind is None or not isinstance(options, kind):
+        wanted = "no options" if kind is None else kind.__name__
+        raise TypeError(f"train.backend = {backend!r} takes {wanted}, got {options!r}")
+    return options
+
+
 def make_trainer(
-    backend: TrainerBackend, model_factory: Any, config: Any = None, **options: Any
-) -> "Trainer":
+    backend: TrainerBackend,
+    model_factory: ModelFactory,
+    config: TrainerConfig | None = None,
+    options: BackendOptions | None = None,
+) -> RankTrainer:
     """One trainer rank of the selected backend (call inside the rank's process)."""
     _check_choice("train.backend", backend, get_args(TrainerBackend))
     if backend == "torch":
-        if options:
-            raise TypeError(f"train.backend = 'torch' takes no options, got {sorted(options)}")
+        _checked(backend, options, None)
         from workers.trainer.torch_backend import TorchTrainer
 
         return TorchTrainer(model_factory, config)
     if backend == "fsdp2":  # torch.distributed only: nothing extra to install
         from workers.trainer.fsdp2_backend import Fsdp2Trainer
 
-        return Fsdp2Trainer(model_factory, config, **options)
+        return Fsdp2Trainer(model_factory, config, _checked(backend, options, Fsdp2Options))
+    megatron = _checked(backend, options, MegatronOptions)
     check_megatron(installed=package_available("megatron.core"), cuda=cuda_available())
     from workers.trainer.megatron_backend import MegatronTrainer
 
-    return MegatronTrainer(model_factory, config, **options)
+    return MegatronTrainer(model_factory, config, megatron)
+
+
+def trainer_options(train: TrainSection) -> BackendOptions | None:
+    """The selected backend's options, from the ``[train]`` table."""
+    if train.backend == "fsdp2":
+        return Fsdp2Options(
+            tensor_parallel=train.tensor_parallel, grad_reduce=train.fsdp2_grad_reduce
+        )
+    return None
 
 
 def make_generator(backend: GeneratorBackend, **kwargs: Any) -> Any:

@@ -8,16 +8,17 @@ Two shapes of the same data, both ``tensordict`` types (TransferQueue's own):
   fields as nested tensors (``DataPlane.get_batch``);
 * a :class:`TrainBatch` -- a ``tensorclass`` (a typed ``TensorDict``): those rows
   right-padded to a common length by ``TensorDict.to_padded_tensor``, plus the
-  per-sample advantage the controller computed from the group's rewards. Indexing
-  (``batch[2:5]``) selects rows of every field at once.
+  advantages: one per sample (the controller's group-normalised rewards) or any
+  per-token values (per-turn rewards, token-level baselines). Indexing (``batch[2:5]``)
+  selects rows of every field at once.
 
 Alignment convention (shared by generator, trainer and loss): position ``t`` of
 ``input_ids`` is the token; ``generator_logprobs[t]`` is log p(input_ids[t] | input_ids[<t])
 under the weights that sampled it (its behaviour logprob); ``token_versions[t]`` is the
-version of those weights (-1 on prompt, observation and padding positions);
-``loss_mask[t]`` is True for completion tokens (never for t = 0, prompt tokens or
-padding). Logits at ``t - 1`` predict token ``t``. A sample generated across a refit
-has tokens of two versions, each with its own behaviour logprob (``docs/segments.md``).
+version of those weights (-1 on prompt and observation positions); ``loss_mask[t]`` is
+True for completion tokens (never for t = 0, prompt tokens or padding). Logits at
+``t - 1`` predict token ``t``. A sample generated across a refit has tokens of two
+versions, each with its own behaviour logprob (``docs/segments.md``).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ ROW_FIELDS: dict[str, torch.dtype] = {
 #: row fields a writer older than per-token versions did not write (read if present)
 OPTIONAL_ROW_FIELDS = frozenset({"token_versions"})
 
-#: fields of a TrainBatch that are [B, T] (the rest, ``advantages``, is [B])
+#: fields of a TrainBatch that are [B, T] (``advantages`` is [B] or [B, T])
 _PER_TOKEN = (
     "input_ids", "attention_mask", "loss_mask", "generator_logprobs", "reference_logprobs",
     "token_versions",
 )
+#: every tensor field of a TrainBatch
+_FIELDS = (*_PER_TOKEN, "advantages", "sample_versions")
 
 
 @tensorclass
@@ -59,25 +62,45 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, T] bool, True on real tokens
     loss_mask: torch.Tensor  # [B, T] bool
     generator_logprobs: torch.Tensor  # [B, T] float32
-    advantages: torch.Tensor  # [B] float32
+    #: [B] float32, one per sample, or [B, T] float32, one per token (aligned like
+    #: ``loss_mask``; values outside it are ignored)
+    advantages: torch.Tensor
     #: [B, T] float32 logprobs under the frozen reference model (only with a KL penalty)
     reference_logprobs: torch.Tensor | None = None
-    #: [B, T] int64 weight version of each token (-1 off the loss mask; None: rows
-    #: written before versions were recorded)
+    #: [B] int64: the weight version each sample's generation started at (its group's
+    #: ``weight_version_start``); None = unknown
+    sample_versions: torch.Tensor | None = None
+    #: [B, T] int64: the weight version that generated each token; when None every token
+    #: has its sample's version
     token_versions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
-        for name in (*_PER_TOKEN, "advantages"):
+        for name in (*_PER_TOKEN, "advantages", "sample_versions"):
             value = getattr(self, name)
             if value is None:
                 continue
-            want = (b,) if name == "advantages" else (b, t)
-            if tuple(value.shape) != want:
+            want = [(b, t)] if name in _PER_TOKEN else [(b,)]
+            if name == "advantages":
+                want.append((b, t))
+            if tuple(value.shape) not in want:
                 raise ValueError(
-                    f"TrainBatch.{name} has shape {tuple(value.shape)}, expected {want}"
+                    f"TrainBatch.{name} has shape {tuple(value.shape)}, expected "
+                    + " or ".join(str(w) for w in want)
                 )
         self.batch_size = torch.Size([b])
+
+    def token_advantages(self) -> torch.Tensor:
+        """[B, T] advantages: per-token values as they are, a per-sample one broadcast."""
+        adv = self.advantages
+        return adv if adv.dim() == 2 else adv.unsqueeze(1).expand(self.loss_mask.shape)
+
+    def trimmed(self, length: int) -> TrainBatch:
+        """The first ``length`` positions of every per-token field (drops right padding)."""
+        def cut(v: torch.Tensor | None) -> torch.Tensor | None:
+            return v if v is None or v.dim() == 1 else v[:, :length]
+
+        return TrainBatch(**{n: cut(getattr(self, n)) for n in _FIELDS})
 
     @property
     def num_sequences(self) -> int:
@@ -94,36 +117,40 @@ class TrainBatch:
 
 
 def collate(
-    rows: TensorDictBase | Sequence[Mapping[str, torch.Tensor]], advantages: list[float]
+    rows: TensorDictBase | Sequence[Mapping[str, torch.Tensor]],
+    advantages: Sequence[float],
+    versions: Sequence[int] | None = None,
 ) -> TrainBatch:
     """Right-pad sample rows (``ROW_FIELDS``; a batch TensorDict or one mapping per row)
-    into a TrainBatch."""
+    into a TrainBatch, with one advantage and (optionally) one weight version per row.
+    Rows that carry per-token ``token_versions`` keep them (padding is never a loss token)."""
+    names = ["input_ids", "loss_mask", "generator_logprobs"]
     if not isinstance(rows, TensorDictBase):
         rows = list(rows)
         if not rows:
             raise ValueError("cannot collate an empty list of rows")
-        names = ["input_ids", "loss_mask", "generator_logprobs"]
-        names += [n for n in OPTIONAL_ROW_FIELDS if all(n in r for r in rows)]
+        names += ["token_versions"] if "token_versions" in rows[0] else []
         rows = batch_of({n: [r[n] for r in rows] for n in names}, len(rows))
+    elif "token_versions" in rows.keys():
+        names.append("token_versions")
     b = int(rows.batch_size[0]) if rows.batch_dims else 0
     if b == 0:
         raise ValueError("cannot collate an empty list of rows")
     if b != len(advantages):
         raise ValueError(f"{b} rows but {len(advantages)} advantages")
+    if versions and b != len(versions):
+        raise ValueError(f"{b} rows but {len(versions)} weight versions")
     ids = rows.get("input_ids")
     lengths = ids.offsets().diff() if ids.is_nested else torch.full((b,), ids.shape[1])
-    padded = rows.select("input_ids", "loss_mask", "generator_logprobs").to_padded_tensor(0)
+    padded = rows.select(*names).to_padded_tensor(0)
     t = padded.get("input_ids").shape[1]
-    attention = torch.arange(t) < lengths.unsqueeze(1)
-    versions = None
-    if "token_versions" in rows.keys():
-        versions = rows.select("token_versions").to_padded_tensor(-1).get("token_versions")
-        versions = versions.to(torch.int64).reshape(b, t)
+    token_versions = padded.get("token_versions", None)
     return TrainBatch(
         input_ids=padded.get("input_ids").to(torch.int64),
-        attention_mask=attention,
+        attention_mask=torch.arange(t) < lengths.unsqueeze(1),
         loss_mask=padded.get("loss_mask").to(torch.bool),
         generator_logprobs=padded.get("generator_logprobs").to(torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
-        token_versions=versions,
+        sample_versions=torch.tensor(versions, dtype=torch.int64) if versions else None,
+        token_versions=None if token_versions is None else token_versions.to(torch.int64),
     )

@@ -13,14 +13,18 @@ hold a handle that ``controller.wiring`` swaps) and reconcile the new one.
 Every call carries the controller's epoch (``token``, shared by all handles of one
 controller): the handle calls the worker's ``fenced(epoch, method, ...)`` entry point
 and the worker refuses a stale epoch (``workers.fencing``).
+
+Calls are named by the method of a declared protocol (``workers.calls``:
+``TrainerCalls.begin_train_step``), never by a string: an undeclared call is refused
+before it is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Awaitable
 from typing import Any
 
 from workers.api import (
@@ -32,13 +36,19 @@ from workers.api import (
     StepOutcome,
     WorkerLostError,
 )
+from workers.calls import GeneratorCalls, TrainerCalls, WorkerCalls, call_name
 from workers.dataplane import DataPlane
 from workers.fencing import EpochToken
 from workers.weight_transport import BucketTransport, WeightTransport
 
 
-def _stamped(token: EpochToken | None, method: str, args: tuple[Any, ...]) -> tuple[str, tuple]:
-    """(method, args) as sent: through ``fenced`` with the epoch once the token has one."""
+#: a declared worker call: a method of a ``workers.calls`` protocol
+Call = Callable[..., Any]
+
+
+def _stamped(token: EpochToken | None, call: Call, args: tuple[Any, ...]) -> tuple[str, tuple]:
+    """(method name, args) as sent: through ``fenced`` with the epoch once the token has one."""
+    method = call_name(call)
     if token is None or token.value <= 0:
         return method, args
     return "fenced", (token.value, method, *args)
@@ -47,7 +57,9 @@ def _stamped(token: EpochToken | None, method: str, args: tuple[Any, ...]) -> tu
 class LocalHandle:
     """Calls a plain object's methods on its own worker threads."""
 
-    def __init__(self, obj: Any, *, threads: int = 1, name: str = "worker", role: str = "worker") -> None:
+    def __init__(
+        self, obj: Any, *, threads: int = 1, name: str = "worker", role: str = "worker"
+    ) -> None:
         self.obj = obj
         self.name = name
         self.role = role
@@ -56,7 +68,7 @@ class LocalHandle:
         #: the controller's epoch, stamped on every call (set by ``controller.wiring``)
         self.token: EpochToken | None = None
 
-    def submit(self, method: str, *args: Any) -> asyncio.Future:
+    def submit(self, call: Call, *args: Any) -> asyncio.Future:
         """Issue the call now (a worker thread picks it up); await the result later."""
         loop = asyncio.get_running_loop()
         if self._lost is not None:
@@ -65,11 +77,15 @@ class LocalHandle:
             failed = loop.create_future()
             failed.set_exception(err)
             return failed
-        method, args = _stamped(self.token, method, args)
+        method, args = _stamped(self.token, call, args)
         return loop.run_in_executor(self._pool, functools.partial(getattr(self.obj, method), *args))
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await self.submit(method, *args)
+    async def call(self, call: Call, *args: Any) -> Any:
+        return await self.submit(call, *args)
+
+    async def relay(self, call: Call, *args: Any) -> Any:
+        """The call's result, to pass on to another handle's call: in-process, the value."""
+        return await self.submit(call, *args)
 
     def kill(self, reason: str = "killed") -> None:
         """Make the worker unreachable, as a dead process would be (tests, chaos)."""
@@ -77,9 +93,8 @@ class LocalHandle:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        stop = getattr(self.obj, "close", None)
-        if stop is not None and self._lost is None:
-            stop()  # e.g. a vLLM engine: free it now, not at interpreter exit
+        if isinstance(self.obj, WorkerCalls) and self._lost is None:
+            self.obj.close()  # e.g. a vLLM engine: free it now, not at interpreter exit
 
 
 class RayHandle:
@@ -91,19 +106,27 @@ class RayHandle:
         self.role = role
         self.token: EpochToken | None = None
 
-    def submit(self, method: str, *args: Any) -> asyncio.Future:
+    def submit(self, call: Call, *args: Any) -> asyncio.Future:
         """Issue the call now (the task is submitted to the actor); await the result later."""
-        method, args = _stamped(self.token, method, args)
         try:
-            ref = getattr(self.actor, method).remote(*args)
+            ref = self.ref(call, *args)
         except Exception as err:  # submitting to a dead actor may raise right here
             failed = asyncio.get_running_loop().create_future()
             failed.set_exception(self._translate(err))
             return failed
         return asyncio.ensure_future(self._result(ref))
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await self.submit(method, *args)
+    async def call(self, call: Call, *args: Any) -> Any:
+        return await self.submit(call, *args)
+
+    async def relay(self, call: Call, *args: Any) -> Any:
+        """The call's result, to pass on to another handle's call: an object reference.
+        The value stays in Ray's object store (stored once), and each receiving actor
+        fetches it; the caller never holds it."""
+        try:
+            return self.ref(call, *args)
+        except Exception as err:
+            raise self._translate(err) from err
 
     async def _result(self, ref: Any) -> Any:
         try:
@@ -120,8 +143,9 @@ class RayHandle:
         lost.handle = self  # which incarnation died (a restart swaps the handle)
         return lost
 
-    def ref(self, method: str, *args: Any) -> Any:
-        method, args = _stamped(self.token, method, args)
+    def ref(self, call: Call, *args: Any) -> Any:
+        """Submit the call; its Ray object reference."""
+        method, args = _stamped(self.token, call, args)
         return getattr(self.actor, method).remote(*args)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -130,7 +154,7 @@ class RayHandle:
 
         if self.role == "generator":
             try:
-                ray.get(self.actor.close.remote(), timeout=timeout_s)
+                ray.get(self.actor.close.remote(), timeout=timeout_s)  # unfenced: a kill follows
             except Exception:
                 pass  # dead or hung: the kill below is all that is left
         ray.kill(self.actor, no_restart=True)
@@ -146,34 +170,35 @@ class TrainerClientImpl:
         self.handle = handle
 
     async def begin_train_step(self, step: int) -> None:
-        await self.handle.call("begin_train_step", step)
+        await self.handle.call(TrainerCalls.begin_train_step, step)
 
     async def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
-        return await self.handle.call("train_microbatch", ref)
+        return await self.handle.call(TrainerCalls.train_microbatch, ref)
 
     async def finish_train_step(self) -> StepOutcome:
-        return await self.handle.call("finish_train_step")
+        return await self.handle.call(TrainerCalls.finish_train_step)
 
     async def abort_train_step(self) -> None:
-        await self.handle.call("abort_train_step")
+        await self.handle.call(TrainerCalls.abort_train_step)
 
     async def version_and_digest(self) -> tuple[int, str]:
-        return tuple(await self.handle.call("version_and_digest"))  # type: ignore[return-value]
+        return tuple(await self.handle.call(TrainerCalls.version_and_digest))  # type: ignore[return-value]
 
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
-        return await self.handle.call("save_checkpoint", directory)
+        return await self.handle.call(TrainerCalls.save_checkpoint, directory)
 
     async def begin_checkpoint(self, directory: str) -> None:
-        await self.handle.call("begin_checkpoint", directory)
+        await self.handle.call(TrainerCalls.begin_checkpoint, directory)
 
     async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
-        return await self.handle.call("checkpoint_outcome", directory)
+        return await self.handle.call(TrainerCalls.checkpoint_outcome, directory)
 
     async def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
-        return tuple(await self.handle.call("load_checkpoint", directory, expected_sha256))  # type: ignore[return-value]
+        got = await self.handle.call(TrainerCalls.load_checkpoint, directory, expected_sha256)
+        return tuple(got)  # type: ignore[return-value]
 
     async def reset(self) -> None:
-        await self.handle.call("reset")
+        await self.handle.call(TrainerCalls.reset)
 
 
 class GeneratorClientImpl:
@@ -185,10 +210,10 @@ class GeneratorClientImpl:
 
     def generate(self, requests: list[GenerationRequest]) -> Awaitable[list[GenerationOutcome]]:
         """Issue the call now; the outcomes are awaited later (see ``GeneratorClient``)."""
-        return self.handle.submit("generate_groups", requests)
+        return self.handle.submit(GeneratorCalls.generate_groups, requests)
 
     async def weight_version(self) -> int:
-        return await self.handle.call("weight_version")
+        return await self.handle.call(GeneratorCalls.weight_version)
 
 
 class Publisher:
@@ -231,7 +256,7 @@ class PayloadStoreImpl:
 
     async def delete(self, keys: list[str]) -> None:
         if self.trainer is not None:
-            await self.trainer.handle.call("clear_payloads", list(keys))
+            await self.trainer.handle.call(TrainerCalls.clear_payloads, list(keys))
             return
         await asyncio.to_thread(self.dataplane.clear, self.partition, keys)
 

@@ -29,7 +29,7 @@ from workers.api import (
     MicrobatchRef,
     StepOutcome,
 )
-from workers.backends import GeneratorBackend, make_trainer
+from workers.backends import GeneratorBackend, make_trainer, trainer_options
 from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
 from workers.dataplane.api import MissingPayloadError
@@ -40,9 +40,10 @@ from workers.generator.inflight import InflightRunner
 from workers.generator.vllm_config import MIB
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
+from workers.envs.task import EpisodeTask
 from workers.tasks import make_task, prompt_set
 from workers.tasks.config import TaskSection
-from workers.trainer import TorchTrainer
+from workers.trainer.api import Trainer
 from workers.trainer.async_checkpoint import AsyncCheckpointer
 from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
 from workers.trainer.config import BuiltModelFactory, TrainSection
@@ -81,7 +82,8 @@ class WorkerSpec:
 
 
 class TrainerWorker(Fenced):
-    """The trainer behind the controller's ``TrainerClient`` protocol.
+    """The trainer behind the controller's ``TrainerClient`` protocol (its calls are
+    ``workers.calls.TrainerCalls``).
 
     Also deletes data-plane rows for the controller (:meth:`clear_payloads`), so those
     deletes pass the same fence as the trainer calls.
@@ -93,30 +95,23 @@ class TrainerWorker(Fenced):
         self.fence = EpochFence(spec.run_id, "trainer")
         self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         #: the loss compares logprobs under the generators' sampling temperature
-        self.loss = spec.train.loss.loss_config(spec.sampling.temperature)
-        self.trainer: Any = self._build()
+        self.loss = spec.train.loss.loss_config(
+            spec.sampling.temperature, spec.sampling.max_new_tokens
+        )
+        self.trainer: Trainer = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
         self._checkpointer = AsyncCheckpointer()
 
-    def _build(self) -> Any:
+    def _build(self) -> Trainer:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
         spec, train = self.spec, self.spec.train
         factory = BuiltModelFactory(spec.model.model_config(spec.seed))
         config = train.trainer_config(spec.seed)
-        options = None
-        if train.backend == "fsdp2":
-            from workers.trainer.fsdp2_backend import Fsdp2Options
-
-            options = Fsdp2Options(
-                tensor_parallel=train.tensor_parallel, grad_reduce=train.fsdp2_grad_reduce
-            )
+        options = trainer_options(train)
         world = train.data_parallel * train.tensor_parallel
         if world == 1:
-            if train.backend == "torch":
-                return TorchTrainer(factory, config)
-            kwargs = {} if options is None else {"options": options}
-            return make_trainer(train.backend, factory, config, **kwargs)  # type: ignore[arg-type]
+            return make_trainer(train.backend, factory, config, options)
         from workers.trainer.actor import TrainerGroup
 
         return TrainerGroup(
@@ -126,23 +121,20 @@ class TrainerWorker(Fenced):
 
     def reset(self) -> None:
         """Back to the initial weights (seeded init, version 0), as if just started."""
-        # A data-parallel TrainerGroup owns rank actors: stop them before building anew.
-        shutdown = getattr(self.trainer, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.trainer.close()  # a TrainerGroup's rank actors stop before new ones start
         self.trainer = self._build()
+
+    def close(self) -> None:
+        """Stop what the trainer started (a data-parallel group's rank actors)."""
+        self.trainer.close()
 
     def begin_train_step(self, step: int) -> None:
         self.trainer.begin_train_step(step, self.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
-        batch = collate(self._rows(ref.payload_keys), ref.advantages)
+        batch = collate(self._rows(ref.payload_keys), ref.advantages, ref.versions)
         result = self.trainer.train_microbatch(batch)
-        results = result if isinstance(result, list) else [result]
-        return MicrobatchOutcome(
-            num_sequences=sum(r.num_sequences for r in results),
-            num_tokens=sum(r.num_tokens for r in results),
-        )
+        return MicrobatchOutcome(num_sequences=result.num_sequences, num_tokens=result.num_tokens)
 
     def _rows(self, keys: list[str]) -> Any:
         """The rows' fields; those an older writer did not write are left out."""
@@ -238,12 +230,17 @@ class GeneratorWorker(Fenced):
         self.spec = spec
         self.name = name
         self.fence = EpochFence(spec.run_id, name)
-        task = make_task(spec.task.name, **dict(spec.task_options))
+        task = make_task(spec.task.name, **{**spec.task.options, **spec.task_options})
         self.prompts = prompt_set(task, spec.task.num_prompts, spec.seed, spec.task.dataset or None)
         self.sampling = spec.sampling.sampling_config()
         plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
         fenced_plane: Any = _FencedWrites(plane, self.fence)
         self.generator: Any
+        if spec.generator_backend == "vllm" and isinstance(task, EpisodeTask):
+            raise ValueError(
+                f"task {spec.task.name!r} runs multi-turn episodes, which the vLLM generator "
+                "does not run yet; use rollout.backend = \"torch\""
+            )
         if spec.generator_backend == "vllm":
             from workers.backends import make_generator
             from workers.models.hf import load_hf_tokenizer
@@ -302,9 +299,7 @@ class GeneratorWorker(Fenced):
 
     def close(self) -> None:
         """Stop generating and free the engine (a vLLM engine's processes included)."""
-        close = getattr(self.generator, "close", None)
-        if close is not None:
-            close()
+        self.generator.close()
 
     def weight_version(self) -> int:
         return self.generator.weight_version

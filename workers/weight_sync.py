@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -71,6 +72,14 @@ class WeightStream:
 Weights = StateDict | WeightStream
 
 
+@runtime_checkable
+class StreamLoadable(Protocol):
+    """A load target that takes a :class:`WeightStream` whole (the vLLM generator hands
+    the spool to its engine); any other module is loaded tensor by tensor."""
+
+    def load_weight_stream(self, stream: WeightStream) -> None: ...
+
+
 class VersionedWeights:
     """A model's weights tagged with a version, updated only between token steps."""
 
@@ -79,6 +88,8 @@ class VersionedWeights:
         self.name = name
         self._version = version
         self._lock = threading.Lock()
+        #: notified when an update starts waiting for a step boundary
+        self._queued = threading.Condition(self._lock)
         self._generating_thread: int | None = None
         self._pending: tuple[int, Weights, threading.Event] | None = None
 
@@ -100,6 +111,7 @@ class VersionedWeights:
                 self._pending[2].set()
             loaded = threading.Event()
             self._pending = (version, state_dict, loaded)
+            self._queued.notify_all()
         loaded.wait()
         return WeightsAck(self.name, self._version)
 
@@ -129,6 +141,14 @@ class VersionedWeights:
             self._apply_pending()
             return end
 
+    def wait_for_pending(self, timeout_s: float) -> int | None:
+        """Block until an update from another thread waits for a step boundary; its
+        version, or None if none came within ``timeout_s`` (a generating thread can
+        hold a step until the update is there, so it lands mid-group for sure)."""
+        with self._queued:
+            self._queued.wait_for(lambda: self._pending is not None, timeout=timeout_s)
+            return None if self._pending is None else self._pending[0]
+
     def check(self, version: int) -> None:
         """Raise :class:`StaleWeightsError` if ``version`` is older than held or pending."""
         with self._lock:
@@ -153,9 +173,8 @@ class VersionedWeights:
 
     def _load(self, version: int, weights: Weights) -> None:
         with torch.no_grad():
-            stream_loader = getattr(self.model, "load_weight_stream", None)
-            if isinstance(weights, WeightStream) and stream_loader is not None:
-                stream_loader(weights)
+            if isinstance(weights, WeightStream) and isinstance(self.model, StreamLoadable):
+                self.model.load_weight_stream(weights)
             elif isinstance(weights, WeightStream):
                 load_tensors(self.model, weights.tensors())
             else:

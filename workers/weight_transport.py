@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from workers.calls import WeightSink, WeightSource
 from workers.weight_buckets import Piece, pack_bucket, plan_buckets
 from workers.weight_sync import WeightsAck
 
@@ -46,18 +47,16 @@ class BucketTransport:
         self.bucket_bytes = bucket_bytes
 
     async def send(self, version: int, trainer: Any, generators: Sequence[Any]) -> list[WeightsAck]:
-        count = await trainer.call("prepare_weight_buckets", version, self.bucket_bytes)
+        count = await trainer.call(WeightSource.prepare_weight_buckets, version, self.bucket_bytes)
         acks: list[Any] = [None] * len(generators)
         for index in range(count):
-            # A handle that can pass a reference (Ray) passes one: the bucket is stored
-            # once and each generator fetches it, the controller never holds it.
-            if hasattr(trainer, "ref"):
-                bucket = trainer.ref("weight_bucket", version, index)
-            else:
-                bucket = await trainer.call("weight_bucket", version, index)
-            acks = await asyncio.gather(
-                *(g.call("receive_weight_bucket", version, index, count, bucket) for g in generators)
-            )
+            # relayed: a Ray handle passes a reference (the bucket is stored once and
+            # each generator fetches it; the controller never holds it)
+            bucket = await trainer.relay(WeightSource.weight_bucket, version, index)
+            acks = await asyncio.gather(*(
+                g.call(WeightSink.receive_weight_bucket, version, index, count, bucket)
+                for g in generators
+            ))
         if any(a is None for a in acks):
             raise RuntimeError(f"weight version {version}: a generator did not acknowledge")
         return list(acks)

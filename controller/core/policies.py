@@ -294,6 +294,18 @@ def microbatch_advantages(
     return keys, advantages, zero_variance
 
 
+def microbatch_versions(state: RunState, group_ids: Iterable[str]) -> list[int]:
+    """The weight version each payload key of a microbatch was generated at (its group's
+    ``weight_version_start``), in the order of ``microbatch_advantages``' keys."""
+    out: list[int] = []
+    for gid in group_ids:
+        group = state.groups[gid]
+        start = group.weight_version_start
+        version = group.dispatch_weight_version if start is None else start
+        out.extend([version] * len(group.payload_keys))
+    return out
+
+
 def group_advantages(rewards: Collection[float], eps: float = 1e-6) -> tuple[list[float], bool]:
     """GRPO advantages: rewards normalised within the group.
 

@@ -10,6 +10,7 @@ the controller makes, so a test can assert what a controller did *not* do.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from controller.loop import Controller
 from controller.recovery import reconcile_workers
 from cli.run_cmd import checkpoint_dir
 from controller.wiring import Workers, _assemble, worker_spec
+from workers.calls import call_name
 from workers.dataplane import make_dataplane
 from workers.handles import LocalHandle, PayloadStoreImpl
 from workers.service import GeneratorWorker, TrainerWorker
@@ -53,10 +55,11 @@ class CountingHandle(LocalHandle):
         self.calls = calls
         self.hooks = hooks if hooks is not None else {}
 
-    def submit(self, method: str, *args: Any) -> asyncio.Future:
+    def submit(self, call: Callable[..., Any], *args: Any) -> asyncio.Future:
         # every call goes through submit (``call`` awaits it): record it when issued
+        method = call_name(call)
         self.calls.record(self.name, method)
-        issued = super().submit(method, *args)
+        issued = super().submit(call, *args)
         hook = self.hooks.pop(method, None)
         if hook is None:
             return issued

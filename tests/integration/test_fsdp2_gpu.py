@@ -102,8 +102,8 @@ def _placement() -> dict:
     t = TorchTrainer(DoubleFactory(FACTORY), SGD)
     return {
         "backend": dist.get_backend(),
-        "mesh_device": f.mesh.device_type,
-        "mesh_shape": tuple(f.mesh.shape),
+        "mesh_device": f.parallel.placement.mesh.device_type,
+        "mesh_shape": tuple(f.parallel.placement.mesh.shape),
         "fsdp2_devices": sorted({p.device.type for p in f.model.parameters()}),
         "fsdp2_dtensors": all(isinstance(p, DTensor) for p in f.model.parameters()),
         "torch_devices": sorted({p.device.type for p in t.model.parameters()}),

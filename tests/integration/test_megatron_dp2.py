@@ -93,7 +93,7 @@ def _run(variant: str, scenario: str, cfg_name: str, loss_name: str, gpu: bool):
         for i in range(k):
             trainer.train_microbatch(mbs[i] if i < len(mbs) else None)
         results.append(trainer.finish_train_step())
-    assert trainer.ddp.config.no_sync_func is not None  # hooks restored after each step
+    assert trainer.parallel.forward.config.no_sync_func is not None  # hooks restored after each step
     return trainer.export_weights(), results, trainer.weights_digest(), initial
 
 

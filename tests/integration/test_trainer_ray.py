@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.trainer import TrainStepStateError
+from workers.trainer import MicrobatchResult, TrainStepStateError
 from tests.trainer_helpers import (
     FACTORY,
     SGD64,
@@ -61,8 +61,14 @@ def test_two_rank_actors_match_in_process_oneshot(ray_cluster, tmp_path):
         group.weights_digest()  # raises if the ranks diverged
         info = group.save_checkpoint(tmp_path / "v1")
         assert info.trainer_version == 1
+        # a Trainer like one rank: one global microbatch, its global counts
+        group.begin_train_step(1, TOKEN)
+        got = group.train_microbatch(batch)
+        assert isinstance(got, MicrobatchResult) and not got.dummy and got.index == 0
+        assert (got.num_sequences, got.num_tokens) == (batch.num_sequences, batch.num_tokens)
+        group.abort_train_step()
     finally:
-        group.shutdown()
+        group.close()
 
 
 def _live(actors) -> int:
@@ -99,7 +105,7 @@ def test_trainer_worker_reset_stops_its_rank_actors(ray_cluster, tmp_path):
         assert _live(old + new) == 2, "the old group's rank actors are still alive"
         assert _live(new) == 2
     finally:
-        worker.trainer.shutdown()
+        worker.trainer.close()
 
 
 @pytest.mark.slow
@@ -127,4 +133,4 @@ def test_rank_actors_run_every_backend(ray_cluster, trainer_backend):
         logprobs = group.compute_logprobs(batch)
         assert logprobs.shape == batch.loss_mask.shape
     finally:
-        group.shutdown()
+        group.close()

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from workers.api import GenerationRequest, MicrobatchRef
+from workers.calls import GeneratorCalls, TrainerCalls
 from controller.startup import resume_run
 from events.redis_store import RedisEventStore
 from tests.integration.recovery_helpers import (
@@ -82,9 +83,9 @@ class Race:
         self.token_b.value = writer_b.epoch
 
         async def first_contact() -> None:
-            await self.b_handle(self.trainer_obj, "trainer").call("version_and_digest")
+            await self.b_handle(self.trainer_obj, "trainer").call(TrainerCalls.version_and_digest)
             for i, obj in enumerate(self.gen_objs):
-                await self.b_handle(obj, f"gen{i}").call("weight_version")
+                await self.b_handle(obj, f"gen{i}").call(GeneratorCalls.weight_version)
 
         asyncio.run(first_contact())
         return writer_b.epoch
@@ -148,7 +149,7 @@ def _prepare(race: Race, case: str) -> Callable[[], Any]:
         "reset": lambda: trainer.reset(),
         "generate": lambda: gen.generate([GenerationRequest(
             group_id="g-zombie", attempt=0, prompt_index=5, n_samples=4, seed=9)]),
-        "update_weights": lambda: gen.handle.call("update_weights", 1, weights),
+        "update_weights": lambda: gen.handle.call(GeneratorCalls.update_weights, 1, weights),
         "publish": lambda: Publisher(trainer, w.generators).publish(1),
         "delete_payloads": lambda: PayloadStoreImpl(race.plane, RUN, trainer).delete(keys),
     }

@@ -396,7 +396,7 @@ class _Sim:
         while len(self.in_flight) + len(self.buffer) < capacity:
             gid = f"g{self.n_groups:07d}"
             self.n_groups += 1
-            self.b.admit(gid)
+            self.b.admit(gid, generator=_generator(gid))
             self.in_flight.append(gid)
 
     def complete_some(self, p_fail: float) -> None:
@@ -410,7 +410,7 @@ class _Sim:
                 b.fail(gid)
                 if rng.random() < 0.5:
                     b.release([gid])
-                b.admit(gid)
+                b.admit(gid, generator=_generator(gid))
                 self.in_flight.append(gid)
             else:
                 b.commit(gid)
@@ -450,7 +450,7 @@ class _Sim:
         self.buffer = sorted(self.buffer + picked, key=self.commit_seq.__getitem__)
         if restart:
             for gid in list(self.in_flight):
-                b.fail(gid, "controller restart").admit(gid)
+                b.fail(gid, "controller restart").admit(gid, generator=_generator(gid))
             b.publish()
 
     def checkpoint(self) -> None:
@@ -470,6 +470,11 @@ class _Sim:
         if lost:
             b.release(lost)
         b.publish()
+
+
+def _generator(group_id: str) -> str:
+    """The simulated run's two generators (no random draw: other logs stay the same)."""
+    return f"generator-{int(group_id[1:]) % 2}"
 
 
 def random_run(

@@ -20,17 +20,24 @@ from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
 from workers.models.factory import ModelConfig, build_model
 from workers.tasks import make_task
-from workers.trainer import TorchTrainer
+from workers.trainer import RankTrainer
+from workers.trainer.options import Fsdp2Options, MegatronOptions
 from tests.trainer_helpers import FACTORY, SGD
 
 
 def test_torch_trainer_is_the_default_choice():
-    assert isinstance(make_trainer("torch", FACTORY, SGD), TorchTrainer)
+    t = make_trainer("torch", FACTORY, SGD)
+    assert isinstance(t, RankTrainer) and t.parallel.backend == "torch"
 
 
 def test_torch_trainer_rejects_backend_options():
-    with pytest.raises(TypeError, match="takes no options.*overlap_grad_reduce"):
-        make_trainer("torch", FACTORY, SGD, overlap_grad_reduce=True)
+    with pytest.raises(TypeError, match="'torch' takes no options.*overlap_grad_reduce=True"):
+        make_trainer("torch", FACTORY, SGD, MegatronOptions(overlap_grad_reduce=True))
+
+
+def test_a_backend_refuses_another_backends_options():
+    with pytest.raises(TypeError, match="'megatron' takes MegatronOptions, got Fsdp2Options"):
+        make_trainer("megatron", FACTORY, SGD, Fsdp2Options())
 
 
 @pytest.mark.parametrize(

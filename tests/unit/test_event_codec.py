@@ -58,7 +58,7 @@ GOLDEN: dict[str, Event] = {
     "RolloutAdmitted": RolloutAdmitted(
         event_id="group:g0042:admitted:a2", epoch=1, ts=_TS + 2, schema_version=1, group_id="g0042",
         attempt=2, prompt_index=42, prompt_ref="gsm8k/train.jsonl#42", weight_version=3, n_samples=4,
-        sample_seed=987654321,
+        sample_seed=987654321, generator="generator-1",
     ),
     "GroupCommitted": GroupCommitted(
         event_id="group:g0042:committed:a2", epoch=1, ts=_TS + 3, schema_version=1, group_id="g0042",
@@ -205,6 +205,21 @@ def test_bad_entries_raise_decode_error_with_position(data: bytes, reason: str) 
 def test_missing_schema_version_reads_as_current() -> None:
     data = b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "step": 1, "reason": "r"}'
     assert codec.decode(data, position=1) == StepAborted(event_id="x", epoch=1, ts=0.0, step=1, reason="r")
+
+
+#: RolloutAdmitted as written before the admission recorded its generator (the golden
+#: line's bytes until then): an old log's admissions still decode, with generator "".
+OLD_ROLLOUT_ADMITTED = (
+    b'{"type":"RolloutAdmitted","group_id":"g0042","attempt":2,"prompt_index":42,'
+    b'"prompt_ref":"gsm8k/train.jsonl#42","weight_version":3,"n_samples":4,'
+    b'"sample_seed":987654321,"event_id":"group:g0042:admitted:a2","epoch":1,'
+    b'"ts":1717171719.125,"schema_version":1}'
+)
+
+
+def test_an_admission_without_its_generator_still_decodes() -> None:
+    event = codec.decode(OLD_ROLLOUT_ADMITTED, position=3)
+    assert event == msgspec.structs.replace(GOLDEN["RolloutAdmitted"], generator="")
 
 
 # -- upcasters: a log written before a schema change still decodes ----------------------

@@ -60,13 +60,13 @@ ADV = [1.0, -2.0]
 
 
 def test_truncated_is_weight_token_level():
-    cfg = LossConfig(aggregation=Aggregation.TOKEN, is_truncation_cap=2.0)
+    cfg = LossConfig(aggregation=Aggregation.TOKEN, is_cap=2.0)
     out, grad = run(LP, batch_of(MASK, GEN, ADV), cfg)
     # w = min(3, 2) = 2, min(0.5, 2) = 0.5, 1; ratio = 1 so pg_t = -w * A
     assert float(out.loss_sum) == pytest.approx(-(2 * 1 + 0.5 * 1) - (1 * -2.0))
     close(grad, [[0.0, -2.0, -0.5], [0.0, 2.0, 0.0]])
     assert out.normaliser is MetricKind.TOKEN
-    assert metric(out, "is_truncated_frac") == 1.0
+    assert metric(out, "is_oob_frac") == 1.0
     assert metric(out, "is_weight_mean") == pytest.approx(3.5)
     assert out.metrics["is_weight_mean"].kind is MetricKind.TOKEN
     assert metric(out, "num_tokens") == 3.0
@@ -76,7 +76,7 @@ def test_truncated_is_weight_token_level():
 
 
 def test_no_is_correction_when_cap_is_none():
-    cfg = LossConfig(aggregation=Aggregation.TOKEN, is_truncation_cap=None)
+    cfg = LossConfig(aggregation=Aggregation.TOKEN, is_correction="none")
     out, grad = run(LP, batch_of(MASK, GEN, ADV), cfg)
     assert float(out.loss_sum) == pytest.approx(-(1 + 1) + 2.0)
     close(grad, [[0.0, -1.0, -1.0], [0.0, 2.0, 0.0]])
@@ -85,7 +85,7 @@ def test_no_is_correction_when_cap_is_none():
 def test_sequence_level_aggregation_means_within_each_sequence():
     mask = MASK + [[False, False, False]]  # a sequence without loss tokens is not counted
     gen, adv = GEN + [[0.0, 0.0, 0.0]], ADV + [5.0]
-    cfg = LossConfig(aggregation=Aggregation.SEQUENCE, is_truncation_cap=None)
+    cfg = LossConfig(aggregation=Aggregation.SEQUENCE, is_correction="none")
     out, grad = run(LP + [[0.0, 0.0, 0.0]], batch_of(mask, gen, adv), cfg)
     # row 0: mean(-1, -1) = -1; row 1: +2; raw sum over sequences = 1
     assert float(out.loss_sum) == pytest.approx(1.0)
@@ -120,7 +120,7 @@ def check_clipping(out, grad):
 
 
 def test_asymmetric_clipping_both_sides_with_explicit_old_logprobs():
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_truncation_cap=2.0)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_cap=2.0)
     batch = batch_of(CLIP_MASK, CLIP_OLD, CLIP_ADV)  # gen == old: IS weight 1
     out, grad = run(CLIP_LP, batch, cfg, old_logprobs=torch.tensor(CLIP_OLD))
     check_clipping(out, grad)
@@ -134,7 +134,7 @@ def test_generator_as_old_policy_clips_the_behaviour_ratio():
 
 
 def test_trainer_old_policy_makes_clipping_inert():
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_truncation_cap=None)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_correction="none")
     out, grad = run(CLIP_LP, batch_of(CLIP_MASK, CLIP_OLD, CLIP_ADV), cfg)
     # ratio = exp(lp - sg(lp)) = 1: plain -A * grad(lp) on every token
     close(grad, [[0.0, -a] for a in CLIP_ADV])
@@ -146,7 +146,7 @@ def test_trainer_old_policy_makes_clipping_inert():
 def test_overflowing_importance_ratio_keeps_gradients_finite(adv):
     # lp - old = 100 > 88: exp overflows float32. For A > 0 the token is clipped high
     # (value -1.28 * A, true gradient 0); for A < 0 the ratio is bounded at e^LOG_RATIO_MAX.
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_truncation_cap=2.0)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_cap=2.0)
     batch = batch_of([[False, True]], [[0.0, -1.0]], [adv])
     out, grad = run([[0.0, 99.0]], batch, cfg, old_logprobs=torch.tensor([[0.0, -1.0]]))
     assert torch.isfinite(grad).all()
@@ -161,7 +161,7 @@ def test_overflowing_importance_ratio_keeps_gradients_finite(adv):
 
 def test_kl_k3_penalty():
     # ref - lp = ln 2 at the only token: k3 = 2 - ln 2 - 1; d k3 / d lp = 1 - e^{ln 2} = -1
-    cfg = LossConfig(kl_coef=0.1, is_truncation_cap=None)
+    cfg = LossConfig(kl_coef=0.1, is_correction="none")
     batch = batch_of([[False, True]], [[0.0, -1.0]], [0.0], ref=[[0.0, -1.0 + LN2]])
     out, grad = run([[0.0, -1.0]], batch, cfg)
     assert float(out.loss_sum) == pytest.approx(0.1 * (1 - LN2))
@@ -208,8 +208,8 @@ def test_loss_config_validation_names_the_field():
         LossConfig(aggregation="mean")
     with pytest.raises(ValueError, match="clip_low"):
         LossConfig(clip_low=-0.1)
-    with pytest.raises(ValueError, match="is_truncation_cap"):
-        LossConfig(is_truncation_cap=0.0)
+    with pytest.raises(ValueError, match="is_cap"):
+        LossConfig(is_cap=0.0)
     with pytest.raises(ValueError, match="temperature"):
         LossConfig(temperature=0.0)
     with pytest.raises(ValueError, match="old_policy"):

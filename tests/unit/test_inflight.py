@@ -201,15 +201,18 @@ def test_the_loss_weighs_each_token_by_its_own_versions_behaviour_logprob():
     with torch.no_grad():
         lp = token_logprobs(v1_model(batch.input_ids), batch.input_ids)  # the trainer at v1
         lp_v0 = token_logprobs(v0_model(batch.input_ids), batch.input_ids)
-    cfg = LossConfig(is_truncation_cap=1e9)
+    cfg = LossConfig(is_cap=1e9)
     by_version = {}
     for v in (0, 1):
         mask = batch.loss_mask & (batch.token_versions == v)
         assert mask.any()
         part = collate(plane.get("run-1", done.payload_keys), [1.0] * 5)
         part.loss_mask = mask
-        out = grpo_loss(lp, part, cfg)
+        out = grpo_loss(lp, part, cfg, trainer_version=1)
         by_version[v] = float(out.metrics["is_weight_mean"].value) / int(mask.sum())
+        if v == 1:  # the loss's own mismatch check reads the per-token versions too
+            assert int(out.metrics["mismatch_tokens"].value) == int(mask.sum())
+            assert float(out.metrics["mismatch_logprob_diff_max"].value) < 1e-5
         if v == 0:
             ratios = torch.exp(lp - lp_v0)[mask]
     assert by_version[1] == pytest.approx(1.0, abs=1e-5)

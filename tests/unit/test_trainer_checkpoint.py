@@ -51,8 +51,8 @@ def test_load_then_step_equals_step_without_save_load(tmp_path):
     assert loaded.sha256 == info.sha256 and b.trainer_version == 2
     assert split_step(b, 2, 52) == want
     assert b.trainer_version == a.trainer_version == 3
-    state_a = a._optimizer.state_dict()["state"]
-    state_b = b._optimizer.state_dict()["state"]
+    state_a = a.optimizer.state_dict()["state"]
+    state_b = b.optimizer.state_dict()["state"]
     for pa, pb in zip(state_a.values(), state_b.values()):
         assert all(torch.equal(pa[k], pb[k]) for k in pa)
 

@@ -43,8 +43,8 @@ def snapshot(t: TorchTrainer) -> dict:
     """Everything abort must leave bitwise unchanged."""
     return {
         "weights": t.export_weights(),
-        "optimizer": t._optimizer.state_dict(),
-        "scheduler": t._scheduler.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
         "version": t.trainer_version,
         "rng": torch.get_rng_state(),
         "grads": [p.grad for p in t.model.parameters()],
@@ -260,15 +260,25 @@ def test_oneshot_train_aborts_its_own_step_on_failure():
     assert t.phase is StepPhase.IDLE and t.trainer_version == 0
 
 
-def test_step_with_only_dummies_fails_at_finish_without_updating():
+def test_a_step_without_loss_bearing_tokens_is_an_empty_step_not_an_error():
+    """No valid token on any rank: the step finishes (the controller's loop would retry
+    a failing one forever) with a zero gradient, no update, and says so in a metric."""
     t = TorchTrainer(FACTORY, ADAMW)
+    t.train(make_batch(37), TOKEN)  # Adam has momentum now: a skipped update is visible
     before = snapshot(t)
-    t.begin_train_step(0, SEQUENCE)
+    empty = make_batch(38)
+    empty = replace(empty, loss_mask=torch.zeros_like(empty.loss_mask))
+    t.begin_train_step(1, SEQUENCE)
     t.train_microbatch(None)
-    with pytest.raises(ValueError, match="no loss-bearing sequences"):
-        t.finish_train_step()
-    t.abort_train_step()
-    assert_same(snapshot(t), before)
+    t.train_microbatch(empty)
+    result = t.finish_train_step()
+    assert result.trainer_version == 2 and t.phase is StepPhase.IDLE
+    assert result.metrics["empty_step"] == 1.0 and result.grad_norm == 0.0
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert (result.num_tokens, result.num_sequences) == (0, 0)
+    after = snapshot(t)
+    assert_same(after["weights"], before["weights"])
+    assert_same(after["optimizer"], before["optimizer"])
 
 
 def test_non_finite_gradient_raises_and_applies_no_update():
@@ -358,11 +368,12 @@ class SplitApiMachine(RuleBasedStateMachine):
         if not self.open:
             with pytest.raises(TrainStepStateError):
                 self.t.finish_train_step()
-        elif not self.has_data:
-            with pytest.raises(ValueError):
-                self.t.finish_train_step()
-            self.t.abort_train_step()
+        elif not self.has_data:  # an empty step: the version moves, the weights do not
+            res = self.t.finish_train_step()
+            self.version += 1
             self.open = False
+            assert res.trainer_version == self.version and res.metrics["empty_step"] == 1.0
+            assert res.weights_digest == self.digest
         else:
             res = self.t.finish_train_step()
             self.version += 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +53,7 @@ def test_update_from_another_thread_waits_for_a_step_boundary():
     acks = []
     t = threading.Thread(target=lambda: acks.append(w.update(2, _weights(2))))
     t.start()
-    time.sleep(0.2)
+    assert w.wait_for_pending(timeout_s=30) == 2  # the update is waiting for a boundary
     assert w.version == 0 and not acks  # not applied mid-step
     w.at_step_boundary()
     t.join(timeout=5)
@@ -68,7 +67,7 @@ def test_pending_update_is_applied_after_the_end_version_is_read():
     w.begin_group()
     t = threading.Thread(target=w.update, args=(1, _weights(1)))
     t.start()
-    time.sleep(0.2)
+    assert w.wait_for_pending(timeout_s=30) == 1
     assert w.end_group() == 0  # the group never saw version 1
     t.join(timeout=5)
     assert w.version == 1
@@ -78,12 +77,14 @@ def test_concurrent_update_during_generation_makes_versions_differ():
     model, tok = build_model(CFG)
     started = threading.Event()
 
-    def slow_steps(step: int) -> None:
+    def held_first_step(step: int) -> None:  # the update arrives while the group runs
         if step == 0:
             started.set()
-        time.sleep(0.05)
+            gen.weights.wait_for_pending(timeout_s=60)
 
-    gen = Generator(model, tok, make_task("reverse"), MemoryDataPlane(), "r", on_step=slow_steps)
+    gen = Generator(
+        model, tok, make_task("reverse"), MemoryDataPlane(), "r", on_step=held_first_step
+    )
     results = []
     worker = threading.Thread(
         target=lambda: results.append(
@@ -114,13 +115,24 @@ def ray_local():
         ray.shutdown()
 
 
-class SlowGeneratorWorker(GeneratorWorker):
-    """The production generator worker, ~20 ms per token step (a 60-token group takes
-    about a second), so that a weight update can arrive while a group is generating."""
+class HeldGeneratorWorker(GeneratorWorker):
+    """The production generator worker, whose groups hold their first token step until
+    a weight update waits for the step boundary: an update published while a group
+    generates lands mid-group by construction, not by timing."""
 
     def __init__(self, spec, name: str) -> None:
         super().__init__(spec, name)
-        self.generator.on_step = lambda step: time.sleep(0.02)
+        self.started = threading.Event()
+        self.generator.on_step = self._on_step
+
+    def _on_step(self, step: int) -> None:
+        if step == 0:
+            self.started.set()
+            self.generator.weights.wait_for_pending(timeout_s=120)
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """True once a group is generating (test-only call, straight to the actor)."""
+        return self.started.wait(timeout_s)
 
 
 @pytest.mark.integration
@@ -143,12 +155,13 @@ def test_publish_through_object_store_and_mid_group_update_on_actors(ray_local, 
     trainer = TrainerClientImpl(RayHandle(
         remote(TrainerWorker).options(num_cpus=0.5).remote(spec), name="trainer", role="trainer"
     ))
-    gens = [
-        GeneratorClientImpl(name, RayHandle(
-            remote(SlowGeneratorWorker).options(num_cpus=0.5, max_concurrency=2).remote(spec, name),
-            name=name, role="generator",
-        ))
+    actors = [
+        remote(HeldGeneratorWorker).options(num_cpus=0.5, max_concurrency=2).remote(spec, name)
         for name in ("gen-0", "gen-1")
+    ]
+    gens = [
+        GeneratorClientImpl(name, RayHandle(actor, name=name, role="generator"))
+        for name, actor in zip(("gen-0", "gen-1"), actors)
     ]
     publisher = Publisher(trainer, gens)
 
@@ -164,8 +177,8 @@ def test_publish_through_object_store_and_mid_group_update_on_actors(ray_local, 
         # a long group on gen-0; version 2 is published while it runs
         request = GenerationRequest(group_id="g", attempt=1, prompt_index=0, n_samples=64, seed=0)
         pending = gens[0].generate([request])
-        await asyncio.sleep(0.4)
-        await publisher.publish(2)
+        assert await actors[0].wait_started.remote(120), "the group did not start"
+        await publisher.publish(2)  # lands while gen-0's group is held at a step
         return (await pending)[0]
 
     try:

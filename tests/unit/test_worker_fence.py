@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from events.errors import FencedError
+from workers.calls import TrainerCalls
 from workers.fencing import EpochFence, EpochToken, Fenced, StaleEpochError
 from workers.handles import _stamped
 
@@ -79,6 +80,7 @@ def test_calls_without_an_epoch_or_to_private_names() -> None:
     assert w.write(5) == 5  # not through fenced: unfenced, and guard() is a no-op
     with pytest.raises(AttributeError, match="not a worker call"):
         w.fenced(1, "_private")
-    assert _stamped(None, "m", (1,)) == ("m", (1,))
-    assert _stamped(EpochToken(), "m", (1,)) == ("m", (1,))
-    assert _stamped(EpochToken(4), "m", (1,)) == ("fenced", (4, "m", 1))
+    m = TrainerCalls.begin_train_step  # a declared call travels by its name
+    assert _stamped(None, m, (1,)) == ("begin_train_step", (1,))
+    assert _stamped(EpochToken(), m, (1,)) == ("begin_train_step", (1,))
+    assert _stamped(EpochToken(4), m, (1,)) == ("fenced", (4, "begin_train_step", 1))

@@ -46,7 +46,7 @@ def test_each_component_derives_what_the_hand_translation_gave():
     )
     assert spec.train.loss.loss_config(spec.sampling.temperature) == LossConfig(
         clip_low=0.2, clip_high=0.28, aggregation=Aggregation.SEQUENCE, kl_coef=0.01,
-        is_truncation_cap=2.0, temperature=0.7,
+        is_cap=2.0, temperature=0.7,
     )
     assert spec.train.trainer_config(spec.seed) == TrainerConfig(
         optimizer=OptimizerConfig(lr=0.003, weight_decay=0.0),

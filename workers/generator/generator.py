@@ -28,12 +28,13 @@ import torch
 from torch import nn
 
 from workers.dataplane.api import DataPlane
+from workers.envs.task import EpisodeTask
 from workers.models.factory import Tokenizer, context_len
 from workers.generator.segments import version_runs
 from workers.models.config import KvOnRefit
 from workers.models.decoder import Decoder, RowPrefix, sample
 from workers.models.sampling import Completion, SamplingConfig
-from workers.tasks.base import Example, Task
+from workers.tasks.base import Example, SimulatesDecode, Task
 from workers.tasks.dataset import check_prompts_fit
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck
 
@@ -130,6 +131,9 @@ class Generator:
         """Refit bucket by bucket (``workers.weight_transport``); the last one acks."""
         return self.receiver.receive(version, index, count, bucket)
 
+    def close(self) -> None:
+        """Nothing to free: the model lives in this process (an engine overrides this)."""
+
     def generate_group(
         self,
         group_id: str,
@@ -139,6 +143,12 @@ class Generator:
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
+        if isinstance(self.task, EpisodeTask):  # multi-turn: the episode runner's group
+            from workers.envs.group import generate_episode_group
+
+            keys = [row_key(self.run_id, group_id, attempt, i) for i in range(n)]
+            return GroupResult(**generate_episode_group(
+                self, keys, group_id, prompt, n, sampling, seed, attempt))
         prompt_ids = self.prompt_ids(prompt, sampling)
         step = 0
 
@@ -174,10 +184,9 @@ class Generator:
         """A task that simulates a slower model (``step_latency_s``, benchmarks only) adds
         that time after each token step, in slices between which a pending refit lands,
         as it would between the tokens of a real model that slow."""
-        latency = getattr(self.task, "step_latency_s", None)
-        if latency is None:
+        if not isinstance(self.task, SimulatesDecode):
             return
-        left = float(latency(example, sampling.max_new_tokens))
+        left = float(self.task.step_latency_s(example, sampling.max_new_tokens))
         while left > 0:
             time.sleep(min(left, self.DECODE_SLICE_S))
             left -= self.DECODE_SLICE_S

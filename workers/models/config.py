@@ -36,6 +36,9 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n_heads: int = 4
     context_len: int = 32
     """Longest prompt + completion in tokens (tiny model)."""
+    alphabet: str = ""
+    """Characters the tiny model's tokenizer knows; "" = digits, a few operators and
+    lowercase letters (wider prompts, e.g. reasoning-gym's, need a wider alphabet)."""
 
     def __post_init__(self) -> None:
         positive("model", self, "d_model", "n_layers", "n_heads", "context_len")
@@ -46,8 +49,10 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """What ``workers.models.factory.build_model`` builds; the run's ``seed``
         initialises the tiny model's weights."""
         from workers.models.factory import ModelConfig
+        from workers.models.tokenizer import DEFAULT_ALPHABET
 
         return ModelConfig(
+            alphabet=self.alphabet or DEFAULT_ALPHABET,
             kind=self.kind,
             context_len=self.context_len,
             d_model=self.d_model,

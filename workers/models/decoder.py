@@ -62,7 +62,7 @@ class Decoder:
     def __init__(
         self,
         model: nn.Module,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | list[list[int]],
         n: int,
         cfg: SamplingConfig,
         generator: torch.Generator,
@@ -76,12 +76,19 @@ class Decoder:
             raise ValueError("cannot sample from an empty prompt")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        # one prompt for every row, or one per row (episodes past their first turn):
+        # equal lengths keep the rows' positions aligned, so no padding is needed
+        per_row = isinstance(prompt_ids[0], list)
+        self.prompts: list[list[int]] = (
+            [list(p) for p in prompt_ids] if per_row else [list(prompt_ids)] * n  # type: ignore[arg-type]
+        )
+        if len(self.prompts) != n or len({len(p) for p in self.prompts}) != 1 or not self.prompts[0]:
+            raise ValueError(f"expected one prompt or {n} non-empty prompts of equal length")
         if kv_on_refit not in KV_ON_REFIT:
             raise ValueError(f"kv_on_refit must be one of {KV_ON_REFIT}, got {kv_on_refit!r}")
         if prefixes is not None and len(prefixes) != n:
             raise ValueError(f"{len(prefixes)} prefixes for {n} samples")
         self.model, self.cfg, self.generator, self.eos_id = model, cfg, generator, eos_id
-        self.prompt_ids = list(prompt_ids)
         self.use_cache = use_cache
         self.kv_on_refit = kv_on_refit
         self.rows = [RowPrefix(list(p.tokens), list(p.logprobs), list(p.versions), p.stopped)
@@ -146,7 +153,7 @@ class Decoder:
             self.batch = self.live()
             self.prefills += 1
             device = next(self.model.parameters()).device
-            seqs = [self.prompt_ids + self.rows[i].tokens for i in self.batch]
+            seqs = [self.prompts[i] + self.rows[i].tokens for i in self.batch]
             self._seq = torch.tensor(seqs, dtype=torch.int64, device=device)
             ids = self._seq
         elif not self.use_cache:  # every step re-runs the whole prefix
@@ -179,7 +186,7 @@ def completions_of(rows: Sequence[RowPrefix], eos_id: int) -> list[Completion]:
 
 def sample(
     model: nn.Module,
-    prompt_ids: list[int],
+    prompt_ids: list[int] | list[list[int]],
     n: int,
     cfg: SamplingConfig,
     generator: torch.Generator,
@@ -190,7 +197,8 @@ def sample(
     version: Callable[[], int] = lambda: 0,
     kv_on_refit: KvOnRefit = "keep",
 ) -> list[Completion]:
-    """Sample ``n`` completions of ``prompt_ids`` to the end in one call.
+    """Sample ``n`` completions of ``prompt_ids`` (one prompt, or ``n`` of equal length,
+    one per row) to the end in one call.
 
     ``between_steps`` runs after every token step (the generator applies weight updates
     there); ``version()`` names the weights each step samples with. ``keep`` is the

@@ -43,6 +43,14 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class SimulatesDecode(Protocol):
+    """A task that stands in for a slower model (benchmarks): it names the seconds each
+    real token step of a group should take (``Generator.simulated_decode``)."""
+
+    def step_latency_s(self, example: Example, max_steps: int) -> float: ...
+
+
 class UnknownTaskError(ValueError):
     """A task name that is neither registered nor a loadable ``module:Class``."""
 
@@ -64,15 +72,37 @@ def register_task(name: str) -> Callable[[T], T]:
     return add
 
 
+#: built-ins that live elsewhere (the multi-turn ones in ``workers.envs``, which builds on
+#: this module): name -> "module:Class", imported on first use
+_ELSEWHERE: dict[str, str] = {
+    "calculator": "workers.envs.calculator:CalculatorTask",
+    "calculator-notool": "workers.envs.calculator:CalculatorNoToolTask",
+}
+
+#: task families named "<prefix><name>" (e.g. "reasoning-gym/leg_counting"): prefix ->
+#: "module:function" building the task from the rest of the name; imported on first use
+#: so that a family's package is loaded only by the runs that use it
+_FAMILIES: dict[str, str] = {
+    "reasoning-gym/": "workers.envs.reasoning_gym:make_reasoning_gym_task",
+    "textarena/": "workers.envs.textarena:make_textarena_task",
+}
+
+
 def available_tasks() -> list[str]:
-    """Names of the registered tasks, sorted."""
-    return sorted(_REGISTRY)
+    """Names of the registered tasks, sorted (families as ``prefix<name>``)."""
+    names = sorted({*_REGISTRY, *_ELSEWHERE})
+    return names + [f"{prefix}<name>" for prefix in sorted(_FAMILIES)]
 
 
 def make_task(spec: str, **options: Any) -> Task:
     """Build a task from a registry name or a ``module:Class`` plugin spec."""
+    family = next((p for p in _FAMILIES if spec.startswith(p)), None)
     if spec in _REGISTRY:
         task = _REGISTRY[spec](**options)
+    elif spec in _ELSEWHERE:
+        task = _load_plugin(_ELSEWHERE[spec])(**options)
+    elif family is not None:
+        task = _load_plugin(_FAMILIES[family])(spec[len(family):], **options)
     elif ":" in spec:
         task = _load_plugin(spec)(**options)
     else:

@@ -6,6 +6,8 @@ generator workers (``workers.service.WorkerSpec``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from events.config_checks import positive
@@ -19,6 +21,9 @@ class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dataset: str = ""
     """Optional JSONL prompt file (``prompt``, ``answer``); empty = generated prompts."""
     num_prompts: int = 4096
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of the task's constructor, e.g. ``{ digits = 2 }`` or a
+    reasoning-gym dataset's config keys; an unknown one is an error naming it."""
 
     def __post_init__(self) -> None:
         positive("task", self, "num_prompts")

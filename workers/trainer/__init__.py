@@ -1,9 +1,11 @@
 """The trainer: split-API train steps over data-parallel ranks.
 
 ``api`` holds the contract (``Trainer`` protocol, ``StepResult``, errors), ``config`` the
-typed configs and model factories, ``torch_backend`` the plain-torch implementation,
-``actor`` the thin Ray shell and the driver that fans calls out to every rank. The loss
-itself lives in ``workers.loss``.
+typed configs and model factories, ``rank`` the train step every backend runs
+(``RankTrainer``), ``parallel`` what a backend supplies to it (placement, reduction,
+checkpoint format), ``torch_backend`` / ``fsdp2_backend`` / ``megatron_backend`` those
+backends, ``actor`` the thin Ray shell and the driver that fans calls out to every rank.
+The loss itself lives in ``workers.loss``.
 
 The names below are imported on first use, so that importing a torch-free
 submodule (the ``config`` the controller's ``Config`` composes) does not pull in torch.
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
         TinyModelFactory,
         TrainerConfig,
     )
+    from workers.trainer.rank import RankTrainer
     from workers.trainer.torch_backend import TorchTrainer
 
 #: public name -> the module that defines it (imported on first use)
@@ -49,6 +52,7 @@ _EXPORTS = {
     "NonFiniteGradientError": "workers.trainer.api",
     "OldPolicy": "workers.loss",
     "OptimizerConfig": "workers.trainer.config",
+    "RankTrainer": "workers.trainer.rank",
     "SchedulerConfig": "workers.trainer.config",
     "StepPhase": "workers.trainer.api",
     "StepResult": "workers.trainer.api",

@@ -18,17 +18,22 @@ one dp index get the same rows); ``train_microbatches(per_rank)`` takes explicit
 per-rank lists of possibly different lengths and pads the short ones with zero-weight
 dummies, so every rank makes the same number of calls.
 
+``TrainerGroup`` is a ``Trainer`` like one rank: ``train_microbatch`` returns the
+global :class:`MicrobatchResult` (the dp ranks' counts summed), so a caller never needs
+to know how many ranks there are.
+
 Backends: each rank builds ``trainer_backend`` ("torch", "megatron" or "fsdp2") through
-``workers.backends.make_trainer``. For "fsdp2" reading the full weights is a collective
-(parameters are sharded), so ``export_weights`` and ``compute_logprobs`` go to every
-rank, and rank 0's answer is returned.
+``workers.backends.make_trainer``. Where the rank's placement makes reading the full
+weights a collective (fsdp2: parameters are sharded; ``setup`` says so),
+``export_weights`` and ``compute_logprobs`` go to every rank, and rank 0's answer is
+returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,18 +47,20 @@ from workers.trainer.api import (
     StepPhase,
     StepResult,
     TrainStepStateError,
+    train_one_shot,
 )
-from workers.trainer.config import ModelFactory, TrainerConfig
+from workers.trainer.config import ModelFactory, TrainerBackend, TrainerConfig
+from workers.trainer.options import BackendOptions
 
-#: backends whose full-weight reads (export, logprobs) are collectives over all ranks
-_COLLECTIVE_READS = frozenset({"fsdp2"})
+if TYPE_CHECKING:
+    from workers.trainer.rank import RankTrainer
 
 
 class TrainerRankActor:
     """One data-parallel rank inside a Ray actor: joins the group, then delegates."""
 
     def __init__(self) -> None:
-        self._trainer: Any = None
+        self._trainer: RankTrainer | None = None
 
     def address(self) -> tuple[str, int]:
         """(node ip, a free port) for the rank-0 rendezvous."""
@@ -70,17 +77,19 @@ class TrainerRankActor:
         model_factory: ModelFactory,
         config: TrainerConfig,
         backend: dd.Backend | None = None,
-        trainer_backend: str = "torch",
-        options: Any = None,
-    ) -> None:
+        trainer_backend: TrainerBackend = "torch",
+        options: BackendOptions | None = None,
+    ) -> bool:
+        """Join the group and build the rank; True when reading its full weights
+        (export, logprobs) is a collective every rank must join."""
         from workers.backends import make_trainer
 
         dd.init_process_group(rank, world_size, master_addr, master_port, backend)
-        kwargs = {} if options is None else {"options": options}
-        self._trainer = make_trainer(trainer_backend, model_factory, config, **kwargs)  # type: ignore[arg-type]
+        self._trainer = make_trainer(trainer_backend, model_factory, config, options)
+        return self._trainer.parallel.placement.collective_forward
 
     @property
-    def trainer(self) -> Any:
+    def trainer(self) -> RankTrainer:
         if self._trainer is None:
             raise RuntimeError("TrainerRankActor.setup has not been called")
         return self._trainer
@@ -118,6 +127,7 @@ class TrainerRankActor:
         return self.trainer.export_weights()
 
     def shutdown(self) -> None:
+        """Leave the process group (before the actor is killed)."""
         dd.destroy_process_group()
 
 
@@ -128,8 +138,9 @@ class DivergedRanksError(RuntimeError):
 class TrainerGroup:
     """Driver over ``world_size`` rank actors, mirroring the ``Trainer`` protocol.
 
-    Differences: microbatch calls return every rank's :class:`MicrobatchResult` (rank
-    order), and ``finish_train_step`` checks that all ranks report the same result.
+    Beyond one rank: ``train_microbatches`` takes explicit per-rank microbatch lists
+    and returns every rank's results, and ``finish_train_step`` checks that all ranks
+    report the same result.
     """
 
     def __init__(
@@ -141,8 +152,8 @@ class TrainerGroup:
         num_cpus_per_rank: float = 1,
         num_gpus_per_rank: float = 0,
         backend: dd.Backend | None = None,
-        trainer_backend: str = "torch",
-        options: Any = None,
+        trainer_backend: TrainerBackend = "torch",
+        options: BackendOptions | None = None,
         tensor_parallel: int = 1,
     ) -> None:
         import ray
@@ -160,13 +171,12 @@ class TrainerGroup:
         )
         self.world_size = world_size
         self.tensor_parallel = tensor_parallel
-        self._collective_reads = trainer_backend in _COLLECTIVE_READS
         self._ranks = [cls.remote() for _ in range(world_size)]
         addr, port = ray.get(self._ranks[0].address.remote())
         if backend is None and num_gpus_per_rank == 0:
             backend = "gloo"
         cfg = config or TrainerConfig()
-        self._all(
+        collective = self._all(
             [
                 a.setup.remote(
                     r, world_size, addr, port, model_factory, cfg, backend, trainer_backend, options
@@ -174,14 +184,16 @@ class TrainerGroup:
                 for r, a in enumerate(self._ranks)
             ]
         )
+        self._collective_reads = collective[0]
         self._phase = StepPhase.IDLE
         self._version = 0
 
     def _all(self, refs: list[Any]) -> list[Any]:
         return self._ray.get(refs)
 
-    def _fan(self, method: str, *args: Any) -> list[Any]:
-        return self._all([getattr(a, method).remote(*args) for a in self._ranks])
+    def _fan(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` (a ``TrainerRankActor`` method) on every rank, results in rank order."""
+        return self._all([getattr(a, method.__name__).remote(*args) for a in self._ranks])
 
     def _require(self, method: str, phase: StepPhase) -> None:
         if self._phase is not phase:
@@ -196,7 +208,7 @@ class TrainerGroup:
 
     def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
         self._require(f"begin_train_step({step})", StepPhase.IDLE)
-        self._fan("begin_train_step", step, loss_config)
+        self._fan(TrainerRankActor.begin_train_step, step, loss_config)
         self._phase = StepPhase.OPEN
 
     def _guarded(self, refs: list[Any]) -> list[Any]:
@@ -206,12 +218,19 @@ class TrainerGroup:
             self._phase = StepPhase.FAILED
             raise
 
-    def train_microbatch(self, batch: TrainBatch | None) -> list[MicrobatchResult]:
-        """One global microbatch, rows split across ranks; per-rank results in rank order."""
+    def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult:
+        """One global microbatch, rows split across ranks; its global counts."""
         self._require("train_microbatch", StepPhase.OPEN)
         shards = self._shards(batch)
-        return self._guarded(
+        per_rank: list[MicrobatchResult] = self._guarded(
             [a.train_microbatch.remote(s) for a, s in zip(self._ranks, shards)]
+        )
+        counted = per_rank[:: self.tensor_parallel]  # the tp ranks of a dp index share rows
+        return MicrobatchResult(
+            index=per_rank[0].index,
+            num_sequences=sum(r.num_sequences for r in counted),
+            num_tokens=sum(r.num_tokens for r in counted),
+            dummy=all(r.dummy for r in per_rank),
         )
 
     def _shards(self, batch: TrainBatch | None) -> list[TrainBatch | None]:
@@ -254,19 +273,13 @@ class TrainerGroup:
         return first
 
     def abort_train_step(self) -> None:
-        self._fan("abort_train_step")
+        self._fan(TrainerRankActor.abort_train_step)
         self._phase = StepPhase.IDLE
 
     def train(
         self, batch: TrainBatch | None, loss_config: LossConfig, *, step: int | None = None
     ) -> StepResult:
-        self.begin_train_step(self._version if step is None else step, loss_config)
-        try:
-            self.train_microbatch(batch)
-            return self.finish_train_step()
-        except BaseException:
-            self.abort_train_step()
-            raise
+        return train_one_shot(self, batch, loss_config, step)
 
     def compute_logprobs(
         self, batch: TrainBatch, which: LogprobSource = "policy", *, temperature: float = 1.0
@@ -290,35 +303,31 @@ class TrainerGroup:
 
     def save_checkpoint(self, directory: str | Path) -> CheckpointInfo:
         self._require("save_checkpoint", StepPhase.IDLE)
-        return self._fan("save_checkpoint", str(directory))[0]
+        return self._fan(TrainerRankActor.save_checkpoint, str(directory))[0]
 
     def load_checkpoint(self, directory: str | Path) -> CheckpointInfo:
         self._require("load_checkpoint", StepPhase.IDLE)
-        info = self._fan("load_checkpoint", str(directory))[0]
+        info = self._fan(TrainerRankActor.load_checkpoint, str(directory))[0]
         self._version = info.trainer_version
         return info
 
     def weights_digest(self) -> str:
-        digests = self._fan("weights_digest")
+        digests = self._fan(TrainerRankActor.weights_digest)
         if len(set(digests)) != 1:
             raise DivergedRanksError(f"ranks hold different weights: {digests}")
         return digests[0]
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         if self._collective_reads:
-            return self._fan("export_weights")[0]
+            return self._fan(TrainerRankActor.export_weights)[0]
         return self._all([self._ranks[0].export_weights.remote()])[0]
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """Leave the process group and kill every rank, even when some are already dead."""
         try:
-            self._fan("shutdown")
+            self._fan(TrainerRankActor.shutdown)
+        except Exception:
+            pass  # a dead rank cannot leave: killing it below is all there is to do
         finally:
             for a in self._ranks:
                 self._ray.kill(a)
-
-    def close(self) -> None:
-        """Shut down and kill every rank, even when some are already dead."""
-        try:
-            self.shutdown()
-        except Exception:
-            pass

@@ -37,6 +37,7 @@ __all__ = [
     "TrainStepStateError",
     "Trainer",
     "LogprobSource",
+    "train_one_shot",
 ]
 
 #: which model :meth:`Trainer.compute_logprobs` runs
@@ -134,3 +135,21 @@ class Trainer(Protocol):
     def weights_digest(self) -> str: ...
 
     def export_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def close(self) -> None:
+        """Free what the trainer started (a group's rank actors); unusable afterwards."""
+        ...
+
+
+def train_one_shot(
+    trainer: Trainer, batch: TrainBatch | None, loss_config: LossConfig, step: int | None
+) -> StepResult:
+    """``Trainer.train`` for any trainer: begin, one microbatch, finish; the step is
+    aborted on any exception. ``step`` None = the trainer's version."""
+    trainer.begin_train_step(trainer.trainer_version if step is None else step, loss_config)
+    try:
+        trainer.train_microbatch(batch)
+        return trainer.finish_train_step()
+    except BaseException:
+        trainer.abort_train_step()
+        raise

@@ -16,6 +16,10 @@ Data-parallel ranks must share the filesystem that holds ``<dir>``.
 
 ``verify`` recomputes every hash before anything is loaded; any mismatch, missing file
 or unreadable manifest raises :class:`CheckpointCorruptError` naming what is wrong.
+
+:class:`FileCheckpoint` is this layout as a ``workers.trainer.parallel.CheckpointFormat``
+(the torch and megatron backends); the FSDP2 backend's sharded format is in
+``fsdp2_checkpoint`` and shares the staging, hashing and manifest code here.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 from workers.trainer import distributed as dd
+from workers.trainer.parallel import CheckpointParts, Restored
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -207,3 +212,50 @@ def read_trainer_files(final: Path, rank: int) -> TrainerFiles:
         scheduler=read_torch(final, "scheduler.pt"),
         rng=read_torch(final, rng_name) if rng_name in manifest["files"] else None,
     )
+
+
+class FileCheckpoint:
+    """The replicated backends' format (torch, megatron): rank 0 writes the full
+    model / optimizer / scheduler state dicts, every rank its RNG states."""
+
+    def save(
+        self,
+        final: Path,
+        parts: CheckpointParts,
+        rng: dict[str, Any],
+        meta: Callable[[], dict[str, Any]],
+    ) -> tuple[str, dict[str, str]]:
+        return save_collective(
+            final,
+            rank=parts.rank,
+            rank_files={f"rng_rank{parts.rank}.pt": rng},
+            rank0_files=lambda: {
+                "model.pt": parts.model.state_dict(),
+                "optimizer.pt": parts.optimizer.state_dict(),
+                "scheduler.pt": parts.scheduler.state_dict(),
+            },
+            meta=meta,
+        )
+
+    def load(
+        self, final: Path, parts: CheckpointParts, accept: Callable[[Mapping[str, Any]], None]
+    ) -> Restored:
+        got = read_trainer_files(final, parts.rank)
+        accept(got.manifest["meta"])
+        parts.model.load_state_dict(got.model)
+        parts.optimizer.load_state_dict(got.optimizer)
+        parts.scheduler.load_state_dict(got.scheduler)
+        return Restored(got.manifest["meta"], got.sha256, got.manifest["files"], got.rng)
+
+
+class UnsupportedCheckpoint:
+    """A backend configuration that cannot checkpoint yet: both calls say why."""
+
+    def __init__(self, save_reason: str, load_reason: str) -> None:
+        self.save_reason, self.load_reason = save_reason, load_reason
+
+    def save(self, final: Path, *unused: Any) -> tuple[str, dict[str, str]]:
+        raise CheckpointError(self.save_reason)
+
+    def load(self, final: Path, *unused: Any) -> Restored:
+        raise CheckpointError(self.load_reason)

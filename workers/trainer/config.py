@@ -1,9 +1,9 @@
 """Typed configuration of the trainer, and picklable model factories.
 
-``TrainSection`` (with its ``LossSection``) is the ``[train]`` table of a run's config:
-the controller's ``Config`` composes it and hands it, unchanged, to the trainer worker,
-which derives the ``TrainerConfig`` and ``LossConfig`` it runs with from it here. This
-module imports no torch, so loading a config stays cheap.
+``TrainSection`` is the ``[train]`` table of a run's config (its ``[train.loss]`` table
+is ``workers.loss.LossOptions``): the controller's ``Config`` composes it and hands it,
+unchanged, to the trainer worker, which derives the ``TrainerConfig`` and ``LossConfig``
+it runs with from it. This module imports no torch, so loading a config stays cheap.
 
 A model factory is any zero-argument callable returning the policy ``nn.Module``
 (called once per rank under the trainer's seed); it must be picklable to reach Ray
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from events.config_checks import non_negative, positive
+from workers.loss.config import LossOptions
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from workers.loss import LossConfig
     from workers.models.factory import ModelConfig
     from workers.models.tiny import TinyConfig
 
@@ -164,32 +164,6 @@ class ManualLr:
         self._apply()
 
 
-class LossSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[train.loss]``: the GRPO objective (``workers.loss``)."""
-
-    aggregation: Literal["token", "sequence"] = "token"
-    """token: every completion token weighs the same; sequence: every completion does."""
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0
-    is_cap: float = 2.0
-    """Cap C of the generator/trainer importance weight min(ratio, C): a larger ratio is weighted C."""
-
-    def loss_config(self, temperature: float) -> "LossConfig":
-        """The loss at the generators' sampling ``temperature`` (logprobs are compared
-        under the same scaled distribution)."""
-        from workers.loss import Aggregation, LossConfig
-
-        return LossConfig(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            aggregation=Aggregation(self.aggregation),
-            kl_coef=self.kl_coef,
-            is_truncation_cap=self.is_cap,
-            temperature=temperature,
-        )
-
-
 class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[train]``: the trainer worker and its optimizer."""
 
@@ -213,7 +187,7 @@ class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     parameters all-gathered once per step and gradients reduced once at finish (faster
     with tiny microbatches; full parameters + gradient during the step).
     See docs/backends.md."""
-    loss: LossSection = msgspec.field(default_factory=LossSection)
+    loss: LossOptions = msgspec.field(default_factory=LossOptions)
 
     def __post_init__(self) -> None:
         positive(

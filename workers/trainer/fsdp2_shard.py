@@ -60,8 +60,8 @@ def build_on_meta(factory: ModelFactory) -> nn.Module:
     A local HF model is built from its config (``from_pretrained`` would read the
     weights, which only rank 0 needs).
     """
-    config = getattr(factory, "config", None)
-    if isinstance(factory, BuiltModelFactory) and config is not None and config.kind == "hf":
+    if isinstance(factory, BuiltModelFactory) and factory.config.kind == "hf":
+        config = factory.config
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from workers.models.hf import _DTYPES, HFCausalLM

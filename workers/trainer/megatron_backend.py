@@ -1,9 +1,10 @@
 """Megatron-core backend of the trainer split API: mcore ``DistributedDataParallel``.
 
-Same contract, state machine, metrics, logprobs and checkpoint layout as
-:class:`~workers.trainer.torch_backend.TorchTrainer` (it is a subclass and reuses all
-of that); what differs is the gradient path, through mcore's contiguous gradient
-buffers (``param.main_grad``) and its bucketed data-parallel collective::
+The step is :class:`~workers.trainer.rank.RankTrainer`'s, with the torch backend's
+replicated placement and checkpoint layout; this module is the parallelism applied to
+it (``parallelize_megatron``): the gradient path (``McoreDdpReduction``), through
+mcore's contiguous gradient buffers (``param.main_grad``) and its bucketed
+data-parallel collective::
 
     begin     zero_grad_buffer; save config.grad_sync_func / no_sync_func, set both None
     micro*    with ddp.no_sync(): forward, loss with normaliser 1, backward
@@ -54,50 +55,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from workers.availability import BackendUnavailableError, check_megatron
-from workers.batch import TrainBatch
-from workers.loss import LossConfig, Metric, grpo_loss, token_logprobs
-from workers.trainer import checkpoint as ckpt
 from workers.trainer import distributed as dd
 from workers.trainer import megatron_shims as shims
-from workers.trainer.api import (
-    CheckpointInfo,
-    NonFiniteGradientError,
-    StepPhase,
-    StepResult,
-)
+from workers.trainer.checkpoint import FileCheckpoint, UnsupportedCheckpoint
 from workers.trainer.config import LrSchedule, ManualLr, ModelFactory, TrainerConfig
 from workers.trainer.megatron_model import McoreGPTFactory, McoreGPTLM
-from workers.trainer.torch_backend import (
-    TorchTrainer,
-    _OpenStep,
-    digest_parameters,
-    model_logits,
-)
-
-
-@dataclass(frozen=True)
-class MegatronOptions:
-    """Knobs of the megatron backend (``trainer.megatron.*``)."""
-
-    #: bucketed async reduction (mcore ``overlap_grad_reduce``); finish then dispatches it
-    overlap_grad_reduce: bool = False
-    #: megatron's distributed optimizer; None = on when the trainer runs on CUDA
-    use_distributed_optimizer: bool | None = None
-    #: accumulate and reduce gradients in fp32 whatever the parameter dtype
-    grad_reduce_in_fp32: bool = True
-    #: elements per bucket with overlap on; None = mcore's default
-    bucket_size: int | None = None
+from workers.trainer.metrics import StepStats
+from workers.trainer.options import MegatronOptions
+from workers.trainer.parallel import REPLICATED, Parallelized, clip_global_norm, make_optimizer
+from workers.trainer.rank import RankTrainer
 
 
 def _ddp_transformer_config(module: nn.Module) -> Any:
@@ -170,229 +145,187 @@ def _distributed_optimizer(asked: bool | None, device: torch.device, cfg: Traine
     return asked
 
 
-class MegatronTrainer(TorchTrainer):
-    """One data-parallel rank over mcore DDP (the default group is the DP group)."""
+class McoreDdpReduction:
+    """mcore DDP's gradient buffers, reduced once at finish (see the module docstring)."""
 
     def __init__(
-        self,
-        model_factory: ModelFactory,
-        config: TrainerConfig | None = None,
-        options: MegatronOptions | None = None,
+        self, ddp: Any, params: list[nn.Parameter], optimizer: Any, options: MegatronOptions,
+        mcore_optimizer: bool,
     ) -> None:
-        shims.require_megatron()
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        self.config = cfg = config or TrainerConfig()
-        self.options = opts = options or MegatronOptions()
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        if cfg.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        self.device = self._resolve_device(cfg.device)
-        shims.ensure_parallel_state(cpu=self.device.type == "cpu")
-        self.rank, self.world_size = dd.rank_and_world()
-        use_dist_opt = _distributed_optimizer(opts.use_distributed_optimizer, self.device, cfg)
-        check_megatron(installed=True, cuda=self.device.type == "cuda", require_gpu=use_dist_opt)
-        torch.manual_seed(cfg.seed)
-        module = model_factory().to(device=self.device, dtype=cfg.torch_dtype)
-        module.eval()  # dropout off: determinism
-        dd.broadcast_module_(module)
-        self._model = module
-        self._reference: nn.Module | None = None
-        self._reference_digest: str | None = None
-        if cfg.keep_reference:
-            # a second instance, not deepcopy: mcore modules hold process groups
-            reference = model_factory().to(device=self.device, dtype=cfg.torch_dtype).eval()
-            reference.load_state_dict(module.state_dict())
-            self._reference = reference.requires_grad_(False)
-            self._reference_digest = digest_parameters(self._reference)
-        # "in fp32" means upcast: float64 parameters keep float64 gradient buffers
-        wide = all(p.dtype == torch.float64 for p in module.parameters())
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=opts.grad_reduce_in_fp32 and not wide,
-            overlap_grad_reduce=opts.overlap_grad_reduce,
-            use_distributed_optimizer=use_dist_opt,
-            bucket_size=opts.bucket_size,
-            average_in_collective=False,
-        )
-        with shims.buffers_on_cpu(self.device.type == "cpu"):
-            self._ddp = DistributedDataParallel(_ddp_transformer_config(module), ddp_config, module)
-        # what megatron's training loop installs; saved and nulled while a step is open
-        self._ddp.config.no_sync_func = self._ddp.no_sync
-        self._ddp.config.grad_sync_func = self._ddp.start_grad_sync
-        self._hooks = _SavedHooks(self._ddp.config)
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.ddp, self.params, self.optimizer, self.options = ddp, params, optimizer, options
+        self.mcore_optimizer = mcore_optimizer
+        self._hooks = _SavedHooks(ddp.config)
+        self._aux: list[torch.Tensor] = []
         self._aux_grads: dict[nn.Parameter, torch.Tensor] = {}
-        self._mcore_optimizer = use_dist_opt
-        if use_dist_opt:
-            self._optimizer = self._make_megatron_optimizer()
-            self._scheduler = ManualLr(
-                self._optimizer, cfg.optimizer.lr, LrSchedule(cfg.scheduler)
-            )
-        else:
-            self._optimizer = self._make_optimizer()
-            self._scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self._optimizer, LrSchedule(cfg.scheduler)
-            )
-        torch.manual_seed(cfg.seed + 1 + self.rank)
-        self._version = 0
-        self._last_step: int | None = None
-        self._phase = StepPhase.IDLE
-        self._open: _OpenStep | None = None
 
-    def _make_megatron_optimizer(self) -> Any:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        o, max_norm = self.config.optimizer, self.config.max_grad_norm
-        mcfg = OptimizerConfig(
-            optimizer="sgd" if o.kind == "sgd" else "adam",
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=o.eps,
-            sgd_momentum=o.momentum,
-            clip_grad=0.0 if max_norm is None else max_norm,
-            use_distributed_optimizer=True,
-        )
-        return get_megatron_optimizer(mcfg, [self._ddp])
-
-    @property
-    def ddp(self) -> Any:
-        """The mcore ``DistributedDataParallel`` wrapper (its ``config`` holds the hooks)."""
-        return self._ddp
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """Tensors of the model's state dict (mcore adds non-tensor ``_extra_state``)."""
-        return {
-            k: v.detach().to("cpu", copy=True)
-            for k, v in self._model.state_dict().items()
-            if isinstance(v, torch.Tensor)
-        }
-
-    # -- the split API (the gradient path; state checks are TorchTrainer's) -------------
-
-    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
-        super().begin_train_step(step, loss_config)  # checks, zero_grad, opens the step
-        self._ddp.zero_grad_buffer()
+    def begin(self) -> None:
+        self.ddp.zero_grad_buffer()
         self._aux_grads.clear()
         self._hooks.save_and_null()
 
-    def _fail(self, open_: _OpenStep, err: BaseException) -> None:
-        self._hooks.restore()
-        super()._fail(open_, err)
+    @contextlib.contextmanager
+    def microbatch(self) -> Iterator[None]:
+        """Under ``no_sync`` (one reduction at finish), MoE aux losses captured."""
+        self._aux = []
+        with self.ddp.no_sync(), _capture_aux_losses(self._aux):
+            yield
 
-    def _forward_backward(self, mb: TrainBatch, cfg: LossConfig) -> dict[str, Metric]:
-        """Forward + backward under ``no_sync`` (one reduction at finish), with MoE
-        auxiliary losses captured and their gradients kept apart (see ``finish_train_step``)."""
-        aux: list[torch.Tensor] = []
-        with self._ddp.no_sync(), _capture_aux_losses(aux):
-            lp = token_logprobs(model_logits(self._ddp, mb.input_ids), mb.input_ids, cfg.temperature)
-            out = grpo_loss(lp, mb, cfg, reference_logprobs=self._reference_logprobs(mb, cfg))
-            if aux:
-                self._accumulate_aux(torch.stack([a.sum() for a in aux]).sum())
-            out.loss_sum.backward()
-        return out.metrics
+    def backward(self, loss_sum: torch.Tensor) -> None:
+        """Aux losses' gradients kept apart (scaled at finish), then the loss's."""
+        if self._aux:
+            self._accumulate_aux(torch.stack([a.sum() for a in self._aux]).sum())
+        loss_sum.backward()
 
     def _accumulate_aux(self, aux_total: torch.Tensor) -> None:
-        grads = torch.autograd.grad(aux_total, self._params, retain_graph=True, allow_unused=True)
-        for p, g in zip(self._params, grads):
+        grads = torch.autograd.grad(aux_total, self.params, retain_graph=True, allow_unused=True)
+        for p, g in zip(self.params, grads):
             if g is not None:
                 acc = self._aux_grads.get(p)
                 g = g.detach().to(p.main_grad.dtype)
                 self._aux_grads[p] = g if acc is None else acc + g
 
-    def finish_train_step(self) -> StepResult:
-        """Global normalise, ONE cross-DP reduction, clip, optimizer + scheduler step."""
-        open_ = self._require_open("finish_train_step")
-        try:
-            total, n = self._global_normaliser(open_)
-            self._ddp.scale_gradients(1.0 / n)
-            for p, g in self._aux_grads.items():
-                p.main_grad.add_(g, alpha=1.0 / total.num_microbatches)
-            if self.options.overlap_grad_reduce:
-                self._ddp.start_grad_sync()  # async dispatch; finish_grad_sync waits on it
-            self._ddp.finish_grad_sync()  # with overlap off this IS the (only) reduction
-            grad_norm = self._clip_gradients()
-            if not math.isfinite(grad_norm):
-                raise NonFiniteGradientError(
-                    f"step {open_.step}: gradient norm is {grad_norm}; no update applied"
-                )
-            lr = float(self._optimizer.param_groups[0]["lr"])
-            self._optimizer_step()
-            self._scheduler.step()
-        except BaseException as err:
-            self._fail(open_, err)
-            raise
-        self._hooks.restore()
-        self._drop_gradients()
-        return self._close_step(open_, total, grad_norm, lr)
+    def reduce(self, n: int, total: StepStats, zero_weight_pass: Callable[[], None]) -> None:
+        self.ddp.scale_gradients(1.0 / n)
+        for p, g in self._aux_grads.items():
+            p.main_grad.add_(g, alpha=1.0 / total.num_microbatches)
+        if self.options.overlap_grad_reduce:
+            self.ddp.start_grad_sync()  # async dispatch; finish_grad_sync waits on it
+        self.ddp.finish_grad_sync()  # with overlap off this IS the (only) reduction
 
-    def _clip_gradients(self) -> float:
-        max_norm = self.config.max_grad_norm
-        if self._mcore_optimizer:
-            self._optimizer.prepare_grads()
-            norm = float(self._optimizer.get_grad_norm())
+    def clip(self, max_norm: float | None) -> float:
+        if self.mcore_optimizer:
+            self.optimizer.prepare_grads()
+            norm = float(self.optimizer.get_grad_norm())
             if max_norm is not None and math.isfinite(norm):
-                self._optimizer.clip_grad_norm(max_norm)
+                self.optimizer.clip_grad_norm(max_norm)
             return norm
-        for p in self._params:
+        for p in self.params:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
-        return float(
-            torch.nn.utils.clip_grad_norm_(self._params, math.inf if max_norm is None else max_norm)
-        )
+        return clip_global_norm(self.params, max_norm)
 
-    def _optimizer_step(self) -> None:
-        if self._mcore_optimizer:
-            self._optimizer.step_with_ready_grads()
+    def step(self) -> None:
+        if self.mcore_optimizer:
+            self.optimizer.step_with_ready_grads()
         else:
-            self._optimizer.step()
+            self.optimizer.step()
 
-    def _drop_gradients(self) -> None:
-        """Wait out any reduction in flight, zero the buffers and optimizer gradients."""
-        for group in self._ddp.bucket_groups + self._ddp.expert_parallel_bucket_groups:
+    def release(self) -> None:
+        """The caller's hooks back; any reduction in flight waited out; buffers zeroed."""
+        self._hooks.restore()
+        for group in self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups:
             if group.grad_reduce_handle is not None:
                 group.grad_reduce_handle.wait()
                 group.grad_reduce_handle = None
-        self._ddp.zero_grad_buffer()
-        self._optimizer.zero_grad(set_to_none=True)
+        self.ddp.zero_grad_buffer()
         self._aux_grads.clear()
 
-    def abort_train_step(self) -> None:
-        """Drop the open (or failed) step; a no-op when idle. Never touches weights."""
-        if self._phase is StepPhase.IDLE:
-            return
-        assert self._open is not None
-        self._hooks.restore()
-        self._drop_gradients()
-        self._set_rng_state(self._open.rng)
-        self._open = None
-        self._phase = StepPhase.IDLE
 
-    # -- checkpoints ----------------------------------------------------------------
+def _megatron_optimizer(ddp: Any, config: TrainerConfig) -> tuple[Any, ManualLr]:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    def save_checkpoint(self, directory: str | Path) -> CheckpointInfo:
-        """As the torch backend (same files); not yet for the distributed optimizer."""
-        if self._mcore_optimizer:
-            raise ckpt.CheckpointError(
-                "checkpointing megatron's distributed optimizer is not implemented yet "
-                "(its state is sharded over ranks); use use_distributed_optimizer = false"
-            )
-        return super().save_checkpoint(directory)
+    o, max_norm = config.optimizer, config.max_grad_norm
+    mcfg = OptimizerConfig(
+        optimizer="sgd" if o.kind == "sgd" else "adam",
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_eps=o.eps,
+        sgd_momentum=o.momentum,
+        clip_grad=0.0 if max_norm is None else max_norm,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(mcfg, [ddp])
+    return optimizer, ManualLr(optimizer, o.lr, LrSchedule(config.scheduler))
 
-    def load_checkpoint(self, directory: str | Path) -> CheckpointInfo:
-        if self._mcore_optimizer:
-            raise ckpt.CheckpointError(
-                "loading into megatron's distributed optimizer is not implemented yet"
-            )
-        return super().load_checkpoint(directory)
+
+def _wrap_ddp(module: nn.Module, options: MegatronOptions, use_dist_opt: bool, cpu: bool) -> Any:
+    """mcore DDP over ``module`` with the hooks megatron's training loop installs."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    # "in fp32" means upcast: float64 parameters keep float64 gradient buffers
+    wide = all(p.dtype == torch.float64 for p in module.parameters())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=options.grad_reduce_in_fp32 and not wide,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        use_distributed_optimizer=use_dist_opt,
+        bucket_size=options.bucket_size,
+        average_in_collective=False,
+    )
+    with shims.buffers_on_cpu(cpu):
+        ddp = DistributedDataParallel(_ddp_transformer_config(module), ddp_config, module)
+    # what megatron's training loop installs; saved and nulled while a step is open
+    ddp.config.no_sync_func = ddp.no_sync
+    ddp.config.grad_sync_func = ddp.start_grad_sync
+    return ddp
+
+
+_NO_DIST_OPT_CHECKPOINT = UnsupportedCheckpoint(
+    "checkpointing megatron's distributed optimizer is not implemented yet (its state is "
+    "sharded over ranks); use use_distributed_optimizer = false",
+    "loading into megatron's distributed optimizer is not implemented yet",
+)
+
+
+def parallelize_megatron(
+    model_factory: ModelFactory,
+    config: TrainerConfig,
+    device: torch.device,
+    *,
+    options: MegatronOptions,
+) -> Parallelized:
+    """Megatron's parallel state (over the default group), the seeded model broadcast
+    from rank 0 and wrapped in mcore DDP, a second instance as the reference."""
+    shims.require_megatron()
+    cpu = device.type == "cpu"
+    shims.ensure_parallel_state(cpu=cpu)
+    use_dist_opt = _distributed_optimizer(options.use_distributed_optimizer, device, config)
+    check_megatron(installed=True, cuda=device.type == "cuda", require_gpu=use_dist_opt)
+    torch.manual_seed(config.seed)
+    module = model_factory().to(device=device, dtype=config.torch_dtype)
+    module.eval()  # dropout off: determinism
+    dd.broadcast_module_(module)
+    reference = None
+    if config.keep_reference:
+        # a second instance, not deepcopy: mcore modules hold process groups
+        reference = model_factory().to(device=device, dtype=config.torch_dtype).eval()
+        reference.load_state_dict(module.state_dict())
+        reference.requires_grad_(False)
+    ddp = _wrap_ddp(module, options, use_dist_opt, cpu)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if use_dist_opt:
+        optimizer, scheduler = _megatron_optimizer(ddp, config)
+    else:
+        optimizer, scheduler = make_optimizer(config, params)
+    return Parallelized(
+        backend="megatron",
+        model=module,
+        forward=ddp,
+        reference=reference,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        placement=REPLICATED,
+        reduction=McoreDdpReduction(ddp, params, optimizer, options, use_dist_opt),
+        checkpoint=_NO_DIST_OPT_CHECKPOINT if use_dist_opt else FileCheckpoint(),
+    )
+
+
+def MegatronTrainer(  # noqa: N802
+    model_factory: ModelFactory,
+    config: TrainerConfig | None = None,
+    options: MegatronOptions | None = None,
+) -> RankTrainer:
+    """One rank of the megatron backend (a constructor: the trainer class is ``RankTrainer``)."""
+    parallelize = functools.partial(parallelize_megatron, options=options or MegatronOptions())
+    return RankTrainer(model_factory, config, parallelize)
 
 
 __all__ = [
     "BackendUnavailableError",
+    "McoreDdpReduction",
     "McoreGPTFactory",
     "McoreGPTLM",
     "MegatronOptions",
     "MegatronTrainer",
+    "parallelize_megatron",
 ]

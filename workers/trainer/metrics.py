@@ -11,7 +11,13 @@ LOSS        global sum / the loss's normaliser (tokens for token-level
             aggregation, sequences for sequence-level)
 COUNT       global sum, never divided
 MIN / MAX   global min / max, never averaged
+RATIO       global sum / the global sum of the COUNT metric it names
+            (``Metric.per``: e.g. the tokens at the trainer's version)
 ==========  ==========================================================
+
+A metric with nothing to average over (a divisor of 0, a min/max over no token) is
+left out rather than reported as nan/inf: the log's JSON has neither. A step with no
+loss-bearing token at all reports ``empty_step = 1`` (its gradient is exactly 0).
 
 A metric reported without a kind (a plain float or tensor) takes the kind registered in
 :data:`KNOWN_KINDS`; **an unknown name defaults to LOSS** (:data:`DEFAULT_KIND`) --
@@ -43,8 +49,12 @@ KNOWN_KINDS: dict[str, MetricKind] = {
     "clip_low_frac": MetricKind.TOKEN,
     "clip_high_frac": MetricKind.TOKEN,
     "is_weight_mean": MetricKind.TOKEN,
-    "is_truncated_frac": MetricKind.TOKEN,
+    "is_oob_frac": MetricKind.TOKEN,
+    "dual_clip_frac": MetricKind.TOKEN,
     "entropy": MetricKind.TOKEN,
+    "gen_logprob_invalid": MetricKind.COUNT,
+    "mismatch_tokens": MetricKind.COUNT,
+    "mismatch_logprob_diff_max": MetricKind.MAX,
     "advantage_mean": MetricKind.SEQUENCE,
     "num_tokens": MetricKind.COUNT,
     "num_sequences": MetricKind.COUNT,
@@ -69,6 +79,8 @@ class StepStats:
     num_dummy_microbatches: int = 0
     values: dict[str, float] = field(default_factory=dict)
     kinds: dict[str, MetricKind] = field(default_factory=dict)
+    #: RATIO metrics: the COUNT metric each is divided by
+    per: dict[str, str] = field(default_factory=dict)
 
 
 def _fold(kind: MetricKind, a: float, b: float) -> float:
@@ -85,11 +97,14 @@ class MetricAccumulator:
     def __init__(self) -> None:
         self._values: dict[str, torch.Tensor] = {}
         self._kinds: dict[str, MetricKind] = {}
+        self._per: dict[str, str] = {}
 
     def add(self, metrics: Mapping[str, Metric | torch.Tensor | float]) -> None:
         for name, m in metrics.items():
             if isinstance(m, Metric):
                 value, kind = m.value, m.kind
+                if m.per is not None:
+                    self._per[name] = m.per
             else:
                 value, kind = m, kind_of(name)
             value = torch.as_tensor(value).detach().to(torch.float64)
@@ -117,6 +132,7 @@ class MetricAccumulator:
             num_dummy_microbatches=num_dummy,
             values=dict(zip(names, values)),
             kinds={n: self._kinds[n] for n in names},
+            per={n: self._per[n] for n in names if n in self._per},
         )
 
 
@@ -137,12 +153,13 @@ def combine(per_rank: Sequence[StepStats]) -> StepStats:
                 )
             v = s.values[name]
             out.values[name] = _fold(kind, out.values[name], v) if name in out.values else v
+        out.per.update(s.per)
     return out
 
 
 def loss_normaliser(stats: StepStats, aggregation: Aggregation) -> int:
-    """The global N the step's summed gradient is divided by."""
-    if aggregation is Aggregation.SEQUENCE:
+    """The global N the step's summed gradient is divided by (0 for an empty step)."""
+    if aggregation.normaliser is MetricKind.SEQUENCE:
         return stats.num_sequences
     return stats.num_tokens
 
@@ -157,9 +174,16 @@ def normalise(stats: StepStats, aggregation: Aggregation) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in sorted(stats.values):
         kind, value = stats.kinds[name], stats.values[name]
-        if kind in by_kind:
-            n = by_kind[kind]
-            out[name] = value / n if n else math.nan
-        else:
-            out[name] = value
+        if kind is MetricKind.RATIO:
+            divisor = stats.values.get(stats.per.get(name, ""), 0.0)
+        elif kind in by_kind:
+            divisor = by_kind[kind]
+        else:  # COUNT, MIN, MAX as folded; a min/max over nothing is the +-inf identity
+            if not math.isinf(value):
+                out[name] = value
+            continue
+        if divisor:
+            out[name] = value / divisor
+    if not by_kind[MetricKind.LOSS]:
+        out["empty_step"] = 1.0
     return out

@@ -1,5 +1,5 @@
-"""Tensor helpers the torch-based trainer backends share: logits of any causal LM, the
-weights digest the log records, and trimming a padded batch.
+"""Tensor helpers the trainer shares: logits of any causal LM, the weights digest the
+log records, trimming a padded batch, the zero-weight dummy batch, the device.
 """
 
 from __future__ import annotations
@@ -32,13 +32,24 @@ def _trim(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """Drop all-padding trailing columns (right padding) and move to ``device``."""
     cols = batch.attention_mask.any(dim=0).nonzero()
     t = int(cols.max()) + 1 if len(cols) else 1
-    ref, versions = batch.reference_logprobs, batch.token_versions
+    return batch.trimmed(t).to(device)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``TrainerConfig.device``: None = the current CUDA device if any, else the CPU."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def dummy_batch(device: torch.device) -> TrainBatch:
+    """One row, two tokens, empty loss mask: loss 0 and a gradient of exactly 0."""
     return TrainBatch(
-        input_ids=batch.input_ids[:, :t].to(device),
-        attention_mask=batch.attention_mask[:, :t].to(device),
-        loss_mask=batch.loss_mask[:, :t].to(device),
-        generator_logprobs=batch.generator_logprobs[:, :t].to(device),
-        advantages=batch.advantages.to(device),
-        reference_logprobs=None if ref is None else ref[:, :t].to(device),
-        token_versions=None if versions is None else versions[:, :t].to(device),
+        input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device),
+        attention_mask=torch.ones(1, 2, dtype=torch.bool, device=device),
+        loss_mask=torch.zeros(1, 2, dtype=torch.bool, device=device),
+        generator_logprobs=torch.zeros(1, 2, device=device),
+        advantages=torch.zeros(1, device=device),
     )

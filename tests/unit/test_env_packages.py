@@ -1,0 +1,156 @@
+"""Adapters for real packages: reasoning-gym datasets and TextArena games.
+
+Both packages are the real ones (the ``envs`` extra); nothing is downloaded: reasoning-gym
+generates and scores its problems locally, and TextArena's single-player games run in
+process.
+"""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from workers.envs.base import Action, EnvError, StepKey, UnknownEnvError
+from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn
+from workers.envs.runner import EpisodeRunner
+from workers.envs.sampler import TorchTurnSampler
+from workers.envs.task import EpisodeTask, as_episode_task
+from workers.models.sampling import SamplingConfig
+from workers.models.tiny import TinyCausalLM, TinyConfig
+from workers.models.tokenizer import EOS_ID, CharTokenizer
+from workers.tasks import UnknownTaskError, make_task
+
+pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]')")
+pytest.importorskip("textarena", reason="the envs extra (pip install -e '.[envs]')")
+
+KEY = StepKey("run", "g", 0, 0)
+#: every printable character but the ones no prompt here uses: TextArena's texts fit
+WIDE = CharTokenizer("".join(c for c in string.printable if c not in "\r\x0b\x0c"))
+
+
+# -- reasoning-gym --------------------------------------------------------------------
+
+
+def test_reasoning_gym_dataset_is_a_task_with_its_own_generator_and_scorer():
+    import reasoning_gym
+
+    task = make_task("reasoning-gym/spell_backward", min_word_len=3, max_word_len=3)
+    examples = task.examples(5, seed=11)
+    direct = reasoning_gym.create_dataset("spell_backward", seed=11, size=5,
+                                          min_word_len=3, max_word_len=3)
+    assert [e.prompt for e in examples] == [direct[i]["question"] for i in range(5)]
+    assert [e.answer for e in examples] == [direct[i]["answer"] for i in range(5)]
+    ex = examples[0]
+    assert task.reward(ex, ex.answer, True) == 1.0
+    # the dataset's own partial credit: one letter of three in place
+    wrong = ex.answer[0] + "##"
+    assert task.reward(ex, wrong, True) == pytest.approx(direct.score_answer(wrong, direct[0]))
+    assert 0.0 < task.reward(ex, wrong, True) < 1.0
+
+
+def test_reasoning_gym_answer_tag_format_scores_inside_the_tag():
+    task = make_task("reasoning-gym/basic_arithmetic", answer_format="tag")
+    ex = task.examples(1, seed=3)[0]
+    assert task.reward(ex, f"thinking... <answer>{ex.answer}</answer>", True) == 1.0
+    assert task.reward(ex, ex.answer, True) == 0.0  # no tag, no answer
+
+
+def test_unknown_reasoning_gym_dataset_names_it_and_suggests_one():
+    with pytest.raises(UnknownEnvError, match=r"'spel_backward'.*did you mean reasoning-gym/spell_backward"):
+        make_task("reasoning-gym/spel_backward")
+
+
+def test_unknown_reasoning_gym_option_names_it_and_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['word_len'\].*max_word_len"):
+        make_task("reasoning-gym/spell_backward", word_len=3)
+
+
+def test_a_reasoning_gym_task_runs_as_a_one_turn_episode():
+    task = as_episode_task(make_task("reasoning-gym/spell_backward", min_word_len=3, max_word_len=3))
+    assert isinstance(task, EpisodeTask) and task.max_turns == 1
+    ex = task.examples(1, seed=0)[0]
+    env = task.make_env(ex)
+    assert env.reset(KEY).text == ex.prompt
+    step = env.step(Action(ex.answer, (), True), KEY.at(1))
+    assert step.done and step.reward == 1.0
+
+
+def test_unknown_task_family_member_is_a_clear_error_not_a_plugin_lookup():
+    with pytest.raises(UnknownTaskError, match="calculater"):
+        make_task("calculater")
+
+
+# -- TextArena ------------------------------------------------------------------------
+
+
+class BinarySearchAgent:
+    """A TurnSampler that plays Guess The Number (1..20) by bisection on the hints."""
+
+    def __init__(self) -> None:
+        self.state: dict[int, tuple[int, int, int]] = {}  # sample -> (low, high, last guess)
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        out = []
+        for r in requests:
+            lo, hi, last = self.state.get(r.key.sample, (1, 20, 0))
+            if last:
+                after_turn = list(r.context)[len(r.context) - r.context[::-1].index(EOS_ID):]
+                hint = WIDE.decode(after_turn)  # the game's answer to the last guess
+                lo, hi = (last + 1, hi) if "higher" in hint else (lo, last - 1)
+            guess = (lo + hi) // 2
+            self.state[r.key.sample] = (lo, hi, guess)
+            ids = tuple(WIDE.encode(f"[{guess}]")) + (EOS_ID,)
+            out.append(ModelTurn(ids, (0.0,) * len(ids), True, 0, 0))
+        return out
+
+
+def test_textarena_guess_the_number_is_won_by_bisection_through_the_runner():
+    task = make_task("textarena/GuessTheNumber-v0", max_turns=8)
+    examples = task.examples(3, seed=5)
+    agent = BinarySearchAgent()
+    runner = EpisodeRunner(agent, WIDE, InMemoryTurnRecorder(), 4096, 8, task.max_turns, task.name)
+    keys = [StepKey("run", "g", i, 0) for i in range(3)]
+    trajs = runner.run(keys, [task.make_env(ex) for ex in examples])
+    for traj in trajs:
+        assert traj.end_reason == "done" and traj.reward == 1.0
+        assert traj.turns[-1].info["reason"].startswith("Congratulations")
+        text = WIDE.decode([i for i in traj.input_ids if i != EOS_ID])
+        assert "The target number is" in text  # the game's hints were appended
+
+
+def test_textarena_step_is_answered_once_per_key():
+    task = make_task("textarena/GuessTheNumber-v0")
+    env = task.make_env(task.examples(1, seed=1)[0])
+    env.reset(KEY)
+    first = env.step(Action("[10]", (), True), KEY.at(1))
+    again = env.step(Action("[10]", (), True), KEY.at(1))  # re-issued with the same key
+    assert again is first
+    nxt = env.step(Action("[10]", (), True), KEY.at(2))  # a new key is a new move
+    assert "already guessed" in nxt.observation.text
+
+
+def test_tiny_model_plays_a_textarena_game_with_exact_ids():
+    task = make_task("textarena/GuessTheNumber-v0", max_turns=3)
+    model = TinyCausalLM(TinyConfig(vocab_size=WIDE.vocab_size, context_len=1024, d_model=32, n_heads=2))
+    sampler = TorchTurnSampler(model, EOS_ID, SamplingConfig(max_new_tokens=6), torch.Generator().manual_seed(0))
+    recorder = InMemoryTurnRecorder()
+    runner = EpisodeRunner(sampler, WIDE, recorder, 1024, 6, task.max_turns, task.name)
+    (traj,) = runner.run([KEY], [task.make_env(task.examples(1, seed=2)[0])])
+    # a random model makes invalid moves: the game ends after its second one
+    assert len(traj.turns) >= 2 and traj.end_reason in ("max_turns", "done")
+    for t in traj.turns:
+        recorded = recorder.turns[KEY.at(t.turn)][1]
+        assert tuple(traj.input_ids[t.start:t.end]) == recorded.tokens
+        assert all(traj.loss_mask[t.start:t.end]) and not any(traj.loss_mask[t.end:t.obs_end])
+
+
+def test_unknown_or_multiplayer_textarena_games_are_refused_by_name():
+    with pytest.raises(UnknownEnvError, match=r"did you mean textarena/GuessTheNumber-v0"):
+        make_task("textarena/GuesTheNumber-v0")
+    with pytest.raises(EnvError, match=r"textarena/TicTacToe-v0 did not start as a single-player game"):
+        make_task("textarena/TicTacToe-v0")
+    with pytest.raises(ValueError, match=r"invalid options \{'colour': 1\}"):
+        make_task("textarena/GuessTheNumber-v0", colour=1)
+

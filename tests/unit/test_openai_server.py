@@ -1,0 +1,196 @@
+"""The OpenAI-compatible endpoint, driven by the real ``openai`` client over loopback HTTP.
+
+Agent code written for the OpenAI client runs unchanged, and the session's trajectory is
+token for token what the model saw and produced: with a tokenizer whose merges make
+decode-then-encode change the ids, the trajectory still holds the sampled ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.unit.test_envs_runner import OracleLM, calc_env, planned
+from workers.envs.base import StepKey
+from workers.envs.calculator import CALCULATOR_FORMAT
+from workers.envs.chat import PlainTemplate
+from workers.envs.recorder import InMemoryTurnRecorder
+from workers.envs.runner import EpisodeRunner
+from workers.envs.sampler import TorchTurnSampler
+from workers.generator.openai_server import OpenAIServer
+from workers.models.sampling import SamplingConfig
+from workers.models.tiny import TinyCausalLM, TinyConfig
+from workers.models.tokenizer import EOS_ID, CharTokenizer
+
+openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]')")
+
+TOK = CharTokenizer()
+
+
+def serve(model, tokenizer, *, tools=CALCULATOR_FORMAT, seed=0, context_len=32):  # type: ignore[no-untyped-def]
+    sampler = TorchTurnSampler(model, tokenizer.eos_id, SamplingConfig(max_new_tokens=8),
+                               torch.Generator().manual_seed(seed))
+    return OpenAIServer(sampler, PlainTemplate(tokenizer, tools), context_len, max_tokens=8).start()
+
+
+def client(server, session: str):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=server.session_url(session), api_key="unused", max_retries=0)
+
+
+def calculator_agent(llm, question: str) -> str:  # type: ignore[no-untyped-def]
+    """Plain OpenAI-client agent code: call the tool when asked, return the answer."""
+    messages = [{"role": "user", "content": question}]
+    while True:
+        reply = llm.chat.completions.create(model="policy", messages=messages)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return message.content
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            result = CALCULATOR_FORMAT.tool(call.function.name).run(args)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+
+
+def test_openai_agent_code_trains_on_the_ids_the_episode_runner_would_produce():
+    model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
+    server = serve(model, TOK)
+    try:
+        answer = calculator_agent(client(server, "ep-1"), "47*38=")
+        served = server.trajectory("ep-1")
+    finally:
+        server.close()
+    assert answer == "1786"
+    runner = EpisodeRunner(TorchTurnSampler(model, EOS_ID, SamplingConfig(max_new_tokens=8),
+                                            torch.Generator()),
+                           TOK, InMemoryTurnRecorder(), 32, 8, 2, "calculator")
+    (ran,) = runner.run([StepKey("run", "ep-1", 0, 0)], [calc_env()])
+    assert served.input_ids == ran.input_ids
+    assert served.loss_mask == ran.loss_mask
+    assert [(t.start, t.end) for t in served.turns] == [(t.start, t.end) for t in ran.turns]
+
+
+def test_response_carries_token_ids_logprobs_and_a_tool_call():
+    model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        reply = client(server, "ep-2").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}], logprobs=True)
+        traj = server.trajectory("ep-2")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "47*38"}
+    extra = choice.model_extra
+    assert extra["token_ids"] == TOK.encode("47*38") + [EOS_ID]
+    assert extra["prompt_token_ids"] == TOK.encode("47*38=")
+    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(
+        traj.logprobs[6:12], abs=0)
+    assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens == 6
+
+
+def merging_tokenizer():  # type: ignore[no-untyped-def]
+    """An HF BPE tokenizer whose merges join letter pairs: 'a'+'b' re-encodes as 'ab'."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from workers.models.hf import HFTokenizer
+
+    letters = "abcd"
+    vocab = {"<pad>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(letters + "?")}}
+    merges = [(x, y) for x in letters for y in letters]
+    for x, y in merges:
+        vocab[x + y] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>")
+    return HFTokenizer(fast)
+
+
+def test_token_in_token_out_where_re_encoding_would_drift():
+    tok = merging_tokenizer()
+    model = TinyCausalLM(TinyConfig(vocab_size=tok.vocab_size, context_len=64, d_model=32, n_heads=2))
+    with serve(model, tok, tools=None, seed=3, context_len=64) as server:
+        llm = client(server, "ep-3")
+        messages = [{"role": "user", "content": "abcd?"}]
+        first = llm.chat.completions.create(model="policy", messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "dcba?"}]
+        second = llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-3")
+    turns = [c.choices[0].model_extra["token_ids"] for c in (first, second)]
+    expected = tok.encode("abcd?") + turns[0] + tok.encode("dcba?") + turns[1]
+    assert traj.input_ids == expected
+    assert traj.loss_mask == ([False] * 3 + [True] * len(turns[0]) + [False] * 3
+                              + [True] * len(turns[1]))
+    # the test can fail: re-encoding what the model said would have changed its ids
+    assert any(tok.encode(tok.decode(t)) != [i for i in t if i != tok.eos_id] for t in turns)
+
+
+def test_a_changed_history_is_refused_with_the_reason():
+    model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        llm = client(server, "ep-4")
+        messages = [{"role": "user", "content": "47*38="}]
+        reply = llm.chat.completions.create(model="policy", messages=messages)
+        edited = reply.choices[0].message.model_dump(exclude_none=True)
+        edited["tool_calls"][0]["function"]["arguments"] = json.dumps({"expression": "47*39"})
+        with pytest.raises(openai.BadRequestError, match=r"message 1 \(assistant\) differs"):
+            llm.chat.completions.create(model="policy", messages=messages + [
+                edited, {"role": "tool", "tool_call_id": "x", "content": "1833"}])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"n": 2}, "n must be 1"),
+        ({"temperature": 0.5}, "temperature must be 1.0"),
+        ({"extra_body": {"top_k": 5}}, r"unsupported request field\(s\) \['top_k'\]"),
+        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+    ],
+)
+def test_requests_the_session_cannot_serve_exactly_are_refused(kwargs, reason):  # type: ignore[no-untyped-def]
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.BadRequestError, match=reason):
+            client(server, "ep-5").chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "47*38="}], **kwargs)
+
+
+def test_the_session_may_come_in_the_body_on_the_plain_path():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no session"):
+            plain.chat.completions.create(model="p", messages=[{"role": "user", "content": "1"}])
+        plain.chat.completions.create(model="p", messages=[{"role": "user", "content": "47*38="}],
+                                      extra_body={"session_id": "ep-6"})
+        assert server.trajectory("ep-6").input_ids[:6] == TOK.encode("47*38=")
+
+
+def test_a_generator_serves_its_model_and_the_turn_records_the_weight_version():
+    from workers.dataplane import MemoryDataPlane
+    from workers.generator import Generator
+    from workers.models.factory import ModelConfig, build_model
+    from workers.tasks import make_task
+    from workers.weight_sync import cpu_state_dict
+
+    model, tok = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=1))
+    gen = Generator(model, tok, make_task("calculator"), MemoryDataPlane(), "run-9")
+    newer, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=2))
+    sampling = SamplingConfig(max_new_tokens=8)
+    with OpenAIServer.for_generator(gen, sampling, CALCULATOR_FORMAT) as server:
+        llm = client(server, "ep-7")
+        messages = [{"role": "user", "content": "12+34="}]
+        first = llm.chat.completions.create(model="policy", messages=messages)
+        gen.update_weights(3, cpu_state_dict(newer))  # a refit between two turns
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "?"}]
+        second = llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-7")
+    assert first.model_extra["weight_version"] == [0, 0]
+    assert second.model_extra["weight_version"] == [3, 3]
+    assert [(t.version_start, t.version_end) for t in traj.turns] == [(0, 0), (3, 3)]
+    assert traj.key.run == "run-9"

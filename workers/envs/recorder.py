@@ -1,0 +1,143 @@
+"""The turn recorder: the one door every model turn and every env step passes through.
+
+The episode runner never calls the sampler or an environment directly; it asks the
+recorder, handing it the call to make. A recorder that has seen the key before answers
+from its record and makes no call; otherwise it makes the call and records the
+outcome. That is the shape of durable execution (Temporal, Restate): the in-memory
+recorder here keeps its record in a dict, a durable one keeps it in the event log
+(an intent before an env step, its result after; a model turn as segments) and so
+survives a crash of the process that drives the episode.
+
+Replay must be faithful: a recorded key asked again with a different request (other
+context ids, another action) is a :class:`ReplayMismatchError`, never silently served
+or re-run. Keys are ``StepKey`` (run, group, sample, turn); a model turn and the env
+step that follows it share the turn number but are recorded under separate kinds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from workers.envs.base import Action, EnvStep, Observation, StepKey
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """Ask the model for turn ``key.turn`` of an episode."""
+
+    key: StepKey
+    #: the exact ids the model continues (prompt, earlier turns, observations)
+    context: tuple[int, ...]
+    #: this turn's budget (the context window may leave less than the sampling budget)
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelTurn:
+    """What the model produced for one request."""
+
+    #: sampled ids, the EOS included when the model emitted one
+    tokens: tuple[int, ...]
+    #: log p(token | prefix) under the weights that produced it, one per token
+    logprobs: tuple[float, ...]
+    stopped: bool
+    #: weight version when the turn started / finished (differ if a refit landed mid-turn)
+    version_start: int
+    version_end: int
+
+
+class ReplayMismatchError(RuntimeError):
+    """A recorded key was asked again with a different request (non-deterministic agent)."""
+
+
+class TurnRecorder(Protocol):
+    """Records, and on replay serves, an episode's model turns and env steps."""
+
+    def model_turns(
+        self,
+        requests: Sequence[TurnRequest],
+        generate: Callable[[Sequence[TurnRequest]], list[ModelTurn]],
+    ) -> list[ModelTurn]:
+        """One turn per request; ``generate`` is called once, with the unrecorded ones."""
+        ...
+
+    def env_reset(self, key: StepKey, reset: Callable[[], Observation]) -> Observation: ...
+
+    def env_step(self, key: StepKey, action: Action, step: Callable[[], EnvStep]) -> EnvStep: ...
+
+
+def digest(*parts: object) -> str:
+    """A short, stable fingerprint of a request (what replay compares)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class InMemoryTurnRecorder:
+    """The non-durable recorder: a record per key, kept for the recorder's lifetime.
+
+    ``calls`` counts what was actually executed (model turns generated, env resets and
+    steps run): a replay through the same recorder leaves it unchanged.
+    """
+
+    turns: dict[StepKey, tuple[str, ModelTurn]] = field(default_factory=dict)
+    resets: dict[StepKey, Observation] = field(default_factory=dict)
+    steps: dict[StepKey, tuple[str, EnvStep]] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=lambda: {"model": 0, "reset": 0, "step": 0})
+
+    def model_turns(
+        self,
+        requests: Sequence[TurnRequest],
+        generate: Callable[[Sequence[TurnRequest]], list[ModelTurn]],
+    ) -> list[ModelTurn]:
+        fresh = [r for r in requests if self._recorded_turn(r) is None]
+        if fresh:
+            made = generate(fresh)
+            if len(made) != len(fresh):
+                raise RuntimeError(f"sampler returned {len(made)} turns for {len(fresh)} requests")
+            self.calls["model"] += len(fresh)
+            for request, turn in zip(fresh, made):
+                self.turns[request.key] = (digest(request.context, request.max_new_tokens), turn)
+        out = []
+        for r in requests:
+            turn = self._recorded_turn(r)
+            assert turn is not None
+            out.append(turn)
+        return out
+
+    def _recorded_turn(self, request: TurnRequest) -> ModelTurn | None:
+        record = self.turns.get(request.key)
+        if record is None:
+            return None
+        if record[0] != digest(request.context, request.max_new_tokens):
+            raise ReplayMismatchError(
+                f"model turn {request.key}: the agent asked for a different turn than the "
+                f"recorded one (context of {len(request.context)} ids differs)"
+            )
+        return record[1]
+
+    def env_reset(self, key: StepKey, reset: Callable[[], Observation]) -> Observation:
+        if key not in self.resets:
+            self.resets[key] = reset()
+            self.calls["reset"] += 1
+        return self.resets[key]
+
+    def env_step(self, key: StepKey, action: Action, step: Callable[[], EnvStep]) -> EnvStep:
+        want = digest(action.token_ids, action.text, action.stopped)
+        record = self.steps.get(key)
+        if record is not None:
+            if record[0] != want:
+                raise ReplayMismatchError(
+                    f"env step {key}: the agent sent a different action than the recorded one"
+                )
+            return record[1]
+        result = step()
+        self.calls["step"] += 1
+        self.steps[key] = (want, result)
+        return result

@@ -1,0 +1,69 @@
+"""The model side of an episode: turn requests in, sampled turns out.
+
+:class:`TorchTurnSampler` serves a batch of :class:`TurnRequest` with
+``workers.models.decoder.sample``: requests whose context ids are identical (every
+sample's first turn of a group) are sampled together as one batch of ``n``; requests
+of equal context length are sampled as one batch, a row per context. A caller-owned ``torch.Generator`` keeps it deterministic given the
+weights, the seed and the order of the requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from workers.envs.recorder import ModelTurn, TurnRequest
+from workers.models.decoder import sample
+from workers.models.sampling import SamplingConfig
+
+
+class TurnSampler(Protocol):
+    """Generates model turns (the generator's model, or a remote one)."""
+
+    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]: ...
+
+
+@dataclass
+class TorchTurnSampler:
+    """Model turns from a torch model, KV-cached, batched by context length."""
+
+    model: nn.Module
+    eos_id: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+    #: the weight version in force (read at each turn's start and end)
+    version: Callable[[], int] = lambda: 0
+    #: called between token steps (the generator applies pending refits there)
+    between_steps: Callable[[], None] | None = None
+    use_cache: bool = True
+
+    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]:
+        batches: dict[tuple[int, int], list[int]] = {}
+        for i, r in enumerate(requests):
+            batches.setdefault((len(r.context), r.max_new_tokens), []).append(i)
+        out: list[ModelTurn | None] = [None] * len(requests)
+        for (_, budget), members in batches.items():
+            cfg = replace(self.sampling, max_new_tokens=budget)
+            start = self.version()
+            contexts = [list(requests[i].context) for i in members]
+            # one prompt repeated, or one row per context (equal lengths: no padding)
+            prompt = contexts[0] if all(c == contexts[0] for c in contexts) else contexts
+            completions = sample(
+                self.model, prompt, len(members), cfg, self.generator, self.eos_id,
+                use_cache=self.use_cache, between_steps=self.between_steps,
+            )
+            end = self.version()
+            for i, c in zip(members, completions):
+                out[i] = ModelTurn(
+                    tokens=tuple(c.tokens),
+                    logprobs=tuple(float(x) for x in c.logprobs.tolist()),
+                    stopped=c.stopped,
+                    version_start=start,
+                    version_end=end,
+                )
+        return [t for t in out if t is not None]
+

@@ -1,0 +1,251 @@
+"""An OpenAI-compatible chat-completions endpoint served by a generator.
+
+Agent code written for the OpenAI client runs unchanged against a generator's model::
+
+    client = OpenAI(base_url=server.session_url("episode-7"), api_key="unused")
+    reply = client.chat.completions.create(model="policy", messages=[...])
+
+One session per episode, named in the URL (``/sessions/<id>/v1/chat/completions``;
+plain ``/v1/chat/completions`` takes it from the body's ``session_id``, e.g. the
+client's ``extra_body``). Each request must resend the conversation so far exactly
+(``workers.envs.chat``): the session appends only the new messages' ids and the model's
+sampled ids, so the trajectory it hands the trainer (:meth:`OpenAIServer.trajectory`)
+is token for token what the model saw and produced. The response carries, beside the
+standard fields, ``token_ids`` (the completion's ids, EOS included) and
+``prompt_token_ids`` per choice, and standard ``logprobs`` with each token's sampling
+logprob. Every completion passes through the turn recorder, like the episode runner's.
+
+Errors are JSON ``{"error": {"message", "type"}}`` with status 400 (a request the
+session cannot serve exactly) or 404 (unknown path); the message names the problem.
+The server is a ``ThreadingHTTPServer`` bound to loopback by default; requests are
+served one at a time (one model).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from workers.envs.base import StepKey
+from workers.envs.chat import ChatRequestError, ChatSession, PlainTemplate, serve_turn
+from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder, TurnRequest
+from workers.envs.sampler import TorchTurnSampler, TurnSampler
+from workers.envs.tools import ToolCallFormat
+from workers.envs.trajectory import Trajectory
+from workers.models.factory import context_len
+from workers.models.sampling import SamplingConfig
+
+#: request fields the endpoint accepts (others are refused, not silently ignored)
+_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "n",
+          "stream", "logprobs", "top_logprobs", "session_id", "tools", "tool_choice", "seed"}
+
+
+class OpenAIServer:
+    """Chat completions over one model, one :class:`ChatSession` per episode."""
+
+    def __init__(
+        self,
+        sampler: TurnSampler,
+        template: PlainTemplate,
+        context_len: int,
+        *,
+        run_id: str = "run",
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        recorder: TurnRecorder | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.sampler, self.template, self.context_len = sampler, template, context_len
+        self.run_id, self.temperature, self.max_tokens = run_id, temperature, max_tokens
+        self.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
+        self.sessions: dict[str, ChatSession] = {}
+        self._lock = threading.Lock()
+        self._http = ThreadingHTTPServer((host, port), _handler(self.handle))
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+
+    @classmethod
+    def for_generator(
+        cls, gen: Any, sampling: SamplingConfig, tools: ToolCallFormat | None = None,
+        *, seed: int = 0, **kwargs: Any,
+    ) -> OpenAIServer:
+        """Serve ``gen``'s model (a ``workers.generator.Generator``) at its current weights.
+
+        Each completion holds the generator's weights like a group does (a refit lands
+        between token steps and the turn records both versions), so the generator serves
+        either a group or a completion at a time, never both at once.
+        """
+        sampler = TorchTurnSampler(
+            gen.model, gen.tokenizer.eos_id, sampling, torch.Generator().manual_seed(seed),
+            version=lambda: gen.weights.version, between_steps=gen.weights.at_step_boundary,
+            use_cache=gen.use_cache,
+        )
+        kwargs.setdefault("run_id", gen.run_id)
+        return cls(_HoldingWeights(sampler, gen.weights), PlainTemplate(gen.tokenizer, tools),
+                   context_len(gen.model), temperature=sampling.temperature,
+                   max_tokens=sampling.max_new_tokens, **kwargs)
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def session_url(self, session_id: str) -> str:
+        """The ``base_url`` an OpenAI client uses for one episode."""
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    def start(self) -> OpenAIServer:
+        """Serve in a background thread (a no-op if already serving)."""
+        if not self._thread.is_alive():
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+    def __enter__(self) -> OpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def trajectory(self, session_id: str) -> Trajectory:
+        """The session's exact token trajectory (set per-turn rewards on it to train)."""
+        if session_id not in self.sessions:
+            raise KeyError(f"no session {session_id!r}")
+        return self.sessions[session_id].trajectory
+
+    def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Serve one POST; returns (status, JSON body)."""
+        parts = path.strip("/").split("/")
+        if parts[-2:] != ["chat", "completions"]:
+            return 404, _error(f"unknown path {path!r}; POST .../v1/chat/completions", "not_found")
+        session_id = parts[1] if parts[0] == "sessions" and len(parts) == 5 else body.get("session_id")
+        try:
+            if not isinstance(session_id, str) or not session_id:
+                raise ChatRequestError(
+                    "no session: use base_url .../sessions/<id>/v1 or send 'session_id'"
+                )
+            with self._lock:
+                return 200, self._complete(session_id, body)
+        except ChatRequestError as err:
+            return 400, _error(str(err), "invalid_request_error")
+
+    def _complete(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        max_tokens = self._check(body)
+        session = self.sessions.get(session_id)
+        if session is None:
+            key = StepKey(self.run_id, session_id, 0, 0)
+            session = self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
+        prompt_len = len(session.trajectory.input_ids)
+        message, turn = serve_turn(session, self.recorder, self.sampler, body["messages"], max_tokens)
+        prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
+        return _response(session_id, body.get("model", "policy"), message, turn, prompt_ids,
+                         self.template.tokenizer.decode, prompt_len)
+
+    def _check(self, body: dict[str, Any]) -> int:
+        unknown = sorted(set(body) - _KNOWN)
+        if unknown:
+            raise ChatRequestError(f"unsupported request field(s) {unknown}")
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise ChatRequestError("'messages' must be a non-empty list")
+        if body.get("stream"):
+            raise ChatRequestError("stream=true is not supported")
+        if body.get("n", 1) != 1:
+            raise ChatRequestError(f"n must be 1 (one episode per session), got {body['n']}")
+        temperature = body.get("temperature")
+        if temperature is not None and float(temperature) != self.temperature:
+            raise ChatRequestError(
+                f"temperature must be {self.temperature} (the run's sampling temperature, "
+                f"which the trainer's logprobs assume), got {temperature}"
+            )
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ChatRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        return max_tokens
+
+
+@dataclass
+class _HoldingWeights:
+    """A sampler that marks the generator's weights in use while it samples."""
+
+    sampler: TurnSampler
+    weights: Any
+
+    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]:
+        self.weights.begin_group()
+        try:
+            return self.sampler.generate(requests)
+        finally:
+            self.weights.end_group()
+
+
+def _response(
+    session_id: str,
+    model: str,
+    message: dict[str, Any],
+    turn: ModelTurn,
+    prompt_ids: list[int],
+    decode: Callable[[list[int]], str],
+    new_prompt_start: int,
+) -> dict[str, Any]:
+    finish = "tool_calls" if message.get("tool_calls") else "stop" if turn.stopped else "length"
+    content = [
+        {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()), "top_logprobs": []}
+        for t, lp in zip(turn.tokens, turn.logprobs)
+    ]
+    return {
+        "id": f"chatcmpl-{session_id}-{len(prompt_ids)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{
+            "index": 0, "message": message, "finish_reason": finish,
+            "logprobs": {"content": content, "refusal": None},
+            # extensions: the exact ids (what the trajectory trains on)
+            "token_ids": list(turn.tokens),
+            "prompt_token_ids": list(prompt_ids),
+        }],
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(turn.tokens),
+                  "total_tokens": len(prompt_ids) + len(turn.tokens),
+                  "new_prompt_tokens": len(prompt_ids) - new_prompt_start},
+        "weight_version": [turn.version_start, turn.version_end],
+    }
+
+
+def _error(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _handler(handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
+            except ValueError as err:
+                status, out = 400, _error(f"invalid JSON body: {err}", "invalid_request_error")
+            else:
+                status, out = handle(self.path, body)
+            data = json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # the run's logs record episodes, not HTTP lines
+
+    return Handler
