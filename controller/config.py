@@ -6,6 +6,7 @@ dotted key):
 
     [run] [rollout] [checkpoint] [controller] [ray]   controller.settings
     [staleness]                                         controller.core.policies
+    [failures]                                          controller.core.failures
     [model] [sampling]                                  workers.models.config
     [task]                                              workers.tasks.config
     [train] (with [train.loss])                         workers.trainer.config
@@ -34,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from controller.core.failures import FailuresSection
 from controller.core.policies import StalenessSection, full_capacity
 from controller.prometheus import MetricsSection
 from controller.settings import (
@@ -62,6 +64,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
     rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
     staleness: StalenessSection = msgspec.field(default_factory=StalenessSection)
+    failures: FailuresSection = msgspec.field(default_factory=FailuresSection)
     train: TrainSection = msgspec.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     dataplane: DataPlaneSection = msgspec.field(default_factory=DataPlaneSection)

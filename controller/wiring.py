@@ -212,19 +212,20 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
         return actor, probe
 
     def ready(role: str, name: str, actor: Any, probe: Any) -> RayHandle:
+        label = worker_label(role, name)
         try:  # surface constructor errors now, with the worker's name
             ray.get(probe, timeout=cfg.ray.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor)
             free = ray.available_resources().get("CPU", 0.0)
             raise WorkerStartError(
-                f"{role} {name} (1 CPU) was not placed and built within "
+                f"{label} (1 CPU) was not placed and built within "
                 f"ray.placement_timeout_s = {cfg.ray.placement_timeout_s:g} s; the cluster "
                 f"has {free:g} CPUs free of {ray.cluster_resources().get('CPU', 0.0):g}"
             ) from None
         except Exception as err:
             first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-            raise WorkerStartError(f"{role} {name} failed to start: {first or err!r}") from None
+            raise WorkerStartError(f"{label} failed to start: {first or err!r}") from None
         return RayHandle(actor, name=name, role=role)
 
     def factory(role: str, name: str) -> RayHandle:
@@ -261,6 +262,11 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     workers = _assemble(cfg, spec, plane, first_start)
     workers.factory = factory
     return workers
+
+
+def worker_label(role: str, name: str) -> str:
+    """How an error names a worker: ``trainer``, ``generator-1`` (never "trainer trainer")."""
+    return name if name.startswith(role) else f"{role} {name}"
 
 
 def _on_node(resource: str) -> dict[str, Any]:

@@ -237,6 +237,17 @@ class RunFinished(Event, frozen=True):
     reason: str
 
 
+class RunStopped(Event, frozen=True):
+    """The controller stopped the run on its own: a failure budget ran out
+    (``controller.core.failures``). The run is not finished: a resume continues it once
+    the cause is fixed, with a fresh budget."""
+
+    #: what ran out, in one line (groups failed in a row, since which position)
+    reason: str
+    #: the root cause: the worker's exception type and message, as it recorded it
+    cause: str
+
+
 AnyEvent = Union[
     RunStarted,
     ControllerStarted,
@@ -256,6 +267,7 @@ AnyEvent = Union[
     WorkerLost,
     RunRewound,
     RunFinished,
+    RunStopped,
 ]
 
 EVENT_TYPES: Final[dict[str, type[Event]]] = {
@@ -332,3 +344,7 @@ def worker_lost_id(worker: str, epoch: int, position: int) -> str:
 
 def run_finished_id(epoch: int, position: int) -> str:
     return f"run:finished:e{epoch}:p{position}"
+
+
+def run_stopped_id(epoch: int, position: int) -> str:
+    return f"run:stopped:e{epoch}:p{position}"

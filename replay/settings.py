@@ -100,5 +100,13 @@ def apply_changes(state: RunState, changes: Mapping[str, str], item_text: str = 
     try:
         return with_changes(recorded, changes)
     except ConfigError as err:
-        what = item_text or ", ".join(f"{k}={v}" for k, v in changes.items())
-        raise WhatIfError(f"--what-if {what}: {err}") from None
+        raise what_if_error(changes, err, item_text) from None
+
+
+def what_if_error(changes: Mapping[str, str], err: ConfigError, item_text: str = "") -> WhatIfError:
+    """A config error of what-if ``changes``, naming them: the loader's own source
+    ("config (defaults + --set): ...") would point at a flag nobody gave."""
+    text = str(err)
+    reason = text.split("): ", 1)[1] if text.startswith("config (") else text
+    what = item_text or ", ".join(f"{k}={v}" for k, v in changes.items())
+    return WhatIfError(f"--what-if {what}: {reason}")

@@ -11,6 +11,7 @@ controller's ``wiring`` picks one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable
 from typing import Literal, Protocol, runtime_checkable
 
@@ -30,6 +31,18 @@ class WorkerLostError(RuntimeError):
         #: the handle whose call failed (set by the handles; a restart swaps handles)
         self.handle: object | None = None
         super().__init__(f"{role} {worker} lost: {reason}")
+
+
+#: terminal colour codes (Ray colours the tracebacks it forwards)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def error_line(err: BaseException, limit: int = 400) -> str:
+    """A worker's error in one line: its type and message, colour codes and line breaks
+    gone (the handles already unwrapped Ray's task error to the worker's own exception)."""
+    text = _ANSI.sub("", f"{type(err).__name__}: {err}".strip())
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):

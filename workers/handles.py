@@ -135,8 +135,12 @@ class RayHandle:
             raise self._translate(err) from err
 
     def _translate(self, err: Exception) -> Exception:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
+        if isinstance(err, RayTaskError) and isinstance(err.cause, Exception):
+            # The worker's own exception, as it raised it: Ray's wrapper prints a
+            # coloured remote traceback where the cause's type and message belong.
+            err = err.cause
         if not isinstance(err, RayActorError):  # ActorDiedError, ActorUnavailableError, ...
             return err
         lost = WorkerLostError(self.name, self.role, f"{type(err).__name__}: {err}"[:300])

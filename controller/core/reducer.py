@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, assert_never, get_args
 
+from controller.core import failures
 from controller.core.errors import violation
 from controller.core.segments import WINDOW_BASES
 from controller.core.reducer_groups import (
@@ -70,6 +71,7 @@ from events.schema import (
     RunFinished,
     RunRewound,
     RunStarted,
+    RunStopped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -181,9 +183,10 @@ def _on_controller_started(state: RunState, ev: ControllerStarted, pos: int) -> 
     state.epochs.append(
         EpochRecord(epoch=ev.epoch, host=ev.host, pid=ev.pid, ts=ev.ts, position=pos)
     )
-    # A restarted controller may resume a finished run.
+    # A restarted controller may resume a finished (or stopped) run, with fresh streaks.
     state.finished = False
     state.finished_reason = None
+    failures.on_controller_started(state.failures)
 
 
 def _on_run_finished(state: RunState, ev: RunFinished, pos: int) -> None:
@@ -193,6 +196,12 @@ def _on_run_finished(state: RunState, ev: RunFinished, pos: int) -> None:
         _violation(pos, ev, f"RunFinished while step {state.open_step.step} is open")
     state.finished = True
     state.finished_reason = ev.reason
+
+
+def _on_run_stopped(state: RunState, ev: RunStopped, pos: int) -> None:
+    if state.finished:
+        _violation(pos, ev, "RunStopped after RunFinished")
+    state.failures.stopped = ev.reason
 
 
 def _on_worker_lost(state: RunState, ev: WorkerLost, pos: int) -> None:
@@ -315,6 +324,7 @@ HANDLERS: dict[type, _Handler] = {
     RunRewound: _on_run_rewound,
     WorkerLost: _on_worker_lost,
     RunFinished: _on_run_finished,
+    RunStopped: _on_run_stopped,
 }
 
 # Exhaustive over the union, checked at import: an event type added to the schema

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 
+from controller.core import failures
 from controller.core.errors import violation as _violation
 from controller.core.segments import (
     InflightSegments,
@@ -62,6 +63,8 @@ def _on_rollout_admitted(state: RunState, ev: RolloutAdmitted, pos: int) -> None
         admitted_position=pos,
     )
     state.admitted[gid] = None
+    if ev.generator:  # where it runs: its commit or failure counts for or against that worker
+        state.failures.dispatched[gid] = ev.generator
     rec = state.inflight.get(gid) if state.inflight else None
     if rec is not None:  # a re-admission resumes from what earlier attempts recorded
         rec.attempt, rec.attempt_flushes = ev.attempt, 0
@@ -148,6 +151,7 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
     group.lengths_i64 = packed_lengths
     del state.admitted[gid]
     state.buffer[gid] = None
+    failures.on_committed(state.failures, gid)
 
 
 def _check_commit(ev: GroupCommitted, pos: int) -> None:
@@ -173,6 +177,7 @@ def _on_group_failed(state: RunState, ev: GroupFailed, pos: int) -> None:
     group.status = GroupStatus.FAILED
     group.failed_reason = ev.reason
     del state.admitted[ev.group_id]
+    failures.on_failed(state.failures, ev.group_id, ev.reason, ev.ts, pos)
 
 
 def _on_group_evicted(state: RunState, ev: GroupEvicted, pos: int) -> None:

@@ -17,13 +17,15 @@ from typing import Any, Final, Iterator, Sequence
 import msgspec
 
 from controller.core.errors import SnapshotDecodeError
+from controller.core.failures import FailureRecord
 from controller.core.segments import InflightSegments
 
 #: Bumped whenever the shape of ``RunState`` changes; an older snapshot is refused
 #: (the caller folds the log from the start instead -- snapshots are only a cache).
 #: 2: a group's payload keys, rewards and lengths are packed (``GroupRecord``).
-#: 3: segments (``RunState.inflight``, per-token version sums, the window's basis).
-STATE_FORMAT_VERSION: Final = 3
+#: 3: the failure streaks (``failures``, ``controller.core.failures``).
+#: 4: segments (``RunState.inflight``, per-token version sums, the window's basis).
+STATE_FORMAT_VERSION: Final = 4
 
 #: joins a committed group's payload keys into one string (see ``pack_keys``)
 KEY_SEPARATOR: Final = "\x00"
@@ -296,6 +298,8 @@ class RunState(msgspec.Struct, kw_only=True):
     released_groups: int = 0
     finished: bool = False
     finished_reason: str | None = None
+    #: groups failing in a row, per worker and in all (the failure budget's input)
+    failures: FailureRecord = msgspec.field(default_factory=FailureRecord)
     #: position of the last applied event (0 = nothing applied)
     position: int = 0
 

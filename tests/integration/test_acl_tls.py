@@ -27,6 +27,7 @@ from events.redis_store import RedisEventStore, events_key
 from events.schema import GroupFailed
 from tests.chaos.harness import TINY
 from tests.conftest import _require_redis_server
+from tests.foreground import popen_foreground
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -103,7 +104,7 @@ def test_read_only_commands_work_under_the_reader(capsys, trained) -> None:
 
 
 def test_tail_follow_under_the_reader_sees_new_events(acl_server, trained) -> None:
-    follower = subprocess.Popen(
+    follower = popen_foreground(
         [sys.executable, "-m", "cli.main", "tail", "--redis-url", trained, "--run", RUN,
          "--follow", "--json"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -32,6 +32,7 @@ from events.schema import (
     RunFinished,
     RunRewound,
     RunStarted,
+    RunStopped,
     Segment,
     SegmentsRecorded,
     StepAborted,
@@ -122,6 +123,12 @@ GOLDEN: dict[str, Event] = {
     ),
     "RunFinished": RunFinished(
         event_id="run:r-golden:finished", epoch=2, ts=_TS + 16, schema_version=1, reason="budget reached",
+    ),
+    "RunStopped": RunStopped(
+        event_id="run:stopped:e2:p40", epoch=2, ts=_TS + 17, schema_version=1,
+        reason="32 groups failed in a row (none committed since log position 7), all with: "
+               "ValueError: cannot sample from an empty prompt (on generator-0)",
+        cause="ValueError: cannot sample from an empty prompt",
     ),
 }
 

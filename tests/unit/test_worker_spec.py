@@ -9,7 +9,7 @@ import pickle
 from pathlib import Path
 
 from controller.config import config_from_dict
-from controller.wiring import worker_spec
+from controller.wiring import worker_label, worker_spec
 from workers.dataplane import DataPlaneConfig
 from workers.generator.vllm_config import VllmOptions
 from workers.loss import Aggregation, LossConfig
@@ -71,3 +71,17 @@ def test_defaults_top_p_off_no_reference_and_spill_under_the_run():
     assert spec.train.trainer_config(spec.seed).keep_reference is False
     assert spec.dataplane.spill_dir == str(Path("/runs/r") / "spill")
     assert spec.vllm.options(spec.seed).chunk_tokens is None
+
+
+def test_a_worker_is_named_once_in_errors():
+    assert worker_label("trainer", "trainer") == "trainer"  # was "trainer trainer failed"
+    assert worker_label("generator", "generator-1") == "generator-1"
+    assert worker_label("trainer", "rank-1") == "trainer rank-1"
+
+
+def test_storage_units_default_to_one_on_a_local_ray_and_two_on_a_cluster():
+    local = worker_spec(config_from_dict({}), "r", Path("/runs/r"))
+    joined = worker_spec(config_from_dict({"ray": {"address": "head:6379"}}), "r", Path("/runs/r"))
+    chosen = worker_spec(config_from_dict({"dataplane": {"storage_units": 3}}), "r", Path("/runs/r"))
+    assert (local.dataplane.num_storage_units, joined.dataplane.num_storage_units,
+            chosen.dataplane.num_storage_units) == (1, 2, 3)

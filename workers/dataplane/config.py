@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from events.config_checks import positive
+from events.config_checks import non_negative, positive
 
 DataPlaneKind = Literal["memory", "transferqueue"]
 
@@ -56,14 +56,23 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """TransferQueue storage units only on nodes offering this Ray resource; empty =
     round-robin over every node. A unit dies with its node and TransferQueue keeps no
     copy, so keep them off nodes you expect to lose (e.g. preemptible generators)."""
-    storage_units: int = 2
-    """TransferQueue storage units (Ray actors holding payloads; one CPU each)."""
+    storage_units: int = 0
+    """TransferQueue storage units (Ray actors holding payloads; one CPU each). 0 (the
+    default): one on a local Ray -- the embedded default, where each unit is one more
+    process importing torch at start-up -- and two when joining a cluster
+    (``ray.address``), where they spread over the nodes (one unit moved 0.64x the
+    rows/s of two in bench_dataplane.py)."""
     start_timeout_s: float = 120.0
     """How long TransferQueue's controller and storage units may take to be placed and
     answer when the run starts them; past it the run stops and says which are pending."""
 
     def __post_init__(self) -> None:
-        positive("dataplane", self, "storage_units", "start_timeout_s")
+        positive("dataplane", self, "start_timeout_s")
+        non_negative("dataplane", self, "storage_units")
+
+    def units(self, ray_address: str) -> int:
+        """The storage units a run starts on the Ray at ``ray_address`` (empty: local)."""
+        return self.storage_units or (2 if ray_address else 1)
 
     def dataplane_config(
         self, *, run_dir: str | Path, ray_address: str, ray_num_cpus: int
@@ -76,6 +85,6 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             ray_address=ray_address or None,
             ray_num_cpus=ray_num_cpus,
             storage_node_resource=self.storage_node_resource or None,
-            num_storage_units=self.storage_units,
+            num_storage_units=self.units(ray_address),
             start_timeout_s=self.start_timeout_s,
         )
