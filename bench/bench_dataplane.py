@@ -53,6 +53,7 @@ def make_batch(groups: int, samples: int, prompt: int, max_tokens: int):
                     "input_ids": torch.randint(2, 50000, (t,), generator=g),
                     "loss_mask": mask,
                     "generator_logprobs": -torch.rand(t, generator=g) * mask,
+                    "token_versions": torch.where(mask, 7, -1),
                     "reward": torch.rand((), generator=g),
                     "prompt_len": torch.tensor(prompt),
                     "completion_len": torch.tensor(comp),

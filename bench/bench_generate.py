@@ -24,8 +24,8 @@ import time
 import torch
 
 from workers.models.config import ModelSection, SamplingSection
+from workers.models.decoder import sample
 from workers.models.factory import build_model
-from workers.models.sampling import sample
 
 
 def tokens_per_s(model, prompt, n, cfg, use_cache: bool, repeats: int) -> float:

@@ -171,14 +171,15 @@ def staleness_tables(report: dict[str, Any], last: int) -> list[Table | Text]:
     shown = steps[-last:] if last else steps
     t = Table(title=f"staleness per step (window {report['window']}, capacity {report['capacity']})"
               + (f" -- last {len(shown)} of {len(steps)}" if len(shown) < len(steps) else ""))
-    cols = ("step", "version", "groups", "lag mean", "lag max", "lag tok-w", "wait mean s",
-            "wait max s", "evicted", "crossed", "reward")
+    cols = ("step", "version", "groups", "lag mean", "lag max", "lag tok-w", "token lag",
+            "span", "wait mean s", "wait max s", "evicted", "crossed", "reward")
     for c in cols:
         t.add_column(c, justify="right")
     for r in shown:
         t.add_row(str(r["step"]) + (" (lost)" if r["lost"] else ""), str(r["trainer_version"]),
                   str(r["groups"]), f"{r['lag_mean']:.2f}", str(r["lag_max"]),
-                  f"{r['lag_token_weighted']:.2f}", f"{r['wait_mean_s']:.2f}",
+                  f"{r['lag_token_weighted']:.2f}", f"{r.get('token_lag_mean', 0.0):.2f}",
+                  str(r.get("max_partial_span", 0)), f"{r['wait_mean_s']:.2f}",
                   f"{r['wait_max_s']:.2f}", str(r["evicted"]), str(r["crossed_update"]),
                   f"{r['reward_mean']:.3f}")
     # Values next to their names: the long explanation of the gate goes under the table

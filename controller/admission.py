@@ -31,10 +31,13 @@ from controller.journal import Journal
 from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
+from controller.core.segments import segment_keys
+from controller.partial import PartialRecorder, resume_flushes
 from workers.api import (
     GenerationOutcome,
     GenerationRequest,
     GeneratorClient,
+    PayloadStore,
     WorkerLostError,
     error_line,
 )
@@ -75,6 +78,7 @@ class AdmissionSide:
         seed: int,
         failures: FailuresSection | None = None,
         on_failure: OnFailure | None = None,
+        payloads: PayloadStore | None = None,
     ) -> None:
         self.journal = journal
         self.generators = generators
@@ -94,6 +98,8 @@ class AdmissionSide:
         #: why the gate is closed ("" when open), for the stall watchdog
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
+        #: partial rollouts: records flushes, deletes committed groups' segment rows
+        self.segment_rows = PartialRecorder(journal, payloads)
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
@@ -229,6 +235,7 @@ class AdmissionSide:
         return out
 
     def _dispatch(self, gen: GeneratorClient, batch: list[ev.RolloutAdmitted]) -> None:
+        inflight = self.journal.state.inflight
         requests = [
             GenerationRequest(
                 group_id=admitted.group_id,
@@ -236,6 +243,8 @@ class AdmissionSide:
                 prompt_index=admitted.prompt_index,
                 n_samples=admitted.n_samples,
                 seed=admitted.sample_seed,
+                # a re-admitted group resumes from what its earlier attempts recorded
+                resume=resume_flushes(inflight.get(admitted.group_id)) if inflight else [],
             )
             for admitted in batch
         ]
@@ -257,21 +266,29 @@ class AdmissionSide:
     ) -> None:
         started = self.journal.clock()
         try:
-            try:
-                outcomes = list(await pending)
-                if len(outcomes) != len(reqs):
-                    raise RuntimeError(f"{len(outcomes)} outcomes for {len(reqs)} groups")
-            except asyncio.CancelledError:
-                raise
-            except WorkerLostError as err:
-                self._release_slot(gen)
-                await self._on_generation_failed(gen, reqs, str(err))
-                await self.loss.replace_generator(gen, err)
-                return
-            except Exception as err:  # a worker failure is data, not a crash
-                self._release_slot(gen)
-                await self._on_generation_failed(gen, reqs, error_line(err))
-                return
+            while True:
+                try:
+                    outcomes = list(await pending)
+                    if len(outcomes) != len(reqs):
+                        raise RuntimeError(f"{len(outcomes)} outcomes for {len(reqs)} groups")
+                except asyncio.CancelledError:
+                    raise
+                except WorkerLostError as err:
+                    self._release_slot(gen)
+                    await self._on_generation_failed(gen, reqs, str(err))
+                    await self.loss.replace_generator(gen, err)
+                    return
+                except Exception as err:  # a worker failure is data, not a crash
+                    self._release_slot(gen)
+                    await self._on_generation_failed(gen, reqs, error_line(err))
+                    return
+                if all(out.status == "done" for out in outcomes):
+                    break
+                # Partial rollouts: record the flushes (and the groups that finished),
+                # then let the paused groups go on -- this append is also the fencing
+                # check before the next call, as the admission's is before the first.
+                reqs = await self._record_flushes(reqs, outcomes)
+                pending = gen.generate(reqs)
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
             self._queue_commit(reqs, outcomes)
@@ -279,6 +296,14 @@ class AdmissionSide:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
             self._stop_with(err)
+
+    async def _record_flushes(
+        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+    ) -> list[GenerationRequest]:
+        """Flushes and finished groups in one append (``controller.partial``)."""
+        done = [(r, o) for r, o in zip(reqs, outs) if o.status == "done"]
+        commits = self._commit_events([r for r, _ in done], [o for _, o in done])
+        return await self.segment_rows.record(reqs, outs, commits)
 
     def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Calls that return in the same turn of the loop commit in one append (group
@@ -307,7 +332,14 @@ class AdmissionSide:
         """Returned calls' groups, committed in one append (the facts after the side effect)."""
         for req in reqs:
             crash_point("before_group_committed", req.group_id)
-        await self.journal.append(*(
+        scratch = segment_keys(self.journal.state.inflight, [r.group_id for r in reqs])
+        await self.journal.append(*self._commit_events(reqs, outs))
+        self.segment_rows.drop(scratch)
+
+    def _commit_events(
+        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+    ) -> list[ev.GroupCommitted]:
+        return [
             self.journal.make(
                 ev.GroupCommitted,
                 event_id=ev.group_event_id(req.group_id, "committed", req.attempt),
@@ -320,7 +352,7 @@ class AdmissionSide:
                 lengths=list(out.lengths),
             )
             for req, out in zip(reqs, outs)
-        ))
+        ]
 
     async def _on_generation_failed(
         self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str
@@ -357,6 +389,9 @@ class AdmissionSide:
             for task in pending:
                 task.cancel()
         await self._flush_commits()
+        self.segment_rows.drop([], now=True)
+        if self.segment_rows.deletes:  # best effort: recovery deletes what is left
+            await asyncio.wait(self.segment_rows.deletes, timeout=timeout_s)
 
     def cancel_all(self) -> None:
         """Fenced: nothing these generations return may be logged or acted on."""

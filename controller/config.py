@@ -80,6 +80,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 'rollout.backend = "vllm" needs model.kind = "hf" (a local HF model '
                 "directory vLLM can load; write a small one with python -m workers.models.hf_tiny DIR)"
             )
+        if (self.rollout.partial.enabled and self.rollout.backend == "vllm"
+                and self.rollout.vllm.engine_mode != "inprocess"):
+            raise ValueError(
+                'rollout.partial.enabled with rollout.backend = "vllm" needs '
+                'rollout.vllm.engine_mode = "inprocess" (a separate engine process steps on '
+                "its own and cannot pause at a token boundary)"
+            )
         need = full_capacity(self.train.groups_per_step, self.staleness.window_versions)
         # A smaller buffer deadlocks: the admission gate would close before a step fills.
         if self.staleness.buffer_groups and self.staleness.buffer_groups < need:

@@ -116,6 +116,7 @@ class Controller:
             staleness=cfg.staleness, groups_per_step=cfg.train.groups_per_step,
             target_version=cfg.run.steps, num_prompts=cfg.task.num_prompts, seed=cfg.run.seed,
             failures=cfg.failures, on_failure=on_failure,
+            payloads=payloads,
         )
         self.training = TrainSide(
             self.journal, trainer=trainer, closing=self.closing, loss=self.loss,
@@ -158,6 +159,7 @@ class Controller:
                 self.admission.cancel_all()
             else:
                 await self.admission.drain()
+        await self.closing.wait_checkpoint()  # the last CheckpointSaved, once durable
         return "completed"
 
     async def _watchdog(self) -> None:

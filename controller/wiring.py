@@ -135,6 +135,7 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
         ),
         generator_backend=cfg.rollout.backend,
         vllm=cfg.rollout.vllm,
+        partial=cfg.rollout.partial,
         refit_bucket_mib=cfg.rollout.refit_bucket_mib,
     )
 

@@ -77,7 +77,10 @@ ASSUMPTIONS = (
 )
 
 #: the config keys this what-if varies (the policies'); timings are ``simulate``'s
-POLICY_KEYS = ("staleness.window_versions", "staleness.selection", "train.groups_per_microbatch")
+POLICY_KEYS = (
+    "staleness.window_versions", "staleness.selection", "train.groups_per_microbatch",
+    "staleness.window_basis",
+)
 
 
 @dataclass(frozen=True)

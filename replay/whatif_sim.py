@@ -29,6 +29,7 @@ from events.schema import (
     GroupFailed,
     MicrobatchTrained,
     RolloutAdmitted,
+    SegmentsRecorded,
     RunRewound,
     RunStarted,
     StepAborted,
@@ -74,7 +75,7 @@ class SimResult:
         return [s for s in self.steps if s.status == "finished"]
 
 
-_GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed)
+_GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed, SegmentsRecorded)
 _TRAINER_EVENTS = (StepBegun, MicrobatchTrained, StepFinished, StepAborted)
 #: every event type :meth:`Simulation.feed` acts on
 FED_EVENTS = (*_GROUP_EVENTS, *_TRAINER_EVENTS, RunRewound)
@@ -87,7 +88,8 @@ class Simulation:
         self.s = settings
         self.state = initial_state()
         self._apply(RunStarted(
-            event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if", config={},
+            event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if",
+            config={"staleness": {"window_basis": settings.staleness.window_basis}},
             seed=0, code_version="what-if", window_versions=settings.staleness.window_versions,
             groups_per_step=settings.train.groups_per_step, samples_per_group=1,
         ))
@@ -170,11 +172,19 @@ class Simulation:
         # Assumption 2: the generator held weights the what-if trainer had produced --
         # at most its trainer_version now, whatever the recorded run had published.
         shift, now = self.shift.get(event.group_id, 0), state.trainer_version
+        moved = lambda v: min(now, max(0, v - shift))  # noqa: E731
+        if type(event) is SegmentsRecorded:
+            v = event.weight_version
+            self._apply(msgspec.structs.replace(
+                event, epoch=_EPOCH, weight_version=None if v is None else moved(v)
+            ))
+            return
+        start, end = moved(event.weight_version_start), moved(event.weight_version_end)
+        rec = state.inflight.get(event.group_id)
+        if rec is not None:  # flushes moved with an earlier, smaller trainer_version
+            start = min([start, *(v for v in rec.first_version if v >= 0)])
         self._apply(msgspec.structs.replace(
-            event,
-            epoch=_EPOCH,
-            weight_version_start=min(now, max(0, event.weight_version_start - shift)),
-            weight_version_end=min(now, max(0, event.weight_version_end - shift)),
+            event, epoch=_EPOCH, weight_version_start=start, weight_version_end=end,
         ))
         self.lengths[event.group_id] = sum(event.lengths)
 

@@ -191,6 +191,12 @@ class TrainerClientImpl:
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
         return await self.handle.call(TrainerCalls.save_checkpoint, directory)
 
+    async def begin_checkpoint(self, directory: str) -> None:
+        await self.handle.call(TrainerCalls.begin_checkpoint, directory)
+
+    async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        return await self.handle.call(TrainerCalls.checkpoint_outcome, directory)
+
     async def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
         got = await self.handle.call(TrainerCalls.load_checkpoint, directory, expected_sha256)
         return tuple(got)  # type: ignore[return-value]

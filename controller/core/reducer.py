@@ -32,12 +32,14 @@ from typing import Any, Callable, assert_never, get_args
 
 from controller.core import failures
 from controller.core.errors import violation
+from controller.core.segments import WINDOW_BASES
 from controller.core.reducer_groups import (
     _on_group_committed,
     _on_group_evicted,
     _on_group_failed,
     _on_payloads_released,
     _on_rollout_admitted,
+    _on_segments_recorded,
 )
 from controller.core.reducer_steps import (
     _on_microbatch_trained,
@@ -70,6 +72,7 @@ from events.schema import (
     RunRewound,
     RunStarted,
     RunStopped,
+    SegmentsRecorded,
     StepAborted,
     StepBegun,
     StepFinished,
@@ -158,6 +161,9 @@ def _on_run_started(state: RunState, ev: RunStarted, pos: int) -> None:
     state.seed = ev.seed
     state.code_version = ev.code_version
     state.window_versions = ev.window_versions
+    staleness = ev.config.get("staleness")
+    basis = staleness.get("window_basis") if isinstance(staleness, dict) else None
+    state.window_basis = basis if basis in WINDOW_BASES else "oldest_token"
     state.groups_per_step = ev.groups_per_step
     state.samples_per_group = ev.samples_per_group
     state.epoch = ev.epoch
@@ -304,6 +310,7 @@ HANDLERS: dict[type, _Handler] = {
     ControllerStarted: _on_controller_started,
     RolloutAdmitted: _on_rollout_admitted,
     GroupCommitted: _on_group_committed,
+    SegmentsRecorded: _on_segments_recorded,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,
     StepBegun: _on_step_begun,

@@ -51,7 +51,9 @@ CONTEXTS = (
 #: (file, function, parameter, the table it takes): each component's entry point
 ENTRY_POINTS = (
     ("workers/models/factory.py", "build_model", "cfg", "ModelSection"),
-    ("workers/models/sampling.py", "sample", "cfg", "SamplingSection"),
+    ("workers/models/sampling.py", "draw", "cfg", "SamplingSection"),
+    ("workers/models/decoder.py", "sample", "cfg", "SamplingSection"),
+    ("workers/models/decoder.py", "__init__", "cfg", "SamplingSection"),
     ("workers/generator/generator.py", "generate_group", "sampling", "SamplingSection"),
     ("workers/generator/vllm_backend.py", "__init__", "options", "VllmSection"),
     ("workers/generator/vllm_config.py", "llm_kwargs", "options", "VllmSection"),

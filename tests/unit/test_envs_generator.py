@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.unit.test_envs_runner import OracleLM, planned
-from workers.batch import ROW_FIELDS, collate
+from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
 from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
 from workers.models.config import ModelSection, SamplingSection
@@ -29,7 +29,9 @@ def test_calculator_group_rows_hold_the_episodes_with_per_turn_rewards():
     assert result.rewards == pytest.approx([1.0, 1.0])
     assert result.prompt_len == 6 and result.completion_lens == [16, 16]
     for row in plane.get("run-1", result.keys):
-        assert set(ROW_FIELDS) <= set(row) and row["token_rewards"].dtype == torch.float32
+        # token_versions is optional (OPTIONAL_ROW_FIELDS): episode rows do not write it yet
+        assert set(ROW_FIELDS) - OPTIONAL_ROW_FIELDS <= set(row)
+        assert row["token_rewards"].dtype == torch.float32
         assert row["input_ids"].tolist() == planned("47*38=", "47*38", ">1786", "1786")
         assert row["loss_mask"].tolist() == [False] * 6 + [True] * 6 + [False] * 5 + [True] * 5
         assert row["token_rewards"][11].item() == pytest.approx(0.2)

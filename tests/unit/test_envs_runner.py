@@ -233,7 +233,7 @@ def test_calculator_answer_after_a_call_that_computed_something_else_earns_nothi
 
 
 def test_sample_takes_one_prompt_per_row_when_they_share_a_length():
-    from workers.models.sampling import sample
+    from workers.models.decoder import sample
 
     model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 6)
     rows = [TOK.encode("12+3="), TOK.encode("45*6="), TOK.encode("78-9=")]

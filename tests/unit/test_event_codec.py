@@ -33,6 +33,8 @@ from events.schema import (
     RunRewound,
     RunStarted,
     RunStopped,
+    Segment,
+    SegmentsRecorded,
     StepAborted,
     StepBegun,
     StepFinished,
@@ -64,6 +66,14 @@ GOLDEN: dict[str, Event] = {
         attempt=2, weight_version_start=3, weight_version_end=4,
         payload_keys=["g0042/a2/0", "g0042/a2/1", "g0042/a2/2", "g0042/a2/3"],
         rewards=[1.0, 0.0, 0.5, -0.25], lengths=[17, 128, 64, 1],
+    ),
+    "SegmentsRecorded": SegmentsRecorded(
+        event_id="group:g0042:segments:a2:k1", epoch=1, ts=_TS + 16.5, schema_version=1,
+        group_id="g0042", attempt=2, index=1, kind="model", weight_version=4,
+        segments=[
+            Segment(sample=0, start=64, length=64, key="r/g0042/a2/s0/k1", turn=3, stopped=False),
+            Segment(sample=3, start=17, length=1, key="r/g0042/a2/s3/k1", turn=3, stopped=True),
+        ],
     ),
     "GroupFailed": GroupFailed(
         event_id="group:g0043:failed:a1", epoch=1, ts=_TS + 4, schema_version=1, group_id="g0043",

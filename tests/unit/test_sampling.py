@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from workers.models.config import ModelSection, SamplingSection
+from workers.models.decoder import sample
 from workers.models.factory import build_model
-from workers.models.sampling import sample, sequence_logprobs
+from workers.models.sampling import sequence_logprobs
 from workers.models.tokenizer import EOS_ID
 
 

@@ -1,7 +1,7 @@
 """The model side of an episode: turn requests in, sampled turns out.
 
 :class:`TorchTurnSampler` serves a batch of :class:`TurnRequest` with
-``workers.models.sampling.sample``: requests whose context ids are identical (every
+``workers.models.decoder.sample``: requests whose context ids are identical (every
 sample's first turn of a group) are sampled together as one batch of ``n``; requests
 of equal context length are sampled as one batch, a row per context. A caller-owned ``torch.Generator`` keeps it deterministic given the
 weights, the seed and the order of the requests.
@@ -19,7 +19,7 @@ from torch import nn
 
 from workers.envs.recorder import ModelTurn, TurnRequest
 from workers.models.config import SamplingSection
-from workers.models.sampling import sample
+from workers.models.decoder import sample
 
 
 class TurnSampler(Protocol):

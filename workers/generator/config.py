@@ -2,8 +2,8 @@
 
 The controller's ``Config`` composes this Struct (inside its ``[rollout]`` table, whose
 other keys drive admission) and hands it, unchanged, to the generator workers; the
-vLLM generator takes it as it is, with the run's ``VllmRuntime`` (seed, dtype) beside
-it (``workers.generator.vllm_config``). No torch or vLLM import.
+vLLM generator takes it as it is, with the run's ``VllmRuntime`` (seed, dtype, prefix
+cache) beside it (``workers.generator.vllm_config``). No torch or vLLM import.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Literal, get_args
 import msgspec
 
 from events.config_checks import non_negative, one_of, positive
+from workers.models.config import KvOnRefit
 
 MIB = 1024 * 1024
 
@@ -41,3 +42,22 @@ class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         one_of("rollout.vllm.engine_mode", self.engine_mode, get_args(EngineMode))
         positive("rollout.vllm", self, "kv_cache_mib", "max_num_seqs")
         non_negative("rollout.vllm", self, "chunk_tokens")
+
+
+class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[rollout.partial]``: in-flight refits and durable partial rollouts
+    (``docs/segments.md``). Off is the behaviour before segments existed."""
+
+    enabled: bool = False
+    """A generator call returns at every flush point (a refit landed, or
+    ``segment_tokens`` more tokens per sample); the controller records each flush, and a
+    crash resumes every group from its last recorded flush instead of from the prompt."""
+    segment_tokens: int = 64
+    """Tokens per sample between two flushes: the most a crash can lose per sample."""
+    kv_on_refit: KvOnRefit = "recompute"
+    """A refit landing mid-group: ``recompute`` prefills prompt + tokens so far under the
+    new weights (each token's logprob is exactly its version's); ``keep`` goes on with
+    the KV cache of the old weights (no prefill). See bench/bench_inflight_kv.py."""
+
+    def __post_init__(self) -> None:
+        positive("rollout.partial", self, "segment_tokens")

@@ -50,7 +50,8 @@ import gc
 import importlib.metadata
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,15 +61,16 @@ from workers.dataplane.api import DataPlane
 from workers.generator.config import VllmSection
 from workers.generator.generator import Generator, GroupResult
 from workers.generator.vllm_config import VllmRuntime, llm_kwargs
+from workers.generator.vllm_decoder import VllmDecoder
 from workers.generator.vllm_threads import EngineThreads
-from workers.models.config import SamplingSection
+from workers.models.config import KvOnRefit, SamplingSection
+from workers.models.decoder import RowPrefix
 from workers.models.factory import Tokenizer
 from workers.models.sampling import Completion
 from workers.tasks.base import Example, Task
-from workers.tasks.dataset import check_prompts_fit
 from workers.weight_buckets import iter_buckets
 from workers.weight_spool import BucketSpool, SpooledBuckets
-from workers.weight_sync import BucketReceiver, VersionedWeights, WeightStream, WeightsAck
+from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck, WeightStream
 
 
 class GeneratorClosedError(RuntimeError):
@@ -141,6 +143,7 @@ class VllmGenerator(Generator):
         strip_prefix: str = "model.",
         on_step: Callable[[int], None] | None = None,
         num_threads: int | None = None,
+        kv_on_refit: KvOnRefit = "recompute",
     ) -> None:
         try:
             import vllm
@@ -165,6 +168,7 @@ class VllmGenerator(Generator):
         self.dataplane = dataplane
         self.run_id = run_id
         self.use_cache = True
+        self.kv_on_refit = kv_on_refit
         self.on_step = on_step
         self.chunk_tokens = options.chunk_tokens or None
         self.model = _EngineWeights(self.llm, strip_prefix, self.threads)  # type: ignore[assignment]
@@ -189,10 +193,7 @@ class VllmGenerator(Generator):
     ) -> GroupResult:
         if self._closed:
             raise GeneratorClosedError(f"generator {self.weights.name} is closed")
-        prompt_ids = self.tokenizer.encode(prompt.prompt)
-        check_prompts_fit(
-            [prompt], self.tokenizer.encode, self.max_model_len, sampling.max_new_tokens
-        )
+        prompt_ids = self.prompt_ids(prompt, sampling)
         with self._busy:
             if self._closed:
                 raise GeneratorClosedError(f"generator {self.weights.name} is closed")
@@ -203,8 +204,43 @@ class VllmGenerator(Generator):
                 else:
                     completions = self._sample_in_chunks(prompt_ids, n, sampling, seed)
             finally:
-                end = self.weights.end_group()
-        return self._commit(group_id, attempt, prompt, prompt_ids, completions, start, end)
+                self.weights.end_group()
+        return self.store_group(group_id, attempt, prompt, prompt_ids, completions, start)
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """A partial-rollout call holds the engine as a whole group does (``close``)."""
+        with self._busy:
+            if self._closed:
+                raise GeneratorClosedError(f"generator {self.weights.name} is closed")
+            yield
+
+    @property
+    def context_len(self) -> int:
+        return self._max_model_len
+
+    def new_decoder(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        sampling: SamplingSection,
+        seed: int,
+        prefixes: list[RowPrefix] | None,
+    ) -> VllmDecoder:
+        """Partial rollouts: the group as engine requests stepped one token at a time."""
+        if self._closed:
+            raise GeneratorClosedError(f"generator {self.weights.name} is closed")
+        if self.options.engine_mode != "inprocess":
+            raise ValueError("rollout.partial needs rollout.vllm.engine_mode = \"inprocess\"")
+        return VllmDecoder(self, prompt_ids, n, sampling, seed, prefixes, self.kv_on_refit)
+
+    def step_params(self, cfg: SamplingSection, max_tokens: int, seed: int) -> Any:
+        """One sample's parameters when the engine is stepped by hand (output deltas)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._params(1, cfg, max_tokens, seed)
+        params.output_kind = RequestOutputKind.DELTA
+        return params
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop (see the module docstring); idempotent."""
@@ -260,7 +296,9 @@ class VllmGenerator(Generator):
         self, prompt_ids: list[int], n: int, cfg: SamplingSection, seed: int
     ) -> list[Completion]:
         """k tokens at a time per row, applying pending weight updates between chunks."""
-        rows: list[Completion] = [Completion([], torch.zeros(0), False) for _ in range(n)]
+        rows: list[Completion] = [
+            Completion([], torch.zeros(0), False, torch.zeros(0, dtype=torch.int64)) for _ in range(n)
+        ]
         chunk, done_tokens = 0, 0
         while done_tokens < cfg.max_new_tokens:
             if self._closed:
@@ -272,12 +310,15 @@ class VllmGenerator(Generator):
             requests = [{"prompt_token_ids": prompt_ids + rows[i].tokens} for i in live]
             params = [self._params(1, cfg, k, seed + 7919 * chunk + i) for i in live]
             outs = self._generate(requests, params)
+            version = self.weights.version
             for i, out in zip(live, outs):
                 piece = self._completion(out.outputs[0])
+                versions = torch.full((len(piece.tokens),), version, dtype=torch.int64)
                 rows[i] = Completion(
                     rows[i].tokens + piece.tokens,
                     torch.cat([rows[i].logprobs, piece.logprobs]),
                     piece.stopped,
+                    torch.cat([rows[i].versions, versions]),
                 )
             done_tokens += k
             if self.on_step is not None:

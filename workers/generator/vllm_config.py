@@ -21,6 +21,9 @@ class VllmRuntime:
     #: engine seed, the run's (per-request seeds make sampling deterministic on their own)
     seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: vLLM's prefix cache; off with partial rollouts (``vllm_decoder``: a cached block
+    #: would outlive the weights that computed it)
+    prefix_caching: bool = True
 
 
 def llm_kwargs(options: VllmSection, runtime: VllmRuntime) -> dict[str, Any]:
@@ -32,6 +35,7 @@ def llm_kwargs(options: VllmSection, runtime: VllmRuntime) -> dict[str, Any]:
         "max_num_seqs": options.max_num_seqs,
         "seed": runtime.seed,
         "enforce_eager": True,
+        "enable_prefix_caching": runtime.prefix_caching,
         "skip_tokenizer_init": True,
         # the sampled token's logprob under the temperature-scaled distribution,
         # which is what the trainer recomputes (``workers.batch``)

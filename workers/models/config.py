@@ -19,6 +19,11 @@ from events.config_checks import one_of, positive, require
 
 ModelKind = Literal["tiny", "hf"]
 
+#: what a refit landing between two token steps does with the KV cache
+#: (``workers.models.decoder``)
+KvOnRefit = Literal["recompute", "keep"]
+KV_ON_REFIT: tuple[KvOnRefit, ...] = ("recompute", "keep")
+
 
 class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[model]``: the policy the trainer and every generator build alike."""
