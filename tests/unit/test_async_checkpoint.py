@@ -30,7 +30,7 @@ def test_a_background_checkpoint_is_the_state_at_its_snapshot(tmp_path):
     want = split_step(a, 2, 52)  # training goes on while the snapshot is written
     info = _wait(ckpt, str(tmp_path / "async"))
     assert info.trainer_version == 2 and info.step == 1
-    b = TorchTrainer(FACTORY, ADAMW)
+    b = TorchTrainer(FACTORY, *ADAMW)
     b.load_checkpoint(tmp_path / "async")  # verified: every file's sha256, the digest
     assert b.trainer_version == 2
     assert split_step(b, 2, 52) == want  # resumes exactly where the snapshot was taken
