@@ -3,8 +3,6 @@ and a log where CheckpointSaved (and the release it allows) follows the durable 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from events import schema as ev
@@ -16,11 +14,7 @@ from workers.trainer.async_checkpoint import AsyncCheckpointer
 
 
 def _wait(ckpt: AsyncCheckpointer, directory: str):
-    deadline = time.monotonic() + 60
-    while (info := ckpt.outcome(directory)) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    return info
+    return ckpt.wait(directory)  # blocks on the write itself: no timer to race
 
 
 def test_a_background_checkpoint_is_the_state_at_its_snapshot(tmp_path):
