@@ -38,7 +38,13 @@ both phases (the next groups wait for the new weights when the window is small, 
 train pump publishes before it begins the next step).
 
 A third mode, (c) async with ``controller.publish = "behind"`` (each version published
-while the next step trains), shows what that overlap buys, in the same rounds.
+while the next step trains), shows what that overlap buys, in the same rounds. A fourth,
+(d) in-flight -- async with partial rollouts (``rollout.partial``: a refit lands between
+two tokens, every flush is recorded, a group resumes from its last flush) and a window
+on each group's newest token (``staleness.window_basis``; ``docs/segments.md``) --
+against (b). With ``--decode-in-steps`` (default) the simulated decode time is spent
+inside generation, between the real token steps, so a refit can land in the middle of
+a long completion; tokens/s counts the simulated completion lengths consumed.
 
 Targets: async/sync groups/s >= 1.5x; >= 0.9 of the physical bound; controller CPU
 < 1 ms per group.
@@ -117,6 +123,12 @@ class TimedTrainer:
     async def save_checkpoint(self, directory: str):
         return await self._timed(self.inner.save_checkpoint(directory))
 
+    async def begin_checkpoint(self, directory: str) -> None:
+        return await self._timed(self.inner.begin_checkpoint(directory))
+
+    async def checkpoint_outcome(self, directory: str):
+        return await self.inner.checkpoint_outcome(directory)
+
     async def load_checkpoint(self, directory: str, *expected: Any):
         return await self.inner.load_checkpoint(directory, *expected)
 
@@ -164,8 +176,15 @@ class TimedPublisher:
             self.intervals.append((started, time.perf_counter()))
 
 
-def bench_config(args: argparse.Namespace, window: int, publish: str = "in_line") -> Config:
-    return load_config(None, [
+def bench_config(
+    args: argparse.Namespace, window: int, publish: str = "in_line", inflight: bool = False
+) -> Config:
+    partial = [
+        "rollout.partial.enabled=true", f"rollout.partial.segment_tokens={args.segment_tokens}",
+        "staleness.window_basis=newest_token",
+    ] if inflight else []
+    return load_config(None, [*partial,
+        f"staleness.selection={args.selection}",
         f"controller.publish={publish}",
         f"run.seed={args.seed}",
         f"run.steps={args.steps}",
@@ -201,14 +220,15 @@ def task_options(args: argparse.Namespace) -> dict[str, Any]:
         "judge_median_s": args.judge_median_ms * 1e-3,
         "judge_sigma": args.judge_sigma,
         "seed": args.seed,
+        "decode_in_steps": args.decode_in_steps,
     }
 
 
 def run_once(
     args: argparse.Namespace, store: EventStore, run_id: str, window: int, tmp: Path,
-    publish: str = "in_line",
+    publish: str = "in_line", inflight: bool = False,
 ) -> dict[str, float]:
-    cfg = bench_config(args, window, publish)
+    cfg = bench_config(args, window, publish, inflight)
     run_dir = tmp / run_id
     spec = dataclasses.replace(worker_spec(cfg, run_id, run_dir), task_options=task_options(args))
     workers = start_workers(cfg, spec, local=args.workers == "local")
@@ -231,10 +251,10 @@ def run_once(
         append_cpu = [0.0]
         plain_append = writer.append
 
-        def timed_append(*events):
+        def timed_append(*events, **kwargs):
             started = time.thread_time()
             try:
-                return plain_append(*events)
+                return plain_append(*events, **kwargs)
             finally:
                 append_cpu[0] += time.thread_time() - started
 
@@ -249,6 +269,7 @@ def run_once(
     state = writer.state
     consumed = [g for g in state.groups.values() if g.consumed_step is not None]
     lags = [g.lag for g in consumed if g.lag is not None]
+    simulated, token_lag = _token_figures(args, cfg, consumed)
     _, data_wait, controller_gap = trainer.gaps_s(publisher.intervals)
     return {
         "window": float(window),
@@ -266,7 +287,27 @@ def run_once(
         "lag_mean": statistics.fmean(lags) if lags else 0.0,
         "lag_max": float(max(lags, default=0)),
         "evicted": float(sum(1 for g in state.groups.values() if g.status.name == "EVICTED")),
+        "tokens_per_s": simulated / wall,
+        "trainer_idle": 1.0 - trainer.busy_s() / wall,
+        "token_lag": token_lag,
     }
+
+
+def _token_figures(args: argparse.Namespace, cfg: Config, consumed: list) -> tuple[float, float]:
+    """(simulated completion tokens of the consumed groups, token-weighted mean lag of
+    their real tokens -- each at its own version)."""
+    from bench.latency_task import LatencyTask
+    from workers.tasks import prompt_set
+
+    task = LatencyTask(**task_options(args))
+    prompts = prompt_set(task, cfg.task.num_prompts, cfg.run.seed)
+    simulated = sum(task.prompt_tokens(prompts[g.prompt_index]) * g.n_samples for g in consumed)
+    lag_sum = tokens = 0
+    for g in consumed:
+        n = sum(g.lengths)
+        lag_sum += (g.lag + g.weight_version_start) * n - g.version_token_sum
+        tokens += n
+    return float(simulated), lag_sum / max(1, tokens)
 
 
 COLUMNS = [
@@ -279,6 +320,10 @@ COLUMNS = [
     ("ctrl CPU ms/group", "ctrl_cpu_ms", "{:16.3f}"),
     ("(log appends)", "append_cpu_ms", "{:13.3f}"),
     ("lag mean/max", "lag", "{:>12}"),
+    ("token lag", "token_lag", "{:9.2f}"),
+    ("tokens/s", "tokens_per_s", "{:8.0f}"),
+    ("trainer idle", "trainer_idle", "{:12.1%}"),
+    ("evicted", "evicted", "{:7.0f}"),
 ]
 
 
@@ -343,6 +388,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ray-cpus", type=int, default=8, help="logical CPUs of the local Ray (ray mode)")
     ap.add_argument("--no-behind", dest="behind", action="store_false",
                     help="skip the third mode: async with controller.publish = behind")
+    ap.add_argument("--no-inflight", dest="inflight", action="store_false",
+                    help="skip the fourth mode: async with partial rollouts (in-flight refits)")
+    ap.add_argument("--segment-tokens", type=int, default=2,
+                    help="rollout.partial.segment_tokens of the in-flight mode")
+    ap.add_argument("--selection", default="ready_first",
+                    help="staleness.selection of every mode (ready_first: a straggler past the "
+                         "window is evicted, not waited for)")
+    ap.add_argument("--no-decode-in-steps", dest="decode_in_steps", action="store_false",
+                    help="spend the simulated decode time in the reward call, as before")
     return ap.parse_args()
 
 
@@ -355,14 +409,14 @@ def main() -> None:
             # Warm-up (torch kernels, imports) outside the measurement.
             warm = argparse.Namespace(**{**vars(args), "steps": 2})
             run_once(warm, store, "warmup", args.window, tmp)
-            modes = ["sync", "async", "async-behind"] if args.behind else ["sync", "async"]
+            modes = ["sync", "async"] + ["async-behind"] * args.behind + ["inflight"] * args.inflight
             results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
             for i in range(args.rounds):
                 order = modes if i % 2 == 0 else modes[::-1]
                 for mode in order:
                     window = 0 if mode == "sync" else args.window
                     publish = "behind" if mode == "async-behind" else "in_line"
-                    r = run_once(args, store, f"{mode}-{i}", window, tmp, publish)
+                    r = run_once(args, store, f"{mode}-{i}", window, tmp, publish, mode == "inflight")
                     results[mode].append(r)
                     print(f"round {i} {mode:<12} window {window}: {r['groups_per_s']:.2f} groups/s, "
                           f"controller CPU {r['ctrl_cpu_ms']:.3f} ms/group", flush=True)
@@ -374,6 +428,8 @@ def main() -> None:
     }
     if args.behind:
         rows["async, behind"] = mean_rows(results["async-behind"])
+    if args.inflight:
+        rows["in-flight"] = mean_rows(results["inflight"])
     print()
     where = "in-process" if args.workers == "local" else "Ray-actor"
     print(f"{args.generators} {where} generators ({args.groups_per_call} group(s)/call), "
@@ -426,6 +482,12 @@ def main() -> None:
     slow_pub = (asyn["publish"] * asyn["wall_s"]) / max(sync["publish"] * sync["wall_s"], 1e-9)
     print(f"  trainer time async/sync {slow_train:.2f}x, publish time {slow_pub:.2f}x "
           "(> 1: the overlapped phases compete for the same cores)")
+    if args.inflight:
+        inflight = rows["in-flight"]["groups_per_s"] / asyn["groups_per_s"]
+        per = [f["groups_per_s"] / a["groups_per_s"] for a, f in zip(results["async"], results["inflight"])]
+        print(f"in-flight / async groups/s: {inflight:.2f}x (per round: "
+              f"{', '.join(f'{r:.2f}x' for r in per)}; target >= 1.3x with long-tailed lengths, "
+              f">= 1.0x without); tokens/s {rows['in-flight']['tokens_per_s'] / asyn['tokens_per_s']:.2f}x")
     worst_cpu = max(r["ctrl_cpu_ms"] for rs in results.values() for r in rs)
     print(f"controller CPU per group, worst run: {worst_cpu:.3f} ms (target < 1 ms)")
 

@@ -6,8 +6,9 @@ then ``run --resume`` of that finished run. Printed per variant: min and median 
 whole command, of the CPU seconds its processes used (Ray's included: on a shared machine
 the steadier figure), of the finished-run resume, and of the milestones the run logs at its
 first step (``startup`` in ``controller.log.jsonl``: seconds since the process started),
-the phases between them, and the CPU seconds by process (the driver, Ray's daemons,
-TransferQueue's controller and storage units, the trainer and the generators); then
+the phases between them, the CPU seconds by process (the driver, Ray's daemons,
+TransferQueue's controller and storage units, the trainer and the generators) and how
+many processes the command ran (all, and those that import torch); then
 each variant's median as a ratio of the first variant's.
 
 A variant is ``NAME=COMMAND``: the command that stands for ``rl-controller`` (an
@@ -41,6 +42,9 @@ MILESTONES = ("cli_ready_s", "ray_ready_s", "workers_ready_s", "first_step_s")
 PHASES = ("cli", "store+ray", "dataplane+workers", "first step", "rest+teardown")
 CPU_ROLES = ("driver", "ray daemons", "TransferQueueController", "SimpleStorageUnit",
              "TrainerWorker", "GeneratorWorker")
+#: the processes that import torch, tensordict and TransferQueue (Ray's daemons do not)
+TORCH_ROLES = ("driver", "TransferQueueController", "SimpleStorageUnit", "TrainerWorker",
+               "GeneratorWorker")
 
 
 def _default_command() -> str:
@@ -106,6 +110,8 @@ def _timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[floa
         by_role: dict[str, float] = {}
         for role, cpu in seen.values():
             by_role[role] = by_role.get(role, 0.0) + cpu
+        by_role["processes"] = float(len(seen))
+        by_role["torch processes"] = float(sum(1 for r, _ in seen.values() if r in TORCH_ROLES))
         return wall, by_role, proc.returncode, err.read()[-1500:]
 
 
@@ -137,7 +143,9 @@ def one(command: str, data_dir: Path, extra: list[str], timeout_s: float) -> dic
     finally:
         subprocess.run([*words, "stop-server", "--data-dir", str(data_dir)], env=env,
                        capture_output=True, timeout=60, cwd=tempfile.gettempdir())
-    out = {"command_s": run_s, "cpu_s": sum(cpu.values()), "resume_finished_s": resume_s}
+    counts = {k: cpu.pop(k) for k in ("processes", "torch processes")}
+    out = {"command_s": run_s, "cpu_s": sum(cpu.values()), "resume_finished_s": resume_s,
+           **counts}
     for line in (data_dir / "runs" / "bench" / "controller.log.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec.get("event") == "startup":
@@ -179,6 +187,8 @@ def main() -> None:
 
     table("whole command, CPU of its processes, resume of the finished run",
           ("command_s", "cpu_s", "resume_finished_s"))
+    table("processes of the command's session (sampled every 0.2 s; counts, not seconds)",
+          ("processes", "torch processes"))
     table("milestones (seconds since the command started)", MILESTONES)
     table("phases (seconds each)", PHASES)
     table("CPU seconds by process", tuple(f"cpu {r}" for r in CPU_ROLES))

@@ -52,6 +52,9 @@ class LatencyTask:
     judge_median_s: float = 0.003
     judge_sigma: float = 0.5
     seed: int = 0
+    #: spend the decode time inside generation, after each real token step (so a refit
+    #: can land in the middle of a long completion), instead of in the reward call
+    decode_in_steps: bool = False
     _task: Task = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,7 +77,14 @@ class LatencyTask:
         rng = _rng("call", self.seed, example.prompt, completion)
         tokens = self.prompt_tokens(example) * rng.uniform(0.75, 1.25)
         judge = self.judge_median_s * math.exp(self.judge_sigma * rng.gauss(0.0, 1.0))
-        return tokens * self.decode_s_per_token + judge
+        return (0.0 if self.decode_in_steps else tokens * self.decode_s_per_token) + judge
+
+    def step_latency_s(self, example: Example, max_steps: int) -> float:
+        """With ``decode_in_steps``: the group's decode time, spread over the real token
+        steps (the generator sleeps it after each; ``Generator.simulated_decode``)."""
+        if not self.decode_in_steps:
+            return 0.0
+        return self.prompt_tokens(example) * self.decode_s_per_token / max(1, max_steps)
 
     def reward(self, example: Example, completion: str, stopped: bool) -> float:
         time.sleep(self.latency_s(example, completion))  # releases the CPU, as a remote call does

@@ -45,6 +45,12 @@ from sim.harness import SimSpec, simulate  # noqa: E402
 from sim.timeline import timeline_of  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
 
+#: partial rollouts as verl runs them: an in-flight group resumes on the new weights at a
+#: parameter sync and is kept (the window bounds its newest token); it flushes at each
+#: sync (and every segment_tokens, past any length here: the syncs are what matter)
+_PARTIAL = ("rollout.partial.enabled=true", "rollout.partial.segment_tokens=1000000",
+            "staleness.window_basis=newest_token")
+
 GROUPS_PER_STEP = 512
 MICROBATCHES = 4
 GENERATORS = 64
@@ -73,6 +79,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
         f"checkpoint.every_steps={args.steps + 1}",
         "checkpoint.retain_payloads=all",
         "task.num_prompts=1000000",
+        *(_PARTIAL if args.partial else ()),
     ])
     timings = SyntheticTimings(
         generation=Lognormal(median_s, args.sigma, cap_s=args.cap_s),
@@ -97,6 +104,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
         "lag_mean": s["lag_mean"],
         "lag_max": s["lag_max"],
         "evicted": s["evicted"],
+        "events_per_group": len(store.read("verl")) / max(1, tl.groups_consumed),
         "real_s": time.perf_counter() - real0,
     }
 
@@ -135,25 +143,32 @@ def main() -> None:
     ap.add_argument("--selection", default="ready_first",
                     help="ready_first is their streaming order (whatever finished first)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--partial", action="store_true",
+                    help="model verl's partial rollout (rollout.partial, newest-token window)")
+    ap.add_argument("--both", action="store_true",
+                    help="print the rows without and with partial rollouts, side by side")
     args = ap.parse_args()
     median = args.median_s or calibrate(args)
     print(f"\nverl fully-async staleness ablation (128 GPUs: 64 rollout + 64 train), in virtual "
           f"time; 64 GPUs x {args.slots} slots (generators), generation lognormal(median {median:.1f}s, "
           f"sigma {args.sigma}, capped at {args.cap_s:g}s), {args.steps} steps simulated, totals "
           f"scaled to 400 steps")
-    header = (f"{'threshold':>9} {'ours: window, capacity':>22} | {'published step':>14} {'gen':>6} "
-              f"{'update':>6} {'400 steps':>9} | {'simulated step':>14} {'gen wait':>8} "
-              f"{'400 steps':>9} {'ratio':>6} {'lag mean/max':>12} {'evicted':>7}")
+    header = (f"{'threshold':>9} {'partial':>7} {'ours: window, capacity':>22} | {'published step':>14} "
+              f"{'gen':>6} {'update':>6} {'400 steps':>9} | {'simulated step':>14} {'gen wait':>8} "
+              f"{'400 steps':>9} {'ratio':>6} {'lag mean/max':>12} {'evicted':>7} {'events/grp':>10}")
     print(header)
     print("-" * len(header))
+    modes = (False, True) if args.both else (args.partial,)
     for threshold, (step_s, gen_s, update_s, total_s) in PUBLISHED.items():
-        r = run_row(threshold, median, args)
-        window = 0 if threshold == 0 else 1
-        cap = int(round((1 + threshold) * GROUPS_PER_STEP))
-        print(f"{threshold:>9} {f'w={window}, {cap}':>22} | {step_s:>14.1f} {gen_s:>6.1f} "
-              f"{update_s:>6.1f} {hms(total_s):>9} | {r['step_s']:>14.1f} {r['gen_wait_s']:>8.1f} "
-              f"{hms(400 * r['step_s']):>9} {400 * r['step_s'] / total_s:>6.2f} "
-              f"{r['lag_mean']:>7.2f}/{r['lag_max']:<4} {r['evicted']:>7}", flush=True)
+        for partial in modes:
+            r = run_row(threshold, median, argparse.Namespace(**{**vars(args), "partial": partial}))
+            window = 0 if threshold == 0 else 1
+            cap = int(round((1 + threshold) * GROUPS_PER_STEP))
+            print(f"{threshold:>9} {'on' if partial else 'off':>7} {f'w={window}, {cap}':>22} | "
+                  f"{step_s:>14.1f} {gen_s:>6.1f} {update_s:>6.1f} {hms(total_s):>9} | "
+                  f"{r['step_s']:>14.1f} {r['gen_wait_s']:>8.1f} {hms(400 * r['step_s']):>9} "
+                  f"{400 * r['step_s'] / total_s:>6.2f} {r['lag_mean']:>7.2f}/{r['lag_max']:<4} "
+                  f"{r['evicted']:>7} {r['events_per_group']:>10.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -65,6 +67,21 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_redis_url(args: argparse.Namespace) -> None:
+    """A malformed ``--redis-url`` (or ``$RLC_REDIS_URL``) is one line, before anything runs."""
+    url = getattr(args, "redis_url", "")
+    if not url:
+        return
+    from events.errors import StoreUrlError
+    from events.redis_store.url import check_url
+
+    source = ENV_REDIS_URL if url == os.environ.get(ENV_REDIS_URL) else "--redis-url"
+    try:
+        check_url(url)
+    except StoreUrlError as err:
+        raise CliError(f"{source}: {err}") from None
+
+
 def store_address(args: argparse.Namespace, *, start: bool = False) -> StoreAddress:
     """Where the command's log is, from its flags and the environment."""
     sentinels = getattr(args, "redis_sentinel", "")
@@ -103,6 +120,7 @@ def open_store(
     ``start``: start the embedded server of ``--data-dir`` if it is not running."""
     from events import factory
 
+    check_redis_url(args)
     try:
         store = factory.open_store(
             store_address(args, start=start), replication, chain_key=chain_key
@@ -123,6 +141,47 @@ def open_store(
 def require_run(store: EventStore, run_id: str) -> None:
     if not store.run_exists(run_id):
         raise RunNotFoundError(run_id, sorted(r.run_id for r in store.list_runs()))
+
+
+def orphan_run_dirs(args: argparse.Namespace, known: set[str]) -> list[str]:
+    """Run directories under ``--data-dir`` with no log in the store (a start that
+    failed before its first event, in versions that left them)."""
+    runs = Path(getattr(args, "data_dir", DEFAULT_DATA_DIR)) / "runs"
+    if not runs.is_dir():
+        return []
+    return sorted(d.name for d in runs.iterdir() if d.is_dir() and d.name not in known)
+
+
+@dataclass(frozen=True)
+class LastController:
+    """Who last held a run, from its log's tail: the newest ControllerStarted."""
+
+    finished: bool
+    host: str | None
+    pid: int | None
+
+    def running_here(self) -> bool:
+        """An unfinished run whose controller is alive on this host (not this process)."""
+        from events.embedded import pid_alive
+
+        return (not self.finished and self.host == socket.gethostname()
+                and self.pid is not None and self.pid != os.getpid() and pid_alive(self.pid))
+
+    def elsewhere(self) -> bool:
+        """An unfinished run whose controller ran on another host (alive or not: unknown)."""
+        return not self.finished and self.host not in (None, socket.gethostname())
+
+
+def last_controller(store: EventStore, run_id: str, last: int) -> LastController:
+    from events.codec import decode
+
+    tail = store.read_raw(run_id, max(1, last - 499), last) if last else []
+    finished = bool(tail) and tail[-1].event_type == "RunFinished"
+    for entry in reversed(tail):
+        if entry.event_type == "ControllerStarted":
+            event = decode(entry.data, entry.position)
+            return LastController(finished, event.host, event.pid)  # type: ignore[union-attr]
+    return LastController(finished, None, None)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

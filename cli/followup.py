@@ -3,7 +3,8 @@
 The executable is the one that is running (``.venv/bin/rl-controller`` when started
 that way, ``rl-controller`` when found on PATH); ``--data-dir`` is repeated when it is
 not the default; ``--redis-url`` when it was given on the command line (the password
-replaced by ``***``: paste yours in, or export ``RLC_REDIS_URL`` instead).
+replaced by ``***``: paste yours in, or export ``RLC_REDIS_URL`` instead); a command
+that resumes a run repeats ``--ray-address`` / ``--local-workers`` (``worker_flags``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def store_flags(args: argparse.Namespace) -> str:
         if os.path.normpath(data_dir) != os.path.normpath(DEFAULT_DATA_DIR):
             flags.append(f"--data-dir {shlex.quote(data_dir)}")
     return " ".join(flags)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of ``run`` that say where its workers ran, for a command that resumes it."""
+    flags = []
+    if getattr(args, "ray_address", None):
+        flags += ["--ray-address", args.ray_address]
+    if getattr(args, "local_workers", False):
+        flags.append("--local-workers")
+    return flags
 
 
 def command(args: argparse.Namespace, *words: str) -> str:

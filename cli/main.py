@@ -7,6 +7,8 @@
     rl-controller staleness  lag analysis, plots and policy what-if
     rl-controller audit      trainer_version history and invariant check
     rl-controller simulate   a recorded run re-run in virtual time (timing what-if)
+    rl-controller trace      a run as a Chrome/Perfetto trace (JSON)
+    rl-controller dashboard  a live read-only web page of the runs
     rl-controller delete     delete a run (log and run directory)
     rl-controller stop-server  stop the embedded redis-server
 
@@ -29,12 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'rl-controller COMMAND --help' for a command's options and an example.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from cli import manage_cmd, replay_cmd, run_cmd, simulate_cmd
+    from cli import manage_cmd, replay_cmd, run_cmd, simulate_cmd, views_cmd
 
     run_cmd.register(sub)
     replay_cmd.register(sub)
     simulate_cmd.register(sub)
     manage_cmd.register(sub)
+    views_cmd.register(sub)
     return parser
 
 

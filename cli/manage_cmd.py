@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from cli.common import (
     CliError,
     add_store_args,
     open_store,
+    last_controller,
     require_run,
 )
 
@@ -54,36 +54,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_stop_server)
 
 
-def _last_controller(store, run_id: str, last: int) -> tuple[bool, str | None, int | None]:
-    """(finished, host, pid) of the run's newest controller, from the log's tail."""
-    from events.codec import decode
-
-    tail = store.read_raw(run_id, max(1, last - 499), last) if last else []
-    finished = bool(tail) and tail[-1].event_type == "RunFinished"
-    for entry in reversed(tail):
-        if entry.event_type == "ControllerStarted":
-            event = decode(entry.data, entry.position)
-            return finished, event.host, event.pid  # type: ignore[union-attr]
-    return finished, None, None
-
-
 def _check_not_held(args: argparse.Namespace, store, run_id: str) -> int:
-    from events.embedded import pid_alive
-
     info = next(r for r in store.list_runs() if r.run_id == run_id)
-    finished, host, pid = _last_controller(store, run_id, info.last_position)
-    if finished or host is None:
-        return info.last_position
-    if host == socket.gethostname():
-        if pid is not None and pid_alive(pid):
-            raise CliError(
-                f"run {run_id} is held by a running controller (pid {pid} on this host); "
-                "stop it first (Ctrl-C in its terminal)"
-            )
-    elif not args.force:
+    holder = last_controller(store, run_id, info.last_position)
+    if holder.running_here():
         raise CliError(
-            f"run {run_id} is not finished and its last controller ran on host {host} "
-            f"(pid {pid}); if that controller is gone, pass --force"
+            f"run {run_id} is held by a running controller (pid {holder.pid} on this host); "
+            "stop it first (Ctrl-C in its terminal)"
+        )
+    if holder.elsewhere() and not args.force:
+        raise CliError(
+            f"run {run_id} is not finished and its last controller ran on host {holder.host} "
+            f"(pid {holder.pid}); if that controller is gone, pass --force"
         )
     return info.last_position
 
@@ -92,22 +74,38 @@ def cmd_delete(args: argparse.Namespace) -> int:
     run_id = args.run
     run_dir = Path(args.data_dir) / "runs" / run_id
     with open_store(args) as store:
+        if not store.run_exists(run_id) and run_dir.is_dir():
+            return _delete_orphan_dir(args, run_id, run_dir)
         require_run(store, run_id)
         events = _check_not_held(args, store, run_id)
-        if not args.yes:
-            if not sys.stdin.isatty():
-                raise CliError(f"delete asks for confirmation: pass --yes to delete run {run_id}")
-            where = f" and {run_dir}" if run_dir.exists() else ""
-            answer = input(f"delete run {run_id} ({events} events){where}? [y/N] ")
-            if answer.strip().lower() not in ("y", "yes"):
-                print("nothing deleted")
-                return 1
+        where = f" and {run_dir}" if run_dir.exists() else ""
+        if not _confirmed(args, run_id, f"delete run {run_id} ({events} events){where}?"):
+            print("nothing deleted")
+            return 1
         store.delete_run(run_id)
     removed = run_dir.exists()
     if removed:
         shutil.rmtree(run_dir)
     print(f"deleted run {run_id}: {events} events" + (f" and {run_dir}" if removed else ""))
     print(f"  runs left: {followup.command(args, 'runs')}")
+    return 0
+
+
+def _confirmed(args: argparse.Namespace, run_id: str, question: str) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise CliError(f"delete asks for confirmation: pass --yes to delete run {run_id}")
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def _delete_orphan_dir(args: argparse.Namespace, run_id: str, run_dir: Path) -> int:
+    """A run directory the store has no log for: only the directory goes."""
+    if not _confirmed(args, run_id, f"delete {run_dir} (no log of run {run_id} in the store)?"):
+        print("nothing deleted")
+        return 1
+    shutil.rmtree(run_dir)
+    print(f"deleted {run_dir} (the store has no log of run {run_id})")
     return 0
 
 

@@ -8,17 +8,22 @@ half-created run or a traceback from inside a Ray actor half a minute later:
 * the task (a built-in name, a family member such as ``reasoning-gym/<dataset>``, or a
   ``module:Class`` plugin, built with ``task.options``; episode tasks need the torch
   generator);
-* the model (``model.kind = "hf"``: a local directory holding ``config.json``);
-* the prompts (every line of ``task.dataset``, or the generated set; with the tiny
-  model every prompt is also encoded and checked to fit ``model.context_len``).
+* the model (``model.kind = "hf"``: what the workers will load from the directory --
+  config, weights, a tokenizer that encodes the run's first prompt; see
+  ``workers.models.hf_check``);
+* the prompts (every line of ``task.dataset``, or the generated set), each encoded
+  with the model's tokenizer and checked to fit its context with
+  ``sampling.max_new_tokens``.
 
 Every failure is a :class:`cli.common.CliError` naming the key or file.
-Only pure-python pieces of ``workers`` are imported here (no torch, no Ray).
+Only pure-python pieces of ``workers`` are imported here (no Ray; torch only through
+``transformers`` when the model is an HF directory).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from cli.common import CliError
@@ -42,8 +47,9 @@ def check_new_run_id(run_id: str) -> None:
 def check_config(cfg: Config) -> None:
     """Task, model and prompts of a validated config (see the module docstring)."""
     task = _check_task(cfg)
-    _check_model(cfg)
-    _check_prompts(cfg, task)
+    probe = _check_prompts(cfg, task)[0].prompt
+    encode, context_len = _check_model(cfg, probe)
+    _check_prompts(cfg, task, encode=encode, context_len=context_len)
 
 
 def _check_task(cfg: Config):
@@ -67,36 +73,39 @@ def _check_task(cfg: Config):
     return task
 
 
-def _check_model(cfg: Config) -> None:
-    if cfg.model.kind != "hf":
-        return
+def _check_model(cfg: Config, probe_prompt: str) -> tuple[Callable[[str], list[int]], int]:
+    """The tokenizer's ``encode`` and the context length the workers will have."""
+    if cfg.model.kind == "tiny":  # the tokenizer is known without loading a model
+        from workers.models.tokenizer import CharTokenizer
+
+        tokenizer = CharTokenizer(cfg.model.alphabet) if cfg.model.alphabet else CharTokenizer()
+        return tokenizer.encode, cfg.model.context_len
     path = Path(cfg.model.path).expanduser()
+    where = f"config: model.path = {cfg.model.path!r}"
     if not path.is_dir():
         raise CliError(
-            f"config: model.path = {cfg.model.path!r} is not a directory (model.kind = \"hf\" "
-            "loads a local save_pretrained directory; nothing is downloaded)"
+            f"{where} is not a directory (model.kind = \"hf\" loads a local save_pretrained "
+            "directory; nothing is downloaded)"
         )
-    if not (path / "config.json").is_file():
-        raise CliError(
-            f"config: model.path = {cfg.model.path!r} has no config.json "
-            "(expected a directory written by save_pretrained)"
-        )
+    from workers.models.hf_check import HFDirError, check_hf_dir
+
+    try:
+        found = check_hf_dir(path, probe_prompt)
+    except HFDirError as err:
+        raise CliError(f"{where}: {err}") from None
+    return found.tokenizer.encode, found.context_len
 
 
-def _check_prompts(cfg: Config, task) -> None:
+def _check_prompts(cfg: Config, task, *, encode=None, context_len=None) -> list:
+    """The run's prompts (every line of ``task.dataset``, or the generated set), and with
+    ``encode`` each checked to fit the model's context."""
     from workers.tasks import DatasetError, PromptTooLongError, prompt_set
 
     dataset = cfg.task.dataset or None
     if dataset is not None and not Path(dataset).is_file():
         raise CliError(f"config: task.dataset = {dataset!r} is not a file")
-    encode = context_len = None
-    if cfg.model.kind == "tiny":  # the tokenizer is known without loading a model
-        from workers.models.tokenizer import CharTokenizer
-
-        tokenizer = CharTokenizer(cfg.model.alphabet) if cfg.model.alphabet else CharTokenizer()
-        encode, context_len = tokenizer.encode, cfg.model.context_len
     try:
-        prompt_set(
+        return prompt_set(
             task, cfg.task.num_prompts, cfg.run.seed, dataset,
             encode=encode, context_len=context_len,
             max_new_tokens=cfg.sampling.max_new_tokens,
@@ -104,12 +113,19 @@ def _check_prompts(cfg: Config, task) -> None:
     except (DatasetError, PromptTooLongError) as err:
         if dataset:
             raise CliError(f"config: task.dataset: {err}") from None
+        context = ("model.context_len" if cfg.model.kind == "tiny"
+                   else "the context in model.path's config.json")
         raise CliError(
-            f"config: task {cfg.task.name!r} with model.context_len = {context_len} and "
+            f"config: task {cfg.task.name!r} with {context} = {context_len} and "
             f"sampling.max_new_tokens = {cfg.sampling.max_new_tokens}: {err}"
         ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise CliError(f"config: task.dataset = {dataset!r} cannot be read: {err}") from None
+    except Exception as err:  # a plugin task whose examples() fails
+        raise CliError(
+            f"config: task.name = {cfg.task.name!r}: its examples cannot be made: "
+            f"{type(err).__name__}: {err}"
+        ) from None
 
 
 def check_durability(store: ServerEventStore, cfg: Config, url: str) -> None:

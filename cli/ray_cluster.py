@@ -2,7 +2,8 @@
 
 A run's Ray actors each reserve one logical CPU:
 
-    data plane   TransferQueue's controller + ``dataplane.storage_units`` storage units
+    data plane   TransferQueue's controller + its storage units (``dataplane.storage_units``;
+                 by default 1 on a local Ray, 2 on a joined cluster)
     trainer      the trainer worker, plus one rank actor per rank when
                  ``train.data_parallel > 1``
     generators   ``rollout.num_generators``
@@ -18,6 +19,10 @@ exists (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``), b
 the run sets ``RAY_AUTH_MODE=token`` for itself; an authentication failure is
 reported as one line naming the variables.
 
+A joined address is checked first (``check_address``): a closed port, or one where
+something other than a Ray head listens, is refused in seconds instead of
+``ray.init``'s minutes of retries.
+
 Nothing here stops a cluster: a joined cluster is only disconnected from, and a
 local Ray started by the run is shut down by ``ray.shutdown`` (its own processes).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,7 +76,8 @@ class RayNeeds:
 def needs(cfg: Config) -> RayNeeds:
     dp = cfg.train.data_parallel
     return RayNeeds(
-        dataplane=1 + cfg.dataplane.storage_units if cfg.dataplane.kind == "transferqueue" else 0,
+        dataplane=(1 + cfg.dataplane.units(cfg.ray.address)
+                   if cfg.dataplane.kind == "transferqueue" else 0),
         trainer=1 + (dp if dp > 1 else 0),
         generators=cfg.rollout.num_generators,
     )
@@ -84,6 +91,53 @@ def check_local_capacity(cfg: Config) -> None:
             f"the run needs {need.describe()}; ray.num_cpus = {cfg.ray.num_cpus} "
             f"(set ray.num_cpus >= {need.cpus})"
         )
+
+
+def check_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast (one line) when ``--ray-address host:port`` is not a Ray head.
+
+    ``ray.init`` would otherwise retry for minutes: on a closed port, and for ~14
+    minutes on a port where something else listens (a Redis, a web server), during
+    which Ctrl-C takes half a minute. A Ray head's address is its GCS, a gRPC server,
+    which answers the HTTP/2 preface with a SETTINGS frame (RFC 9113, section 3.4);
+    anything else is refused here. ``auto`` and ``ray://`` addresses are left to Ray.
+    """
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CliError(f"--ray-address {address!r}: expected host:port (or 'auto')")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s) as sock:
+            answers = _answers_http2(sock, timeout_s)
+    except OSError as err:
+        raise CliError(f"cannot reach Ray at {address}: {err.strerror or err}") from None
+    if not answers:
+        raise CliError(
+            f"--ray-address {address}: something listens there but does not answer as Ray "
+            f"(no gRPC reply within {timeout_s:g} s); give the Ray head's address as "
+            "'ray start --head' printed it"
+        )
+
+
+#: the HTTP/2 client preface followed by an empty SETTINGS frame
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _answers_http2(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the server's first frame after the preface is SETTINGS (type 4)."""
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(_HTTP2_HELLO)
+        head = b""
+        while len(head) < 9:  # a frame header: length (3), type (1), flags, stream id
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                return False
+            head += chunk
+    except (socket.timeout, ConnectionError):
+        return False
+    return head[3] == 4
 
 
 def _token_available() -> bool:

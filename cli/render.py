@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import Any, TextIO
 import msgspec
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from events.schema import AnyEvent
 
@@ -65,7 +67,14 @@ def _short(value: Any) -> str:
         return "{" + ",".join(f"{k}:{_short(v)}" for k, v in list(value.items())[:6]) + (
             ",..." if len(value) > 6 else ""
         ) + "}"
+    if isinstance(value, str) and not value.isprintable():
+        # a reason an older version recorded from Ray's coloured, multi-line traceback:
+        # one event stays one line, without terminal codes
+        return " ".join(_ANSI.sub("", value).split())
     return str(value)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 def event_line(position: int, event: AnyEvent) -> str:
@@ -121,9 +130,9 @@ def point_tables(p: dict[str, Any]) -> list[Table]:
     head.add_column("field")
     head.add_column("value")
     for key in ("ts", "epoch", "trainer_version", "weight_version", "window_versions",
-                "groups_per_step", "next_step", "step_status", "finished"):
+                "groups_per_step", "next_step", "step_status", "finished", "stopped"):
         value = iso(p[key]) if key == "ts" else p[key]
-        head.add_row(key, str(value))
+        head.add_row(key, "-" if value is None else str(value))
     ckpt = p["latest_checkpoint"]
     head.add_row("latest_checkpoint", "-" if ckpt is None else f"v{ckpt['trainer_version']} {ckpt['uri']}")
     tables = [head]
@@ -157,29 +166,31 @@ def point_tables(p: dict[str, Any]) -> list[Table]:
 # -- staleness ---------------------------------------------------------------------------
 
 
-def staleness_tables(report: dict[str, Any], last: int) -> list[Table]:
+def staleness_tables(report: dict[str, Any], last: int) -> list[Table | Text]:
     steps = report["steps"]
     shown = steps[-last:] if last else steps
     t = Table(title=f"staleness per step (window {report['window']}, capacity {report['capacity']})"
               + (f" -- last {len(shown)} of {len(steps)}" if len(shown) < len(steps) else ""))
-    cols = ("step", "version", "groups", "lag mean", "lag max", "lag tok-w", "wait mean s",
-            "wait max s", "evicted", "crossed", "reward")
+    cols = ("step", "version", "groups", "lag mean", "lag max", "lag tok-w", "token lag",
+            "span", "wait mean s", "wait max s", "evicted", "crossed", "reward")
     for c in cols:
         t.add_column(c, justify="right")
     for r in shown:
         t.add_row(str(r["step"]) + (" (lost)" if r["lost"] else ""), str(r["trainer_version"]),
                   str(r["groups"]), f"{r['lag_mean']:.2f}", str(r["lag_max"]),
-                  f"{r['lag_token_weighted']:.2f}", f"{r['wait_mean_s']:.2f}",
+                  f"{r['lag_token_weighted']:.2f}", f"{r.get('token_lag_mean', 0.0):.2f}",
+                  str(r.get("max_partial_span", 0)), f"{r['wait_mean_s']:.2f}",
                   f"{r['wait_max_s']:.2f}", str(r["evicted"]), str(r["crossed_update"]),
                   f"{r['reward_mean']:.3f}")
+    # Values next to their names: the long explanation of the gate goes under the table
+    # (as a row it widened the value column and pushed every number to the far right).
     s = Table(title="summary", show_header=False)
     s.add_column("metric")
-    s.add_column("value", justify="right")
+    s.add_column("value", justify="left")
     for k, v in report["summary"].items():
         s.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     s.add_row("lag histogram", " ".join(f"{k}:{v}" for k, v in report["lag_histogram"].items()))
-    s.add_row("gate method", report["gate_method"])
-    return [t, s]
+    return [t, s, Text(f"gate method: {report['gate_method']}")]
 
 
 def whatif_tables(cmp: dict[str, Any]) -> list[Table]:
@@ -208,13 +219,22 @@ def whatif_tables(cmp: dict[str, Any]) -> list[Table]:
 # -- audit -------------------------------------------------------------------------------
 
 
-def audit_tables(report: dict[str, Any], last: int) -> list[Table]:
+def _checkpoint_dir(history: list[dict[str, Any]]) -> str | None:
+    """The one directory every checkpoint of the history is in (None: several, or none)."""
+    dirs = {uri.rpartition("/")[0] for r in history for uri in r["checkpoints"]}
+    return dirs.pop() if len(dirs) == 1 and "" not in dirs else None
+
+
+def audit_tables(report: dict[str, Any], last: int) -> list[Table | Text]:
     hist = report["history"]
     shown = hist[-last:] if last else hist
+    where = _checkpoint_dir(hist)
     h = Table(title=f"trainer_version history of {report['run_id']}"
               + (f" -- last {len(shown)} of {len(hist)} (--json/--csv for all)" if len(shown) < len(hist) else ""))
-    for c in ("version", "step", "time", "groups (id@start:lag)", "lag max", "metrics", "checkpoint"):
+    for c in ("version", "step", "time", "groups (id@start:lag)", "lag max", "metrics"):
         h.add_column(c, justify="left" if c.startswith("groups") or c == "metrics" else "right")
+    # a path is never cut: names under the caption's directory, else whole, folded
+    h.add_column("checkpoint", overflow="fold")
     for r in shown:
         groups = " ".join(f"{g['group_id']}@{g['weight_version_start']}:{g['lag']}" for g in r["groups"][:6])
         if len(r["groups"]) > 6:
@@ -223,8 +243,11 @@ def audit_tables(report: dict[str, Any], last: int) -> list[Table]:
         if r["grad_norm"] is not None:
             metrics += f" grad_norm={r['grad_norm']:.4g}"
         h.add_row(str(r["trainer_version"]) + (" (lost)" if r["lost"] else ""), str(r["step"]),
-                  iso(r["ended_ts"]), groups, str(r["lag_max"]), metrics, " ".join(r["checkpoints"]))
-    tables = [h]
+                  iso(r["ended_ts"]), groups, str(r["lag_max"]), metrics,
+                  " ".join(uri if where is None else uri[len(where) + 1:] for uri in r["checkpoints"]))
+    tables: list[Table | Text] = [h]
+    if where is not None:
+        tables.append(Text(f"checkpoints in {where}/"))
     for title, rows, cols in (
         ("aborted steps", report["aborts"], ("step", "base_trainer_version", "reason", "position")),
         ("controller epochs", report["epochs"], ("epoch", "host", "pid", "position")),

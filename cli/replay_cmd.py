@@ -13,8 +13,15 @@ import os
 import sys
 from typing import Any
 
-from cli.common import CliError, add_run_arg, open_store, require_run, subcommand
-from cli import render
+from cli import followup, render
+from cli.common import (
+    CliError,
+    add_run_arg,
+    open_store,
+    orphan_run_dirs,
+    require_run,
+    subcommand,
+)
 from cli.tail_cmd import register_tail
 
 def register(subparsers: Any) -> None:
@@ -47,8 +54,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
         rows = [_run_row(store, info) for info in store.list_runs()]
     if args.json:
         render.write_json(rows)
-    else:
-        render.console().print(render.runs_table(rows))
+        return 0
+    render.console().print(render.runs_table(rows))
+    orphans = orphan_run_dirs(args, {row["run_id"] for row in rows})
+    if orphans:
+        print(f"run directories without a log in this store: {', '.join(orphans)} "
+              f"(remove one with: {followup.command(args, 'delete', '--run', orphans[0])})")
     return 0
 
 

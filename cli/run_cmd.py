@@ -14,20 +14,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
+import contextlib
+import shutil
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 import structlog
 
-from cli import followup, preflight, quiet, ray_cluster
-from cli.common import CliError, add_store_args, load_chain_key, open_store, require_run
+from cli import followup, preflight, quiet, ray_cluster, run_summary
+from cli.common import (
+    CliError,
+    add_store_args,
+    check_redis_url,
+    last_controller,
+    load_chain_key,
+    open_store,
+    require_run,
+)
 from controller.core import policies
 from controller.config import Config, config_from_dict, config_to_dict, load_config
-from controller.loop import Controller, StallError, StepRetriesExhausted
+from controller.loop import Controller, RunStoppedError, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
 from controller.recovery import RecoveryError, reconcile_workers
 from controller.projector import Projector
@@ -68,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --resume: if payloads needed to rebuild the weights are lost, "
                         "continue from the newest usable checkpoint and record a RunRewound "
                         "(the discarded steps are named in the log and by 'audit')")
+    p.add_argument("--takeover", action="store_true",
+                   help="with --resume: continue a run whose controller is still running on "
+                        "this host (that controller is fenced and stops with exit status 3)")
     p.add_argument("--ray-address", help="join an existing Ray cluster")
     p.add_argument("--local-workers", action="store_true",
                    help="run workers in this process (debugging/tests; no Ray actors)")
@@ -108,23 +121,6 @@ def checkpoint_dir(run_dir: Path) -> str:
     return str(run_dir / "checkpoints")
 
 
-def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast (one line) when ``--ray-address host:port`` does not answer.
-
-    ``ray.init`` would otherwise retry for minutes. ``auto`` and ``ray://`` addresses
-    are left to Ray.
-    """
-    if not address or address == "auto" or "://" in address:
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise CliError(f"--ray-address {address!r}: expected host:port (or 'auto')")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
-    except OSError as err:
-        raise CliError(f"cannot reach Ray at {address}: {err.strerror or err}") from None
-
-
 def _code_version() -> str:
     try:
         return f"rl-controller {metadata.version('rl-controller')}"
@@ -153,8 +149,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError("--resume needs --run-id (see 'rl-controller runs')")
     if args.rewind_to_checkpoint and not args.resume:
         raise CliError("--rewind-to-checkpoint only applies to --resume")
+    if args.takeover and not args.resume:
+        raise CliError("--takeover only applies to --resume")
     if args.resume and (args.config or args.set):
         raise CliError(_RESUME_KEEPS_CONFIG)
+    check_redis_url(args)
     run_id = args.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
     preflight.check_new_run_id(run_id)
     cfg = None if args.resume else _resolve_config(args)
@@ -169,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             # Before anything is written: an unreachable or too small cluster must
             # leave no run behind.
             ray_cluster.check_local_capacity(cfg)
-            check_ray_address(cfg.ray.address)
+            ray_cluster.check_address(cfg.ray.address)
     chain_key = _chain_key(args, cfg, run_id)
     with open_store(args, start=True, replication=cfg.store if cfg else None,
                     chain_key=chain_key) as store:
@@ -181,10 +180,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg = _resume_config(state.config, args)
             preflight.check_config(cfg)
             if state.finished and state.trainer_version >= cfg.run.steps:
-                return _nothing_to_do(args, run_id, state.trainer_version)
+                return run_summary.nothing_to_do(run_id, state.trainer_version)
+            _check_not_held(args, store, run_id)
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
-                check_ray_address(cfg.ray.address)
+                ray_cluster.check_address(cfg.ray.address)
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             _start_ray(args, cfg, run_id)
@@ -197,22 +197,49 @@ def cmd_run(args: argparse.Namespace) -> int:
                                "or choose another --run-id")
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
-            _start_ray(args, cfg, run_id)
-            _mark("ray_ready")
-            try:
-                writer = create_run(
-                    store, run_id,
-                    config=config_to_dict(cfg), seed=cfg.run.seed, code_version=_code_version(),
-                    window_versions=cfg.staleness.window_versions,
-                    groups_per_step=cfg.train.groups_per_step,
-                    samples_per_group=cfg.rollout.samples_per_group,
-                )
-            except RunExistsError as err:
-                raise CliError(str(err)) from None
+            with _removed_unless_created(Path(args.data_dir) / "runs" / run_id):
+                _start_ray(args, cfg, run_id)
+                _mark("ray_ready")
+                try:
+                    writer = create_run(
+                        store, run_id,
+                        config=config_to_dict(cfg), seed=cfg.run.seed,
+                        code_version=_code_version(),
+                        window_versions=cfg.staleness.window_versions,
+                        groups_per_step=cfg.train.groups_per_step,
+                        samples_per_group=cfg.rollout.samples_per_group,
+                    )
+                except RunExistsError as err:
+                    raise CliError(str(err)) from None
         try:
             return _train(args, cfg, writer, store)
         finally:
             ray_cluster.disconnect()
+
+
+@contextlib.contextmanager
+def _removed_unless_created(run_dir: Path) -> Iterator[None]:
+    """A new run's directory goes again when Ray fails to start or join before the log
+    has the run: it would hold only ``third_party.log``, under a name that neither
+    ``runs`` nor ``delete`` knows (the error line already says what failed)."""
+    existed = run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _check_not_held(args: argparse.Namespace, store, run_id: str) -> None:
+    """A resume would fence a live controller: it must be asked for (``--takeover``)."""
+    holder = last_controller(store, run_id, store.last_position(run_id))
+    if holder.running_here() and not args.takeover:
+        raise CliError(
+            f"run {run_id} is held by a running controller (pid {holder.pid} on this host); "
+            "stop it first (Ctrl-C in its terminal), or pass --takeover to fence it and "
+            "continue here"
+        )
 
 
 def _chain_key(args: argparse.Namespace, cfg: Config | None, run_id: str) -> bytes | None:
@@ -248,6 +275,7 @@ def _train(args, cfg: Config, writer, store) -> int:
     structlog.contextvars.bind_contextvars(run_id=writer.run_id, epoch=writer.epoch)
     progress = Progress(cfg.run.steps, enabled=not args.no_progress)
     sink = MetricsSink(run_dir)
+    exporter = _serve_metrics(cfg, writer, progress)
     progress.console.print(
         f"run [bold]{writer.run_id}[/] epoch {writer.epoch}: trainer_version "
         f"{writer.state.trainer_version} -> {cfg.run.steps}, log at position {writer.position}"
@@ -263,7 +291,6 @@ def _train(args, cfg: Config, writer, store) -> int:
         _mark("workers_ready")
     except WorkerStartError as err:
         raise CliError(str(err)) from None
-    started = time.monotonic()
     try:
         with progress:
             progress.status("reconciling workers with the log")
@@ -288,49 +315,59 @@ def _train(args, cfg: Config, writer, store) -> int:
                     progress.warn(alert)
 
             progress.status("training")
+            started = time.monotonic()
             controller = Controller(
                 writer, cfg, workers.trainer, workers.generators, workers.publisher,
                 workers.payloads, checkpoint_dir=checkpoint_dir(run_dir), on_step=on_step,
-                restarter=workers,
+                restarter=workers, on_failure=progress.failure,
             )
             reason = asyncio.run(controller.run())
+            train_s = time.monotonic() - started
             writer.append(writer.make(ev.RunFinished, event_id=ev.run_finished_id(writer.epoch, writer.position), reason=reason))
     except FencedError as err:
         raise CliError(f"stopped: {err}", 3) from None
+    except RunStoppedError as err:
+        raise CliError(f"stopped: {err}; the log is consistent: fix the cause, then continue "
+                       f"with: {_resume_command(args, writer.run_id)}", 4) from None
     except (StallError, StepRetriesExhausted) as err:
         raise CliError(f"stopped: {err}", 4) from None
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
     except KeyboardInterrupt:
-        resume = followup.command(args, "run", "--resume", "--run-id", writer.run_id)
-        raise CliError(f"interrupted; the log is consistent, continue with: {resume}", 130) from None
+        raise CliError("interrupted; the log is consistent, continue with: "
+                       f"{_resume_command(args, writer.run_id)}", 130) from None
     finally:
         sink.close()
+        if exporter is not None:
+            exporter.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
             writer.snapshot()
-    _summary(args, progress, writer, run_dir, time.monotonic() - started)
+    run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
+                              startup_s=_PHASES.get("reconciled"), train_s=train_s)
     return 0
 
 
-def _summary(args, progress: Progress, writer, run_dir: Path, elapsed_s: float) -> None:
-    state = writer.state
-    last = state.steps.get(state.version_steps.get(state.trainer_version, -1))
-    reward = last.metrics.get("reward/mean") if last else None
-    c = progress.console
-    c.print(f"\n[bold]run {writer.run_id}[/] finished: trainer_version {state.trainer_version}, "
-            f"{len(state.steps)} steps, {state.position} events, {elapsed_s:.0f}s"
-            + (f", last reward {reward:.3f}" if reward is not None else ""))
-    run = writer.run_id
-    c.print(f"  metrics   {run_dir / 'metrics.jsonl'}", markup=False, highlight=False)
-    for label, words in (
-        ("audit", ("audit", "--run", run)),
-        ("staleness", ("staleness", "--run", run)),
-        ("replay", ("replay", "--run", run, "--step", str(max(state.steps, default=0)))),
-        ("continue", ("run", "--resume", "--run-id", run, "--steps", str(2 * state.trainer_version or 1))),
-        ("delete", ("delete", "--run", run)),
-    ):
-        c.print(f"  {label:<9} {followup.command(args, *words)}", markup=False, highlight=False)
+def _serve_metrics(cfg: Config, writer, progress: Progress):
+    """With ``metrics.port`` set: Prometheus ``/metrics`` fed by the writer's appends."""
+    if not cfg.metrics.port:
+        return None
+    from controller.prometheus import ControllerMetrics
+
+    exporter = ControllerMetrics()
+    try:
+        url = exporter.serve(cfg.metrics)
+    except OSError as err:
+        raise CliError(f"metrics.port {cfg.metrics.port} on {cfg.metrics.host}: {err.strerror or err}") from None
+    exporter.on_append([], writer.state)  # a resumed run's figures before its first append
+    writer.listeners.append(exporter.on_append)
+    progress.console.print(f"metrics at {url}", markup=False, highlight=False)
+    return exporter
+
+
+def _resume_command(args: argparse.Namespace, run_id: str) -> str:
+    return followup.command(args, "run", "--resume", "--run-id", run_id,
+                            *followup.worker_flags(args))
 
 
 def _start_ray(args: argparse.Namespace, cfg: Config, run_id: str) -> None:
@@ -361,13 +398,6 @@ def _preload_worker_modules(cfg: Config) -> None:
         from workers.dataplane import preload
 
         preload(cfg.dataplane.kind)
+        import torch.utils.tensorboard  # noqa: F401  (the metrics sink's, before the workers start)
     except Exception:
         pass
-
-
-def _nothing_to_do(args: argparse.Namespace, run_id: str, version: int) -> int:
-    print(
-        f"run {run_id} is finished at trainer_version {version}: nothing to do "
-        f"(pass --steps N with N > {version} to train further)"
-    )
-    return 0

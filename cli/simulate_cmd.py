@@ -68,7 +68,8 @@ def _print(result: Any, plot: str | None) -> None:
 
     con = render.console()
     table = Table(title=f"run {result.run_id}: recorded vs simulated (virtual time)")
-    for col in ("", "wall", "groups/s", "lag mean", "p50", "p90", "max", "evicted", "trainer idle"):
+    for col in ("", "wall", "groups/s", "lag mean", "p50", "p90", "max", "evicted", "trainer idle",
+                "checkpoints"):
         table.add_column(col, justify="left" if not col else "right")
     rows = [("recorded", result.recorded.summary())]
     rows += [(s.name, s.timeline.summary()) for s in result.scenarios]
@@ -77,6 +78,9 @@ def _print(result: Any, plot: str | None) -> None:
             name, _duration(s["wall_s"]), f"{s['groups_per_s']:.2f}", f"{s['lag_mean']:.2f}",
             str(s["lag_p50"]), str(s["lag_p90"]), str(s["lag_max"]), str(s["evicted"]),
             f"{_duration(s['trainer_idle_s'])} ({100 * s['trainer_idle_frac']:.0f}%)",
+            # checkpoints and payload releases the trainer waited for (a save written
+            # behind a step, checkpoint.async_save, is not counted)
+            _duration(s["checkpoint_s"]),
         )
     con.print(table)
     r = result.reproduction()

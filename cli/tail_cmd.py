@@ -1,4 +1,8 @@
-"""``rl-controller tail``: print a run's events, one per line (``--follow`` for a live run)."""
+"""``rl-controller tail``: print a run's events, one per line (``--follow`` for a live run).
+
+``--follow`` ends, exit status 0, once it has printed a ``RunFinished``: a finished run
+gets no more events until someone resumes it (then follow it again).
+"""
 
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ def register_tail(subparsers: Any) -> None:
     add_run_arg(p)
     p.add_argument("--from", dest="start", type=int, default=1, metavar="POS",
                    help="first position to print (default: 1)")
-    p.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="keep waiting for new events, until the run finishes")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_tail)
 
@@ -35,7 +40,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         printer = _TailPrinter(args.json)
         try:
             last = printer.print_existing(store, args.run, args.start)
-            if args.follow:
+            if args.follow and not printer.finished:
                 _run_until_interrupted(printer.follow(store, args.run, last))
         except KeyboardInterrupt:
             return 130
@@ -87,8 +92,11 @@ class _TailPrinter:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
         self.malformed = 0
+        #: the last event printed was RunFinished: following would wait for nothing
+        self.finished = False
 
     def emit(self, position: int, event: Any) -> None:
+        self.finished = type(event).__name__ == "RunFinished"
         if self.as_json:
             render.write_json(render.event_json(position, event))
         else:
@@ -110,6 +118,7 @@ class _TailPrinter:
                 try:
                     self.emit(position, decode(data, position))
                 except EventDecodeError as err:
+                    self.finished = False
                     self.bad(position, err.reason)
                 last = position
             sys.stdout.flush()
@@ -124,6 +133,8 @@ class _TailPrinter:
                     self.emit(stored.position, stored.event)
                     sys.stdout.flush()
                     last = stored.position
+                    if self.finished:
+                        return
                 return
             except EventDecodeError as err:
                 # Report it and go on after it (follow decodes a batch at a time).

@@ -7,17 +7,23 @@ fenced controller's store refuses, so no separate epoch check is needed. The cal
 outcome becomes facts: ``GroupCommitted`` for every group it carried (one append), or
 ``GroupFailed`` for every group and a retry, or a generator replacement when the worker
 died (``controller.worker_loss``).
+
+Failures are bounded (``controller.core.failures``): a generator whose calls keep
+failing is held back before its next call, longer after each (``_held_back``), and
+when the run's failure budget runs out -- groups failing in a row, none committed --
+``RunStopped`` is appended and the run stops with :class:`RunStoppedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
-from controller.core import decisions, policies
+from controller.core import decisions, failures, policies
+from controller.core.failures import FailuresSection
 from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus
 from controller.crashpoints import crash_point
@@ -25,7 +31,16 @@ from controller.journal import Journal
 from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
-from workers.api import GenerationOutcome, GenerationRequest, GeneratorClient, WorkerLostError
+from controller.core.segments import segment_keys
+from controller.partial import PartialRecorder, resume_flushes
+from workers.api import (
+    GenerationOutcome,
+    GenerationRequest,
+    GeneratorClient,
+    PayloadStore,
+    WorkerLostError,
+    error_line,
+)
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -36,6 +51,14 @@ GENERATOR_SLOTS = 1
 def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:
     """Deterministic per-group sampling seed (no global RNG anywhere)."""
     return (run_seed * 1_000_003 + prompt_index * 7_919 + attempt * 104_729) % (2**31 - 1)
+
+
+#: told of every failed generator call: (worker, first group id, the worker's error)
+OnFailure = Callable[[str, str, str], None]
+
+
+class RunStoppedError(RuntimeError):
+    """The failure budget ran out: ``RunStopped`` is in the log; the message says why."""
 
 
 class AdmissionSide:
@@ -53,6 +76,9 @@ class AdmissionSide:
         target_version: int,
         num_prompts: int,
         seed: int,
+        failures: FailuresSection | None = None,
+        on_failure: OnFailure | None = None,
+        payloads: PayloadStore | None = None,
     ) -> None:
         self.journal = journal
         self.generators = generators
@@ -63,11 +89,17 @@ class AdmissionSide:
         self.target_version = target_version
         self.num_prompts = num_prompts
         self.seed = seed
+        self.failures = failures or FailuresSection()
+        #: groups failing in a row that stop the run (``controller.core.failures``)
+        self.failure_budget = self.failures.budget(len(generators), rollout.groups_per_call)
+        self.on_failure = on_failure
         #: calls in flight per generator
         self.busy: dict[str, int] = {g.name: 0 for g in generators}
         #: why the gate is closed ("" when open), for the stall watchdog
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
+        #: partial rollouts: records flushes, deletes committed groups' segment rows
+        self.segment_rows = PartialRecorder(journal, payloads)
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
@@ -93,15 +125,27 @@ class AdmissionSide:
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_exception(err)
 
-    def _take_free_calls(self, n: int) -> list[GeneratorClient]:
-        """Up to ``n`` free call slots, first generators first (restarting ones skipped)."""
+    def _held_back(self) -> set[str]:
+        """Generators not to call now: restarting, or backing off after failed calls
+        (``failures.ready_at``: when a worker's calls keep failing, its next one waits)."""
+        held = self.loss.restarting
+        streaks = self.journal.state.failures
+        if not streaks.workers:
+            return held
+        now, per_call = self.journal.stamp().ts, self.rollout.groups_per_call
+        backing = {w for w in streaks.workers
+                   if failures.ready_at(streaks, w, self.failures, per_call) > now}
+        return held | backing if backing else held
+
+    def _take_free_calls(self, n: int, held: set[str]) -> list[GeneratorClient]:
+        """Up to ``n`` free call slots, first generators first (``held`` ones skipped)."""
         out: list[GeneratorClient] = []
         skipped: list[int] = []
-        heap, restarting = self._free_slots, self.loss.restarting
+        heap = self._free_slots
         while heap and len(out) < n:
             i = heapq.heappop(heap)
             gen = self.generators[i]
-            if restarting and gen.name in restarting:
+            if held and gen.name in held:
                 skipped.append(i)
             else:
                 out.append(gen)
@@ -109,12 +153,11 @@ class AdmissionSide:
             heapq.heappush(heap, i)
         return out
 
-    def _free_count(self) -> int:
-        restarting = self.loss.restarting
-        if not restarting:
+    def _free_count(self, held: set[str]) -> int:
+        if not held:
             return len(self._free_slots)
         gens = self.generators
-        return sum(1 for i in self._free_slots if gens[i].name not in restarting)
+        return sum(1 for i in self._free_slots if gens[i].name not in held)
 
     def _release_slot(self, gen: GeneratorClient) -> None:
         self.busy[gen.name] -= 1
@@ -138,9 +181,10 @@ class AdmissionSide:
     async def pump(self) -> None:
         per_call = self.rollout.groups_per_call
         while True:
-            free = self._free_count()
+            held = self._held_back()
+            free = self._free_count(held)
             room = self._admission_room(per_call * free) if free > 0 else 0
-            gens = self._take_free_calls(-(-room // per_call)) if room else []
+            gens = self._take_free_calls(-(-room // per_call), held) if room else []
             if not gens:
                 await self.journal.wait_wake()
                 continue
@@ -149,7 +193,9 @@ class AdmissionSide:
             # append (one round trip, one fsync): the same decisions as one admission at
             # a time (policies.admission_room), each call still carrying at most
             # groups_per_call groups, the first free generator first.
-            batch = self._next_admissions(room)
+            batch = self._next_admissions(
+                room, [gen.name for gen in gens for _ in range(per_call)]
+            )
             try:
                 await self.journal.append(*batch)  # intent before the side effect
             except BaseException:
@@ -159,12 +205,13 @@ class AdmissionSide:
             for i, gen in zip(range(0, room, per_call), gens):
                 self._dispatch(gen, batch[i:i + per_call])
 
-    def _next_admissions(self, n: int) -> list[ev.RolloutAdmitted]:
-        """The next ``n`` admissions: failed groups' retries first, then new groups."""
+    def _next_admissions(self, n: int, generators: list[str]) -> list[ev.RolloutAdmitted]:
+        """The next ``n`` admissions: failed groups' retries first, then new groups;
+        the i-th goes to ``generators[i]`` (recorded, so views can tell them apart)."""
         state = self.journal.state
         out: list[ev.RolloutAdmitted] = []
         new = 0
-        for _ in range(n):
+        for i in range(n):
             if self._retry_queue:
                 prev = state.groups[self._retry_queue.pop(0)]
                 group_id, index, attempt = prev.group_id, prev.prompt_index, prev.attempt + 1
@@ -183,10 +230,12 @@ class AdmissionSide:
                 weight_version=state.weight_version,
                 n_samples=self.rollout.samples_per_group,
                 sample_seed=sample_seed(self.seed, index, attempt),
+                generator=generators[i],
             ))
         return out
 
     def _dispatch(self, gen: GeneratorClient, batch: list[ev.RolloutAdmitted]) -> None:
+        inflight = self.journal.state.inflight
         requests = [
             GenerationRequest(
                 group_id=admitted.group_id,
@@ -194,6 +243,8 @@ class AdmissionSide:
                 prompt_index=admitted.prompt_index,
                 n_samples=admitted.n_samples,
                 seed=admitted.sample_seed,
+                # a re-admitted group resumes from what its earlier attempts recorded
+                resume=resume_flushes(inflight.get(admitted.group_id)) if inflight else [],
             )
             for admitted in batch
         ]
@@ -215,21 +266,29 @@ class AdmissionSide:
     ) -> None:
         started = self.journal.clock()
         try:
-            try:
-                outcomes = list(await pending)
-                if len(outcomes) != len(reqs):
-                    raise RuntimeError(f"{len(outcomes)} outcomes for {len(reqs)} groups")
-            except asyncio.CancelledError:
-                raise
-            except WorkerLostError as err:
-                self._release_slot(gen)
-                await self._on_generation_failed(reqs, f"{gen.name}: {err}")
-                await self.loss.replace_generator(gen, err)
-                return
-            except Exception as err:  # a worker failure is data, not a crash
-                self._release_slot(gen)
-                await self._on_generation_failed(reqs, f"{gen.name}: {type(err).__name__}: {err}")
-                return
+            while True:
+                try:
+                    outcomes = list(await pending)
+                    if len(outcomes) != len(reqs):
+                        raise RuntimeError(f"{len(outcomes)} outcomes for {len(reqs)} groups")
+                except asyncio.CancelledError:
+                    raise
+                except WorkerLostError as err:
+                    self._release_slot(gen)
+                    await self._on_generation_failed(gen, reqs, str(err))
+                    await self.loss.replace_generator(gen, err)
+                    return
+                except Exception as err:  # a worker failure is data, not a crash
+                    self._release_slot(gen)
+                    await self._on_generation_failed(gen, reqs, error_line(err))
+                    return
+                if all(out.status == "done" for out in outcomes):
+                    break
+                # Partial rollouts: record the flushes (and the groups that finished),
+                # then let the paused groups go on -- this append is also the fencing
+                # check before the next call, as the admission's is before the first.
+                reqs = await self._record_flushes(reqs, outcomes)
+                pending = gen.generate(reqs)
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
             self._queue_commit(reqs, outcomes)
@@ -237,6 +296,14 @@ class AdmissionSide:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
             self._stop_with(err)
+
+    async def _record_flushes(
+        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+    ) -> list[GenerationRequest]:
+        """Flushes and finished groups in one append (``controller.partial``)."""
+        done = [(r, o) for r, o in zip(reqs, outs) if o.status == "done"]
+        commits = self._commit_events([r for r, _ in done], [o for _, o in done])
+        return await self.segment_rows.record(reqs, outs, commits)
 
     def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Calls that return in the same turn of the loop commit in one append (group
@@ -265,7 +332,14 @@ class AdmissionSide:
         """Returned calls' groups, committed in one append (the facts after the side effect)."""
         for req in reqs:
             crash_point("before_group_committed", req.group_id)
-        await self.journal.append(*(
+        scratch = segment_keys(self.journal.state.inflight, [r.group_id for r in reqs])
+        await self.journal.append(*self._commit_events(reqs, outs))
+        self.segment_rows.drop(scratch)
+
+    def _commit_events(
+        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+    ) -> list[ev.GroupCommitted]:
+        return [
             self.journal.make(
                 ev.GroupCommitted,
                 event_id=ev.group_event_id(req.group_id, "committed", req.attempt),
@@ -278,18 +352,29 @@ class AdmissionSide:
                 lengths=list(out.lengths),
             )
             for req, out in zip(reqs, outs)
-        ))
+        ]
 
-    async def _on_generation_failed(self, reqs: list[GenerationRequest], reason: str) -> None:
+    async def _on_generation_failed(
+        self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str
+    ) -> None:
         """A call failed: each of its groups' attempt failed (one append each), then
-        :meth:`_retry_later` decides its next attempt."""
+        :meth:`_retry_later` decides its next attempt -- unless the failure budget ran
+        out: then ``RunStopped`` is appended and the run stops with
+        :class:`RunStoppedError` (``decisions.run_stopped``)."""
         j = self.journal
+        reason = f"{gen.name}: {cause}"
         for req in reqs:
             log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt,
                         reason=reason)
             await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()))
             j.timers.failed += 1
             self._retry_later(req)
+        if self.on_failure is not None:
+            self.on_failure(gen.name, reqs[0].group_id, cause)
+        stop = decisions.run_stopped(j.state, self.failure_budget, j.stamp())
+        if stop is not None:
+            await j.append(stop)
+            raise RunStoppedError(stop.reason)
 
     def _retry_later(self, req: GenerationRequest) -> None:
         """The one place a failed group's next attempt is decided: queued (retries go
@@ -304,6 +389,9 @@ class AdmissionSide:
             for task in pending:
                 task.cancel()
         await self._flush_commits()
+        self.segment_rows.drop([], now=True)
+        if self.segment_rows.deletes:  # best effort: recovery deletes what is left
+            await asyncio.wait(self.segment_rows.deletes, timeout=timeout_s)
 
     def cancel_all(self) -> None:
         """Fenced: nothing these generations return may be logged or acted on."""

@@ -6,6 +6,7 @@ dotted key):
 
     [run] [rollout] [checkpoint] [controller] [ray]   controller.settings
     [staleness]                                         controller.core.policies
+    [failures]                                          controller.core.failures
     [model] [sampling]                                  workers.models.config
     [task]                                              workers.tasks.config
     [train] (with [train.loss])                         workers.trainer.config
@@ -35,7 +36,9 @@ from typing import Any
 
 import msgspec
 
+from controller.core.failures import FailuresSection
 from controller.core.policies import StalenessSection, full_capacity
+from controller.prometheus import MetricsSection
 from controller.settings import (
     CheckpointSection, ControllerSection, RayConfig, RolloutSection, RunSection,
 )
@@ -62,12 +65,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
     rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
     staleness: StalenessSection = msgspec.field(default_factory=StalenessSection)
+    failures: FailuresSection = msgspec.field(default_factory=FailuresSection)
     train: TrainSection = msgspec.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     dataplane: DataPlaneSection = msgspec.field(default_factory=DataPlaneSection)
     controller: ControllerSection = msgspec.field(default_factory=ControllerSection)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
     def __post_init__(self) -> None:
         """The rules that span tables (each table checked its own fields already)."""
@@ -75,6 +80,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 'rollout.backend = "vllm" needs model.kind = "hf" (a local HF model '
                 "directory vLLM can load; write a small one with python -m workers.models.hf_tiny DIR)"
+            )
+        if (self.rollout.partial.enabled and self.rollout.backend == "vllm"
+                and self.rollout.vllm.engine_mode != "inprocess"):
+            raise ValueError(
+                'rollout.partial.enabled with rollout.backend = "vllm" needs '
+                'rollout.vllm.engine_mode = "inprocess" (a separate engine process steps on '
+                "its own and cannot pause at a token boundary)"
             )
         need = full_capacity(self.train.groups_per_step, self.staleness.window_versions)
         # A smaller buffer deadlocks: the admission gate would close before a step fills.

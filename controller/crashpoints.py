@@ -49,6 +49,8 @@ CRASH_POINTS: Final = (
     "after_rollout_admitted",
     "before_group_committed",
     "after_group_committed",
+    "before_segments_recorded",
+    "after_segments_recorded",
     "after_group_failed",
     "after_group_evicted",
     # the loop's train side
@@ -77,6 +79,7 @@ AFTER_APPEND: Final[dict[type, tuple[str, Callable[[Any, RunState], object]]]] =
     ev.ControllerStarted: ("after_controller_started", lambda e, s: e.epoch),
     ev.RolloutAdmitted: ("after_rollout_admitted", lambda e, s: e.group_id),
     ev.GroupCommitted: ("after_group_committed", lambda e, s: e.group_id),
+    ev.SegmentsRecorded: ("after_segments_recorded", lambda e, s: e.group_id),
     ev.GroupFailed: ("after_group_failed", lambda e, s: e.group_id),
     ev.GroupEvicted: ("after_group_evicted", lambda e, s: e.group_id),
     ev.StepBegun: ("after_step_begun", lambda e, s: e.step),

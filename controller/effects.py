@@ -14,7 +14,7 @@ from controller.core import decisions
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
-from workers.api import PayloadStore, TrainerClient, WeightPublisher
+from workers.api import CheckpointOutcome, PayloadStore, TrainerClient, WeightPublisher
 
 
 async def publish_current(
@@ -42,7 +42,16 @@ async def save_checkpoint(
     the save and its CheckpointSaved, or after a RunRewound.
     """
     crash_point("before_checkpoint_saved", version)
-    ck = await trainer.save_checkpoint(f"{directory}/v{version:06d}-e{journal.epoch}")
+    ck = await trainer.save_checkpoint(checkpoint_path(journal, directory, version))
+    await record_checkpoint(journal, version, ck)
+
+
+def checkpoint_path(journal: Journal, directory: str, version: int) -> str:
+    return f"{directory}/v{version:06d}-e{journal.epoch}"
+
+
+async def record_checkpoint(journal: Journal, version: int, ck: CheckpointOutcome) -> None:
+    """``CheckpointSaved`` for a checkpoint the trainer reported durable."""
     await journal.append(journal.make(
         ev.CheckpointSaved,
         event_id=ev.checkpoint_saved_id(version, journal.epoch),

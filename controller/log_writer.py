@@ -71,6 +71,8 @@ class LogWriter:
         #: save a snapshot of the folded state every this many events (0 = never)
         self.snapshot_every = snapshot_every
         self._last_snapshot = state.position
+        #: called with (batch, state) after each acknowledged batch is folded (metrics)
+        self.listeners: list[Callable[[Sequence[Event], RunState], None]] = []
 
     @property
     def position(self) -> int:
@@ -106,6 +108,8 @@ class LogWriter:
         for pos, event in zip(positions, batch):
             apply(state, StoredEvent(position=pos, event=event))
         self.appended += len(batch)
+        for listen in self.listeners:
+            listen(batch, self.state)
         if self.snapshot_every and self.position - self._last_snapshot >= self.snapshot_every:
             self.snapshot()
         crashpoints.after_append(batch, state, self.epoch, batch_point)

@@ -30,6 +30,10 @@
       trainer:   StepAborted + WorkerLost -> restart -> recovery.bring_trainer_to_log
       generator: GroupFailed + WorkerLost -> restart -> publish current weights to it
 
+      a generator call fails (any other error, e.g. the task's reward raises)
+      GroupFailed x groups -> retry later; that generator backs off before its next call;
+      failures.max_in_row groups failed in a row -> RunStopped -> RunStoppedError (exit 4)
+
 ``Controller`` only wires its collaborators together and runs the pumps; each is
 built with exactly what it needs and they share one ``controller.journal.Journal``
 (the log writer, the pumps' wake-up, the step timers):
@@ -60,7 +64,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Callable
 
-from controller.admission import AdmissionSide
+from controller.admission import AdmissionSide, OnFailure, RunStoppedError
 from controller.journal import Journal, Timers
 from controller.log_writer import LogWriter
 from controller.step_close import OnStep, StepClosing
@@ -77,7 +81,7 @@ from workers.api import (
 if TYPE_CHECKING:
     from controller.config import Config
 
-__all__ = ["Controller", "StallError", "StepRetriesExhausted"]
+__all__ = ["Controller", "RunStoppedError", "StallError", "StepRetriesExhausted"]
 
 
 class Controller:
@@ -94,6 +98,7 @@ class Controller:
         on_step: OnStep | None = None,
         clock: Callable[[], float] = time.monotonic,
         restarter: WorkerRestarter | None = None,
+        on_failure: OnFailure | None = None,
     ) -> None:
         self.journal = Journal(writer, clock)
         self.stall_timeout_s = cfg.controller.stall_timeout_s
@@ -110,6 +115,8 @@ class Controller:
             self.journal, generators=generators, loss=self.loss, rollout=cfg.rollout,
             staleness=cfg.staleness, groups_per_step=cfg.train.groups_per_step,
             target_version=cfg.run.steps, num_prompts=cfg.task.num_prompts, seed=cfg.run.seed,
+            failures=cfg.failures, on_failure=on_failure,
+            payloads=payloads,
         )
         self.training = TrainSide(
             self.journal, trainer=trainer, closing=self.closing, loss=self.loss,
@@ -152,6 +159,7 @@ class Controller:
                 self.admission.cancel_all()
             else:
                 await self.admission.drain()
+        await self.closing.wait_checkpoint()  # the last CheckpointSaved, once durable
         return "completed"
 
     async def _watchdog(self) -> None:

@@ -71,7 +71,7 @@ class Progress:
 
     COLUMNS = (
         "step", "version", "reward", "lag mean/max", "mismatch kl", "groups/s", "buffer",
-        "in flight",
+        "in flight", "failed",
     )
 
     def __init__(self, total_steps: int, *, console: Console | None = None, enabled: bool = True):
@@ -82,6 +82,9 @@ class Progress:
         self._rows: list[tuple[str, ...]] = []
         self._live: Live | None = None
         self._status = ""
+        #: failed generator calls so far, and the errors already printed in full
+        self.failed_calls = 0
+        self._causes: set[str] = set()
 
     def __enter__(self) -> "Progress":
         if self.enabled:
@@ -108,6 +111,7 @@ class Progress:
             f"{m.get('perf/groups_per_s', 0):.2f}",
             str(buffer),
             str(in_flight),
+            str(self.failed_calls),
         )
         self._rows.append(row)
         if self._live is not None:
@@ -119,8 +123,22 @@ class Progress:
         """A line above the table (or among the plain lines) that a person should see."""
         self.console.print(f"warning: {text}", markup=False, highlight=False)
 
+    def failure(self, worker: str, group_id: str, cause: str) -> None:
+        """A generator call failed: counted (the table's ``failed``), and printed in full
+        the first time its error is seen (a new error gets its own line)."""
+        self.failed_calls += 1
+        if cause not in self._causes:
+            self._causes.add(cause)
+            self.console.print(
+                f"generation failed on {worker} (group {group_id}): {cause} -- counted "
+                "under 'failed' from now on", markup=False, highlight=False,
+            )
+        if self._live is not None:
+            self._live.update(self._render())
+
     def _render(self) -> Table:
-        table = Table(title=f"rl-controller  {self._status}", expand=False)
+        failed = f"  failed calls: {self.failed_calls}" if self.failed_calls else ""
+        table = Table(title=f"rl-controller  {self._status}{failed}", expand=False)
         for col in self.COLUMNS:
             table.add_column(col, justify="right")
         for row in self._rows[-15:]:

@@ -37,6 +37,7 @@ import structlog
 
 from controller import effects
 from controller.core import decisions
+from controller.core.segments import segment_keys
 from controller.core.state import CheckpointRecord, RunState
 from controller.crashpoints import crash_point
 from controller.journal import Journal
@@ -192,12 +193,15 @@ async def rewind_to_checkpoint(
 
 
 def rows_to_keep(state: RunState) -> set[str]:
-    """Keys of every committed group whose rows were not released."""
-    return {
+    """Keys of every committed group whose rows were not released, and the segment rows
+    uncommitted groups recorded (a re-admission resumes from them)."""
+    keep = {
         k for g in state.groups.values()
         if g.committed_position is not None and not g.payload_released
         for k in g.payload_keys
     }
+    keep.update(segment_keys(state.inflight, state.inflight))
+    return keep
 
 
 async def clean_data_plane(state: RunState, payloads: PayloadStore) -> int:

@@ -22,7 +22,7 @@ import msgspec
 
 from events.config_checks import non_negative, positive
 from workers.backends import GeneratorBackend
-from workers.generator.config import VllmSection
+from workers.generator.config import PartialSection, VllmSection
 
 
 class _Table(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -50,6 +50,8 @@ class RolloutSection(_Table):
     refit_bucket_mib: float = 64.0
     """Weight refit streams the trainer's weights in buckets of at most this size."""
     vllm: VllmSection = msgspec.field(default_factory=VllmSection)
+    partial: PartialSection = msgspec.field(default_factory=PartialSection)
+    """In-flight refits and durable partial rollouts (docs/segments.md)."""
     samples_per_group: int = 16
     """Completions per prompt (the GRPO group size)."""
     num_generators: int = 1
@@ -79,6 +81,10 @@ class CheckpointSection(_Table):
     every_steps: int = 10
     retain_payloads: Literal["until_checkpoint", "all"] = "until_checkpoint"
     """``until_checkpoint``: delete a step's payload rows once a checkpoint covers it."""
+    async_save: bool = True
+    """The trainer snapshots its state and writes it in the background while training
+    goes on; ``CheckpointSaved`` (and the payload release it allows) follows once the
+    write is durable. False: the train pump waits for the whole write, as before."""
 
     def __post_init__(self) -> None:
         positive("checkpoint", self, "every_steps")

@@ -4,11 +4,21 @@ The step's metrics (written into ``StepFinished``), publishing the new weights t
 generators, and every ``checkpoint.every_steps`` a checkpoint plus the release of the
 payloads it covers. Each side effect first checks the run's epoch (no append
 immediately precedes it); each fact is appended after it.
+
+With ``checkpoint.async_save`` the pump only waits for the trainer's snapshot
+(``begin_checkpoint``); a background task polls until the write is durable, then appends
+``CheckpointSaved`` and releases the payloads -- so neither the write nor the release
+sits on the trainer's critical path. One checkpoint is in flight at a time; the next one
+(and the end of the run) waits for it. A write lost with its trainer is logged and
+dropped: no ``CheckpointSaved``, so nothing relies on it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
+
+import structlog
 
 from controller import effects
 from controller.core.step_metrics import consumed_group_stats
@@ -16,7 +26,12 @@ from controller.crashpoints import crash_point
 from controller.journal import Journal
 from controller.settings import CheckpointSection
 from events import schema as ev
-from workers.api import PayloadStore, StepOutcome, TrainerClient, WeightPublisher
+from workers.api import PayloadStore, StepOutcome, TrainerClient, WeightPublisher, WorkerLostError
+
+log = structlog.get_logger("rl_controller.loop")
+
+#: how often a background checkpoint asks the trainer whether its write is durable
+POLL_S = 0.05
 
 #: called after every StepFinished with (step, trainer_version, metrics)
 OnStep = Callable[[int, int, dict[str, float]], None]
@@ -47,6 +62,9 @@ class StepClosing:
         self.on_step = on_step
         #: groups consumed by steps finished in this controller's lifetime
         self.consumed_groups = 0
+        #: the background checkpoint in flight (async_save), and an error it left
+        self._saving: asyncio.Task | None = None
+        self._saving_error: BaseException | None = None
 
     async def close(self, step: int, result: StepOutcome, group_ids: list[str]) -> None:
         """The trainer finished ``step``: record it, publish, checkpoint every N."""
@@ -107,8 +125,42 @@ class StepClosing:
         await effects.publish_current(self.journal, self.publisher)
 
     async def checkpoint_and_release(self, version: int) -> None:
+        await self.wait_checkpoint()  # one in flight at a time
         self.journal.ensure_owner()
-        await effects.save_checkpoint(self.journal, self.trainer, self.checkpoint_dir, version)
+        if not self.checkpoint.async_save:
+            await effects.save_checkpoint(self.journal, self.trainer, self.checkpoint_dir, version)
+            await self._release(version)
+            return
+        crash_point("before_checkpoint_saved", version)
+        directory = effects.checkpoint_path(self.journal, self.checkpoint_dir, version)
+        await self.trainer.begin_checkpoint(directory)  # the snapshot: the trainer's own time
+        self._saving = asyncio.create_task(self._finish(version, directory), name=f"checkpoint-v{version}")
+
+    async def _release(self, version: int) -> None:
         if self.checkpoint.retain_payloads == "until_checkpoint":
             self.journal.ensure_owner()
             await effects.release_covered(self.journal, self.payloads, version)
+
+    async def wait_checkpoint(self) -> None:
+        """Until the background checkpoint (if any) is recorded; re-raises its error."""
+        if self._saving is not None:
+            await asyncio.wait([self._saving])
+            self._saving = None
+        err, self._saving_error = self._saving_error, None
+        if err is not None:
+            raise err
+
+    async def _finish(self, version: int, directory: str) -> None:
+        try:
+            while (ck := await self.trainer.checkpoint_outcome(directory)) is None:
+                await asyncio.sleep(POLL_S)
+            await effects.record_checkpoint(self.journal, version, ck)
+            await self._release(version)
+        except asyncio.CancelledError:
+            raise
+        except (WorkerLostError, KeyError) as err:  # the trainer (and its write) is gone
+            log.warning("checkpoint_lost", trainer_version=version, reason=str(err)[:300])
+        except Exception as err:  # fenced, store gone: the pump raises it next
+            self._saving_error = err
+        finally:
+            self.journal.wake()

@@ -36,7 +36,7 @@ from controller.step_close import StepClosing
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from events.errors import ConcurrencyError, FencedError
-from workers.api import MicrobatchRef, StepOutcome, TrainerClient, WorkerLostError
+from workers.api import MicrobatchRef, StepOutcome, TrainerClient, WorkerLostError, error_line
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -105,7 +105,7 @@ class TrainSide:
             except WorkerLostError as err:
                 await self._worker_lost(err)
             except Exception as err:
-                await self.abort_open_step(f"worker error: {type(err).__name__}: {err}")
+                await self.abort_open_step(f"worker error: {error_line(err)}")
                 self._aborts_in_row += 1
                 if self._aborts_in_row > self.step_retries:
                     raise StepRetriesExhausted(

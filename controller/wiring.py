@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from controller import crashpoints
 from controller.config import Config
-from workers.dataplane import DataPlane, make_dataplane
+from workers.dataplane import DataPlane, DataPlaneRuntime, make_dataplane
 from workers.fencing import EpochToken
 from workers.handles import (
     GeneratorClientImpl,
@@ -120,8 +120,8 @@ class Workers:
 
 def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
     """The workers' part of ``cfg``: the tables they own are handed over as they are
-    (each worker derives its runtime config from its own table); only the data plane
-    is placed here, under ``run_dir`` on this run's Ray cluster."""
+    (each component takes its own table), with the run's values beside them: its id,
+    seed, and where the data plane lives (under ``run_dir``, on this run's Ray)."""
     return WorkerSpec(
         run_id=run_id,
         seed=cfg.run.seed,
@@ -129,11 +129,13 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
         task=cfg.task,
         sampling=cfg.sampling,
         train=cfg.train,
-        dataplane=cfg.dataplane.dataplane_config(
-            run_dir=run_dir, ray_address=cfg.ray.address, ray_num_cpus=cfg.ray.num_cpus
+        dataplane=cfg.dataplane,
+        dataplane_runtime=DataPlaneRuntime(
+            run_dir=str(run_dir), ray_address=cfg.ray.address, ray_num_cpus=cfg.ray.num_cpus
         ),
         generator_backend=cfg.rollout.backend,
         vllm=cfg.rollout.vllm,
+        partial=cfg.rollout.partial,
         refit_bucket_mib=cfg.rollout.refit_bucket_mib,
     )
 
@@ -167,7 +169,7 @@ def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
             "rollout.backend = \"vllm\" with --local-workers runs one generator "
             f"(rollout.num_generators = {cfg.rollout.num_generators}); use Ray workers for more"
         )
-    plane = make_dataplane(spec.dataplane)
+    plane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
 
     def factory(role: str, name: str) -> LocalHandle:
         if role == "trainer":
@@ -183,7 +185,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
 
     # The actors join the data plane this process starts: created before it, their
     # processes start (and import torch, TransferQueue, the models) while it starts.
-    joining = replace(spec, dataplane=replace(spec.dataplane, join=True))
+    joining = replace(spec, dataplane_runtime=replace(spec.dataplane_runtime, join=True))
     offered = ray.cluster_resources()
     for key, label in (("train", cfg.train.node_resource), ("rollout", cfg.rollout.node_resource)):
         if label and offered.get(label, 0) <= 0:  # the actor would pend forever
@@ -211,19 +213,20 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
         return actor, probe
 
     def ready(role: str, name: str, actor: Any, probe: Any) -> RayHandle:
+        label = worker_label(role, name)
         try:  # surface constructor errors now, with the worker's name
             ray.get(probe, timeout=cfg.ray.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor)
             free = ray.available_resources().get("CPU", 0.0)
             raise WorkerStartError(
-                f"{role} {name} (1 CPU) was not placed and built within "
+                f"{label} (1 CPU) was not placed and built within "
                 f"ray.placement_timeout_s = {cfg.ray.placement_timeout_s:g} s; the cluster "
                 f"has {free:g} CPUs free of {ray.cluster_resources().get('CPU', 0.0):g}"
             ) from None
         except Exception as err:
             first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-            raise WorkerStartError(f"{role} {name} failed to start: {first or err!r}") from None
+            raise WorkerStartError(f"{label} failed to start: {first or err!r}") from None
         return RayHandle(actor, name=name, role=role)
 
     def factory(role: str, name: str) -> RayHandle:
@@ -240,7 +243,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     plane = None
     try:
         try:
-            plane = make_dataplane(spec.dataplane)
+            plane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
         except Exception as err:
             raise WorkerStartError(
                 f"data plane ({spec.dataplane.kind}) failed to start: {err}"
@@ -260,6 +263,11 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     workers = _assemble(cfg, spec, plane, first_start)
     workers.factory = factory
     return workers
+
+
+def worker_label(role: str, name: str) -> str:
+    """How an error names a worker: ``trainer``, ``generator-1`` (never "trainer trainer")."""
+    return name if name.startswith(role) else f"{role} {name}"
 
 
 def _on_node(resource: str) -> dict[str, Any]:

@@ -55,6 +55,10 @@ class StoreUnavailableError(EventStoreError):
     """The backing store cannot be reached or refused us (auth, TLS, network)."""
 
 
+class StoreUrlError(EventStoreError):
+    """A Redis URL that cannot be used as given (scheme, port or database)."""
+
+
 class StorePermissionError(StoreUnavailableError):
     """The store refused a command this user may not run (a read-only Redis user, say)."""
 

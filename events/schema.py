@@ -17,7 +17,7 @@ This module is pure data: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from typing import Any, Final, NewType, Union
+from typing import Any, Final, Literal, NewType, Union
 
 import msgspec
 
@@ -31,6 +31,30 @@ Position = NewType("Position", int)
 
 #: The schema version written by this code for every event type.
 CURRENT_SCHEMA_VERSION: Final = 1
+
+
+SegmentKind = Literal["model", "observation"]
+
+
+class Segment(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample's contiguous tokens of one flush (``docs/segments.md``).
+
+    Not an event: ``SegmentsRecorded`` carries a list of them, and generators hand the
+    controller the same values (``workers.api``), so one shape serves both.
+    """
+
+    #: sample index in the group
+    sample: int
+    #: offset of the first token in the sample's completion (tokens after the prompt)
+    start: int
+    #: tokens in this segment (>= 1)
+    length: int
+    #: data-plane key of the segment row (tokens, logprobs)
+    key: str
+    #: episode turn (0 for single-turn rollouts)
+    turn: int = 0
+    #: the sample ended with this segment (EOS, budget, or the episode is done)
+    stopped: bool = False
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
@@ -73,6 +97,9 @@ class RolloutAdmitted(Event, frozen=True):
     weight_version: WeightVersion
     n_samples: int
     sample_seed: int
+    #: the generator the group is dispatched to ("" in logs written before it was
+    #: recorded); what the trace's per-generator tracks are built from
+    generator: str = ""
 
 
 class GroupCommitted(Event, frozen=True):
@@ -86,6 +113,22 @@ class GroupCommitted(Event, frozen=True):
     rewards: list[float]
     #: completion lengths in tokens, one per sample
     lengths: list[int]
+
+
+class SegmentsRecorded(Event, frozen=True):
+    """Fact: a flush of an in-flight group is durable (its segment rows are in the data
+    plane); one event per flush, O(samples), never O(tokens) (``docs/segments.md``)."""
+
+    group_id: GroupId
+    attempt: int
+    #: 0, 1, 2, ... per (group, attempt)
+    index: int
+    kind: SegmentKind
+    #: the version that sampled every token of this flush; None for observation tokens
+    weight_version: WeightVersion | None
+    #: one per sample with new tokens, each starting where the sample's recorded
+    #: tokens end (across attempts)
+    segments: list[Segment]
 
 
 class GroupFailed(Event, frozen=True):
@@ -194,11 +237,23 @@ class RunFinished(Event, frozen=True):
     reason: str
 
 
+class RunStopped(Event, frozen=True):
+    """The controller stopped the run on its own: a failure budget ran out
+    (``controller.core.failures``). The run is not finished: a resume continues it once
+    the cause is fixed, with a fresh budget."""
+
+    #: what ran out, in one line (groups failed in a row, since which position)
+    reason: str
+    #: the root cause: the worker's exception type and message, as it recorded it
+    cause: str
+
+
 AnyEvent = Union[
     RunStarted,
     ControllerStarted,
     RolloutAdmitted,
     GroupCommitted,
+    SegmentsRecorded,
     GroupFailed,
     GroupEvicted,
     StepBegun,
@@ -212,6 +267,7 @@ AnyEvent = Union[
     WorkerLost,
     RunRewound,
     RunFinished,
+    RunStopped,
 ]
 
 EVENT_TYPES: Final[dict[str, type[Event]]] = {
@@ -240,6 +296,10 @@ def controller_started_id(epoch: int) -> str:
 def group_event_id(group_id: str, what: str, attempt: int | None = None) -> str:
     suffix = "" if attempt is None else f":a{attempt}"
     return f"group:{group_id}:{what}{suffix}"
+
+
+def segments_event_id(group_id: str, attempt: int, index: int) -> str:
+    return f"group:{group_id}:segments:a{attempt}:k{index}"
 
 
 def step_event_id(step: int, what: str) -> str:
@@ -284,3 +344,7 @@ def worker_lost_id(worker: str, epoch: int, position: int) -> str:
 
 def run_finished_id(epoch: int, position: int) -> str:
     return f"run:finished:e{epoch}:p{position}"
+
+
+def run_stopped_id(epoch: int, position: int) -> str:
+    return f"run:stopped:e{epoch}:p{position}"

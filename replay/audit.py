@@ -203,6 +203,8 @@ def first_cross_check_problem(state: RunState) -> LogProblem | None:
             seen[gid] = s.step
             g = state.groups[gid]
             lag = s.base_trainer_version - (g.weight_version_start or 0)
+            if state.window_basis == "newest_token":
+                lag = min(lag, s.base_trainer_version - (g.weight_version_end or 0))
             if not 0 <= lag <= window:
                 return LogProblem(where, "invariant", f"group {gid} trained at lag {lag} "
                                   f"outside [0, {window}] in step {s.step}")

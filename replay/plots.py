@@ -22,6 +22,7 @@ or a 3000-step one:
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -155,6 +156,10 @@ def _reward_panel(ax: Any, raw: dict[str, list[Any]], by_lag: dict[str, list[Any
     ax.legend(loc="lower left", fontsize=8)
 
 
+#: characters per line of a scenario's name in the timing what-if's legend
+LABEL_WIDTH = 48
+
+
 def _pyplot() -> Any:
     import matplotlib
 
@@ -185,20 +190,25 @@ def write_plot(report: StalenessReport, path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def write_timing_plot(result: Any, path: str | Path) -> Path:
-    """A timing what-if (``sim.whatif.WhatIfResult``): the recorded run and each scenario."""
+def timing_figure(result: Any) -> Any:
+    """The figure of a timing what-if (``sim.whatif.WhatIfResult``): the recorded run and
+    each scenario. Scenario names can be long (``staleness.window_versions=2,
+    rollout.num_generators=16``): they appear once, in a legend under the first panel, and
+    the trainer-time bars are labelled ``recorded``, ``S1``, ``S2``...; no legend is drawn
+    over the data (``write_timing_plot`` saves the figure grown to hold the legends)."""
     plt = _pyplot()
     series = [("recorded", result.recorded)] + [(s.name, s.timeline) for s in result.scenarios]
+    short = ["recorded"] + [f"S{i}" for i in range(1, len(series))]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
     for i, (name, tl) in enumerate(series):
         style = dict(lw=2.0, alpha=0.5) if i == 0 else dict(lw=1.0)
-        ax1.plot([p[0] for p in tl.progress], [p[1] for p in tl.progress], label=name, **style)
+        label = name if i == 0 else f"{short[i]}: {name}"
+        ax1.plot([p[0] for p in tl.progress], [p[1] for p in tl.progress],
+                 label=textwrap.fill(label, LABEL_WIDTH), **style)
         steps = sorted(tl.step_lags)
-        ax2.plot(steps, [tl.step_lags[s][0] for s in steps], label=name, **style)
+        ax2.plot(steps, [tl.step_lags[s][0] for s in steps], **style)
     ax1.set(xlabel="seconds since the first admission", ylabel="trainer_version", title="progress")
-    ax1.legend(loc="upper left", fontsize=8)
     ax2.set(xlabel="step", ylabel="mean lag (versions)", title="lag per step")
-    names = [n for n, _ in series]
     parts = [
         ("busy", [tl.trainer_busy_s for _, tl in series]),
         ("refit", [tl.refit_s for _, tl in series]),
@@ -207,9 +217,24 @@ def write_timing_plot(result: Any, path: str | Path) -> Path:
     ]
     bottom = [0.0] * len(series)
     for label, values in parts:
-        ax3.barh(names, values, left=bottom, label=label)
+        ax3.barh(short, values, left=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
+    ax3.invert_yaxis()  # recorded on top, the scenarios in the legend's order
     ax3.set(xlabel="seconds", title="trainer time")
-    ax3.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"timing what-if of run {result.run_id} (virtual time)")
-    return _save(fig, path)
+    fig.tight_layout()
+    # under the panels, below their x labels
+    ax1.legend(loc="upper left", bbox_to_anchor=(0.0, -0.2), fontsize=8, frameon=False,
+               ncol=2 if len(series) > 3 else 1)
+    ax3.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=4,
+               frameon=False)
+    return fig
+
+
+def write_timing_plot(result: Any, path: str | Path) -> Path:
+    fig = timing_figure(result)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
+    return out

@@ -74,6 +74,8 @@ def state_at(state: RunState, at_ts: float, *, log_end: int | None = None) -> di
         "in_flight": in_flight,
         "latest_checkpoint": None if ckpt is None else {"trainer_version": ckpt.trainer_version, "uri": ckpt.uri},
         "finished": state.finished,
+        #: RunStopped's reason (the failure budget ran out), until a controller resumes it
+        "stopped": state.failures.stopped,
         "counts": {
             "groups": len(state.groups),
             "buffered": len(buffer),

@@ -28,6 +28,9 @@ KEYS: dict[str, str] = {
     "policy": "staleness.selection",
     "selection": "staleness.selection",
     "buffer": "staleness.buffer_groups",
+    "basis": "staleness.window_basis",
+    "window_basis": "staleness.window_basis",
+    "async_checkpoint": "checkpoint.async_save",
     "microbatch": "train.groups_per_microbatch",
     "groups_per_microbatch": "train.groups_per_microbatch",
     "generators": "rollout.num_generators",
@@ -83,6 +86,8 @@ def recorded_config(state: RunState) -> Config:
     data.setdefault("staleness", {})["window_versions"] = state.window_versions
     data.setdefault("train", {})["groups_per_step"] = state.groups_per_step
     data.setdefault("rollout", {})["samples_per_group"] = state.samples_per_group
+    # a run recorded before async checkpoints saved them in line: keep that
+    data.setdefault("checkpoint", {}).setdefault("async_save", False)
     try:
         return config_from_dict(data)
     except ConfigError as err:
@@ -95,5 +100,13 @@ def apply_changes(state: RunState, changes: Mapping[str, str], item_text: str = 
     try:
         return with_changes(recorded, changes)
     except ConfigError as err:
-        what = item_text or ", ".join(f"{k}={v}" for k, v in changes.items())
-        raise WhatIfError(f"--what-if {what}: {err}") from None
+        raise what_if_error(changes, err, item_text) from None
+
+
+def what_if_error(changes: Mapping[str, str], err: ConfigError, item_text: str = "") -> WhatIfError:
+    """A config error of what-if ``changes``, naming them: the loader's own source
+    ("config (defaults + --set): ...") would point at a flag nobody gave."""
+    text = str(err)
+    reason = text.split("): ", 1)[1] if text.startswith("config (") else text
+    what = item_text or ", ".join(f"{k}={v}" for k, v in changes.items())
+    return WhatIfError(f"--what-if {what}: {reason}")

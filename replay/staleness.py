@@ -6,6 +6,12 @@ completion tokens --, how long each group waited in the buffer (its commit ts to
 of the microbatch that trained it), the groups evicted while the step was being filled,
 and the groups whose generation crossed a weight update (end version != start version).
 
+Per token (``docs/segments.md``): a group's lag is its *oldest* token's (the number
+above); ``token_lag_mean`` averages the lag of every token -- its own version's --, and
+``max_partial_span`` is the most versions one sample's tokens span (partial rollouts
+resume a sample across refits). Without recorded flushes a token counts at its group's
+start version, so these equal the group-level figures.
+
 Most of it is read off the folded state (``StepRecord``/``GroupRecord`` keep history).
 What the state forgets is collected during the fold by a :class:`Trace` that observes a
 few event types only: the microbatch ts of each claim, each eviction, and the number of
@@ -104,8 +110,8 @@ class Trace:
         live = len(state.admitted) + buffered + self._claimed
         closed = not policies.gate_open(
             live, state.trainer_version, dispatch_version=state.weight_version,
-            window=state.window_versions, groups_per_step=self._per_step,
-            capacity=self._capacity,
+            window=policies.dispatch_window(state, state.window_versions),
+            groups_per_step=self._per_step, capacity=self._capacity,
         )
         self.ts.append(event.ts)
         self.live.append(live)
@@ -144,6 +150,10 @@ class StepStaleness:
     crossed_update: int
     reward_mean: float
     lost: bool
+    #: mean over tokens of (trainer_version - the token's own version)
+    token_lag_mean: float = 0.0
+    #: most versions one consumed sample spans (newest - oldest token)
+    max_partial_span: int = 0
 
 
 @dataclass
@@ -186,14 +196,14 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
     reward_vs_lag: list[tuple[int, float]] = []
     waits: list[float] = []
     all_lags: list[int] = []
-    lag_tokens = tokens_total = crossed_total = 0
+    lag_tokens = tokens_total = crossed_total = token_lag_sum = span_max = 0
     claim_ts = trace.claim_ts
     # One pass per consumed group; every sum keeps the order (and so the exact float
     # result) of the straightforward per-step formulas.
     for record, evicted in zip(finished, evicted_per_step):
         ended_ts = record.ended_ts
         lags, tokens, step_waits, rewards = [], [], [], []
-        crossed = step_lag_tokens = 0
+        crossed = step_lag_tokens = step_token_lag = step_span = 0
         for gid in record.group_ids:
             g = groups[gid]
             lag = g.lag or 0
@@ -201,6 +211,9 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
             lags.append(lag)
             tokens.append(n_tokens)
             step_lag_tokens += lag * n_tokens
+            # sum over tokens of (T - v_t), T = the claiming step's base version
+            step_token_lag += (lag + (g.weight_version_start or 0)) * n_tokens - g.version_token_sum
+            step_span = max(step_span, g.partial_span)
             step_waits.append(claim_ts.get(gid, ended_ts) - (g.committed_ts or 0.0))
             crossed += g.weight_version_end != g.weight_version_start
             group_rewards = g.rewards
@@ -223,8 +236,12 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
                 crossed_update=crossed,
                 reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
                 lost=record.lost,
+                token_lag_mean=step_token_lag / total if total else 0.0,
+                max_partial_span=step_span,
             )
         )
+        token_lag_sum += step_token_lag
+        span_max = max(span_max, step_span)
         waits += step_waits
         all_lags += lags
         lag_tokens += step_lag_tokens
@@ -232,6 +249,9 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         crossed_total += crossed
     hist = dict(Counter(all_lags))  # lags in order of first appearance, as counted
     summary = _summary(state, trace, rows, all_lags, waits, lag_tokens, tokens_total, crossed_total)
+    summary["token_lag_mean"] = token_lag_sum / tokens_total if tokens_total else 0.0
+    summary["max_partial_span"] = span_max
+    summary["window_basis"] = state.window_basis
     return StalenessReport(
         run_id=state.run_id,
         window=state.window_versions,

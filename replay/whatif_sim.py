@@ -29,6 +29,7 @@ from events.schema import (
     GroupFailed,
     MicrobatchTrained,
     RolloutAdmitted,
+    SegmentsRecorded,
     RunRewound,
     RunStarted,
     StepAborted,
@@ -74,7 +75,7 @@ class SimResult:
         return [s for s in self.steps if s.status == "finished"]
 
 
-_GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed)
+_GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed, SegmentsRecorded)
 _TRAINER_EVENTS = (StepBegun, MicrobatchTrained, StepFinished, StepAborted)
 #: every event type :meth:`Simulation.feed` acts on
 FED_EVENTS = (*_GROUP_EVENTS, *_TRAINER_EVENTS, RunRewound)
@@ -87,9 +88,10 @@ class Simulation:
         self.s = settings
         self.state = initial_state()
         self._apply(RunStarted(
-            event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if", config={},
-            seed=0, code_version="what-if", window_versions=settings.window,
-            groups_per_step=settings.groups_per_step, samples_per_group=1,
+            event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if",
+            config={"staleness": {"window_basis": settings.staleness.window_basis}},
+            seed=0, code_version="what-if", window_versions=settings.staleness.window_versions,
+            groups_per_step=settings.train.groups_per_step, samples_per_group=1,
         ))
         self.queue: deque[AnyEvent] = deque()
         self.lateness = 0.0
@@ -170,11 +172,19 @@ class Simulation:
         # Assumption 2: the generator held weights the what-if trainer had produced --
         # at most its trainer_version now, whatever the recorded run had published.
         shift, now = self.shift.get(event.group_id, 0), state.trainer_version
+        moved = lambda v: min(now, max(0, v - shift))  # noqa: E731
+        if type(event) is SegmentsRecorded:
+            v = event.weight_version
+            self._apply(msgspec.structs.replace(
+                event, epoch=_EPOCH, weight_version=None if v is None else moved(v)
+            ))
+            return
+        start, end = moved(event.weight_version_start), moved(event.weight_version_end)
+        rec = state.inflight.get(event.group_id)
+        if rec is not None:  # flushes moved with an earlier, smaller trainer_version
+            start = min([start, *(v for v in rec.first_version if v >= 0)])
         self._apply(msgspec.structs.replace(
-            event,
-            epoch=_EPOCH,
-            weight_version_start=min(now, max(0, event.weight_version_start - shift)),
-            weight_version_end=min(now, max(0, event.weight_version_end - shift)),
+            event, epoch=_EPOCH, weight_version_start=start, weight_version_end=end,
         ))
         self.lengths[event.group_id] = sum(event.lengths)
 
@@ -244,7 +254,7 @@ class Simulation:
         self._next_selection()
 
     def _next_selection(self) -> None:
-        self.pending = policies.claimed_count(self.state) < self.s.groups_per_step
+        self.pending = policies.claimed_count(self.state) < self.s.train.groups_per_step
         if self.pending:
             self._try_select()
 
@@ -253,10 +263,10 @@ class Simulation:
 
     def _try_select(self) -> bool:
         """Evict, then select a microbatch; claim it when the policy can (the loop's plan)."""
-        state, s = self.state, self.s
+        state, s, train = self.state, self.s.staleness, self.s.train
         plan = policies.plan_microbatch(
-            state, window=s.window, selection=s.policy, groups_per_step=s.groups_per_step,
-            groups_per_microbatch=s.groups_per_microbatch,
+            state, window=s.window_versions, selection=s.selection,
+            groups_per_step=train.groups_per_step, groups_per_microbatch=train.groups_per_microbatch,
             at=decisions.Stamp(epoch=_EPOCH, ts=0.0, position=state.position),
         )
         for evicted in plan.evictions:

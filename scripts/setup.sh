@@ -27,6 +27,18 @@ if [ ${#missing[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+# chromium + chromium-driver: the dashboard's browser tests drive a real headless
+# Chromium (selenium, in the dev extra). Installed only when missing, and only as root;
+# elsewhere the browser tests skip and say so.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium chromium-driver (apt; the browser tests)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "[setup] note: chromium / chromedriver not found; the browser tests will skip" >&2
+  fi
+fi
 # The packaged service is not used: the CLI and the tests start their own servers.
 if command -v systemctl >/dev/null 2>&1; then
   systemctl disable --now redis-server redis-sentinel >/dev/null 2>&1 || true

@@ -27,6 +27,7 @@ from events import schema as ev
 from events.store import EventStore
 from sim.clock import VirtualTimeLoop
 from sim.timings import Timings
+from sim.partial import SimPartialGenerator
 from sim.workers import Fleet, SimGenerator, SimPayloads, SimPublisher, SimTrainer
 
 CODE_VERSION = "rl-controller simulate (virtual time)"
@@ -61,6 +62,8 @@ class SimOutcome:
     trainer_busy_s: float
     refit_s: float
     checkpoint_s: float
+    #: checkpoint writes that ran behind training (``checkpoint.async_save``)
+    checkpoint_background_s: float
     generation_calls: int
     #: real seconds inside the simulated workers (not charged to the clock)
     workers_real_s: float
@@ -86,19 +89,23 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     writer.clock = lambda: origin + loop.time()  # every later event carries virtual time
     # The run's own config, with the watchdog's limit in virtual seconds and, for a
     # what-if buffer, the gate's capacity set past the config's validation.
-    staleness = cfg.staleness
-    if spec.capacity is not None:
-        staleness = msgspec.structs.replace(staleness, buffer_groups=spec.capacity)
     run_cfg = msgspec.structs.replace(
-        cfg, staleness=staleness,
-        controller=msgspec.structs.replace(cfg.controller, stall_timeout_s=spec.stall_timeout_s),
+        cfg, controller=msgspec.structs.replace(cfg.controller, stall_timeout_s=spec.stall_timeout_s),
     )
+    if spec.capacity is not None:
+        # an attribute set, not a replace: ``Config.__post_init__`` would refuse the buffer
+        run_cfg.staleness = msgspec.structs.replace(cfg.staleness, buffer_groups=spec.capacity)
     fleet = Fleet(loop=loop, timings=spec.timings)
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
     publisher = SimPublisher(fleet, names)
+    partial = cfg.rollout.partial
+    generators = [
+        SimPartialGenerator(n, fleet, partial.segment_tokens) if partial.enabled else SimGenerator(n, fleet)
+        for n in names
+    ]
     controller = Controller(
-        writer, run_cfg, trainer, [SimGenerator(n, fleet) for n in names], publisher,
+        writer, run_cfg, trainer, generators, publisher,  # type: ignore[arg-type]
         SimPayloads(fleet, trainer), checkpoint_dir=f"sim-checkpoints/{spec.run_id}",
         clock=loop.time,
     )
@@ -125,6 +132,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         trainer_busy_s=trainer.busy_s,
         refit_s=publisher.busy_s,
         checkpoint_s=trainer.checkpoint_s,
+        checkpoint_background_s=trainer.checkpoint_background_s,
         generation_calls=fleet.calls,
         workers_real_s=loop.uncharged_s,
     )

@@ -158,7 +158,12 @@ class TimelineObserver:
         self.begun_since_finish = False  # a StepBegun between StepFinished and its publish
         self.behind_published_ts: float | None = None  # a publish that ran behind the open step
         self.waited_in_line: dict[int, float] = {}  # version -> its in-line publish's seconds
-        self.checkpoint: tuple[int, float] | None = None  # awaiting its payload release
+        #: (version, saved ts, written behind a step) awaiting its payload release
+        self.checkpoint: tuple[int, float, bool] | None = None
+        self.begun_since_publish = False  # a StepBegun after the last WeightsPublished
+        self.async_saves = False  # checkpoint.async_save in the run's config
+        #: version -> checkpoint seconds counted as the trainer's (in-line saves)
+        self.counted: dict[int, float] = {}
         self.trainer_version = 0
 
     def watches(self) -> dict[type, Callback]:
@@ -189,6 +194,9 @@ class TimelineObserver:
 
     def _run_started(self, event: RunStarted) -> None:
         self.rec.seed = event.seed  # groups the recorded run never had draw with it
+        checkpoint = event.config.get("checkpoint")
+        # a run with async saves wrote every checkpoint behind training
+        self.async_saves = isinstance(checkpoint, dict) and bool(checkpoint.get("async_save"))
 
     def _admitted(self, event: RolloutAdmitted) -> None:
         if event.ts != self.batch_ts:  # a new admission append: the loop's reaction time
@@ -218,7 +226,7 @@ class TimelineObserver:
 
     def _begun(self, event: StepBegun) -> None:
         self.open_step = _Open(begun_ts=event.ts, last_ts=event.ts, base=event.base_trainer_version)
-        self.begun_since_finish = True
+        self.begun_since_finish = self.begun_since_publish = True
 
     def _microbatch(self, event: MicrobatchTrained) -> None:
         step = self.open_step
@@ -270,7 +278,7 @@ class TimelineObserver:
         self.last_finished_ts = event.ts
 
     def _published(self, event: WeightsPublished) -> None:
-        self.published_ts = event.ts
+        self.published_ts, self.begun_since_publish = event.ts, False
         if self.last_finished is None:
             return
         version, finished_ts = self.last_finished
@@ -285,19 +293,28 @@ class TimelineObserver:
         self.last_finished = None
 
     def _checkpoint_saved(self, event: CheckpointSaved) -> None:
-        # saved right after the step's weights were published
+        # saved right after the step's weights were published: in line, unless a step
+        # began meanwhile (``checkpoint.async_save``: written behind that step, the
+        # trainer did not wait for it and neither for the release that follows)
+        behind = self.async_saves or self.begun_since_publish
         if event.trainer_version > 0:
             self.rec.checkpoint[event.trainer_version] = event.ts - self.published_ts
-            self.tl.checkpoint_s += event.ts - self.published_ts
-        self.checkpoint = (event.trainer_version, event.ts)
+            self._count(event.trainer_version, event.ts - self.published_ts, behind)
+        self.checkpoint = (event.trainer_version, event.ts, behind)
 
     def _released(self, event: PayloadsReleased) -> None:
         if self.checkpoint is None:
             return
-        version, saved_ts = self.checkpoint
+        version, saved_ts, behind = self.checkpoint
         self.rec.release[version] = event.ts - saved_ts
-        self.tl.checkpoint_s += event.ts - saved_ts
+        self._count(version, event.ts - saved_ts, behind)
         self.checkpoint = None
+
+    def _count(self, version: int, seconds: float, behind: bool) -> None:
+        """Checkpoint time the trainer waited for (none when written behind a step)."""
+        if not behind:
+            self.tl.checkpoint_s += seconds
+            self.counted[version] = self.counted.get(version, 0.0) + seconds
 
     def result(self) -> tuple[Timeline, RecordedTimings]:
         """The run-level figures of the log so far and the durations a simulation replays."""
@@ -314,8 +331,7 @@ class TimelineObserver:
             if self.last_finished is None:
                 tl.refit_s -= rec.publish.get(version, 0.0)
                 tl.refit_wait_s -= self.waited_in_line.get(version, 0.0)
-            tl.checkpoint_s -= rec.checkpoint.get(version, 0.0)
-            tl.checkpoint_s -= rec.release.get(version, 0.0)
+            tl.checkpoint_s -= self.counted.get(version, 0.0)
         return tl, rec
 
 

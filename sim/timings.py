@@ -74,6 +74,9 @@ class SyntheticTimings:
     release: float = 0.0
     seed: int = 0
     tokens_per_sample: int = 256
+    #: long-tailed lengths: a group's completions are ``tokens_per_sample`` x its
+    #: generation time / the median (decode time grows with length), not all equal
+    lengths_follow_time: bool = False
 
     def generation_s(self, group_id: str, attempt: int) -> float:
         return self.generation.draw(_rng(self.seed, "gen", group_id, attempt))
@@ -98,7 +101,10 @@ class SyntheticTimings:
         return [float(rng.random() < 0.5) for _ in range(n)]
 
     def group_lengths(self, group_id: str, n: int) -> list[int]:
-        return [self.tokens_per_sample] * n
+        if not self.lengths_follow_time:
+            return [self.tokens_per_sample] * n
+        scale = self.generation_s(group_id, 1) / self.generation.median_s
+        return [max(1, round(self.tokens_per_sample * scale))] * n
 
 
 @dataclass

@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from controller.config import Config
+from controller.config import Config, ConfigError
 from controller.projector import Projector
 from events.memory_store import MemoryEventStore
 from events.store import EventStore
-from replay.settings import parse_changes, recorded_config, with_changes
+from replay.settings import parse_changes, recorded_config, what_if_error, with_changes
 from sim.harness import SimOutcome, SimSpec, simulate
 from sim.timeline import Timeline, TimelineObserver, timeline_of
 
@@ -61,7 +61,10 @@ def parse_scenario(text: str) -> dict[str, str]:
 
 
 def scenario_config(recorded: Config, changes: dict[str, str], steps: int) -> Config:
-    return with_changes(recorded, {**changes, "run.steps": str(steps)})
+    try:
+        return with_changes(recorded, {**changes, "run.steps": str(steps)})
+    except ConfigError as err:
+        raise what_if_error(changes, err) from None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.api import (
@@ -46,6 +47,8 @@ class Fleet:
     #: per sample: the key of its payload row (the rows are never stored)
     key_format: str = "{gid}/{attempt}/{i}"
     lengths_by_group: dict[str, list[int]] = field(default_factory=dict)
+    #: called when the publisher moves ``weight_version`` (partial-rollout calls flush)
+    on_refit: set[Callable[[], None]] = field(default_factory=set)
 
 
 class SimGenerator:
@@ -103,8 +106,11 @@ class SimTrainer:
         self.tokens = 0
         #: virtual seconds spent in begin/microbatch/finish calls
         self.busy_s = 0.0
-        #: virtual seconds spent saving checkpoints
+        #: virtual seconds spent saving checkpoints (the trainer held), and written
+        #: behind training by async saves
         self.checkpoint_s = 0.0
+        self.checkpoint_background_s = 0.0
+        self._writing: dict[str, tuple[float, CheckpointOutcome]] = {}
 
     async def _work(self, seconds: float) -> None:
         self.busy_s += seconds
@@ -147,6 +153,28 @@ class SimTrainer:
             await asyncio.sleep(seconds)
         return CheckpointOutcome(trainer_version=self.version, uri=directory, sha256=self.digest())
 
+    #: share of a checkpoint's time the snapshot of an async save holds the trainer for
+    #: (copying its state in memory; the write, fsync and rename run behind it)
+    SNAPSHOT_FRACTION = 0.1
+
+    async def begin_checkpoint(self, directory: str) -> None:
+        seconds = self.fleet.timings.checkpoint_s(self.version)
+        snapshot = seconds * self.SNAPSHOT_FRACTION
+        self.checkpoint_s += snapshot
+        self.checkpoint_background_s += seconds - snapshot
+        if snapshot > 0:
+            await asyncio.sleep(snapshot)
+        loop = self.fleet.loop
+        self._writing[directory] = (loop.time() + seconds - snapshot, CheckpointOutcome(
+            trainer_version=self.version, uri=directory, sha256=self.digest()))
+
+    async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        done_at, outcome = self._writing[directory]
+        if self.fleet.loop.time() < done_at:
+            return None
+        del self._writing[directory]
+        return outcome
+
     async def load_checkpoint(self, directory: str) -> tuple[int, str]:
         raise NotImplementedError("the simulated trainer never reloads")
 
@@ -164,7 +192,11 @@ class SimPublisher:
         self.busy_s += seconds
         if seconds > 0:
             await asyncio.sleep(seconds)
-        self.fleet.weight_version = max(self.fleet.weight_version, version)
+        fleet = self.fleet
+        if version > fleet.weight_version:
+            fleet.weight_version = version
+            for notify in list(fleet.on_refit):
+                notify()
         return list(self.names if only is None else only)
 
 
@@ -177,6 +209,8 @@ class SimPayloads:
         self.trainer = trainer
 
     async def delete(self, keys: list[str]) -> None:
+        if keys and all(k.startswith("seg:") for k in keys):
+            return  # segment rows of committed groups: scratch, not a release
         seconds = self.fleet.timings.release_s(self.trainer.version)
         self.trainer.checkpoint_s += seconds
         if seconds > 0:

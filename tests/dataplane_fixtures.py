@@ -77,6 +77,10 @@ def grpo_rows(
                     "input_ids": torch.randint(2, 40, (t,), generator=g),
                     "loss_mask": mask,
                     "generator_logprobs": lp,
+                    # two versions in some samples: a refit landed mid-completion
+                    "token_versions": torch.where(
+                        mask, torch.arange(t) // max(1, t - comp // 2) + 3, torch.full((t,), -1)
+                    ),
                     "reward": torch.rand((), generator=g),
                     "prompt_len": torch.tensor(prompt_len),
                     "completion_len": torch.tensor(comp),

@@ -11,11 +11,13 @@ controller's ``wiring`` picks one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from events.schema import Segment, SegmentKind
 from workers.fencing import EpochToken
 
 
@@ -31,12 +33,47 @@ class WorkerLostError(RuntimeError):
         super().__init__(f"{role} {worker} lost: {reason}")
 
 
+#: terminal colour codes (Ray colours the tracebacks it forwards)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def error_line(err: BaseException, limit: int = 400) -> str:
+    """A worker's error in one line: its type and message, colour codes and line breaks
+    gone (the handles already unwrapped Ray's task error to the worker's own exception)."""
+    text = _ANSI.sub("", f"{type(err).__name__}: {err}".strip())
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):
+    """One durable flush of one group: its rows are in the data plane; the controller
+    records it as a ``SegmentsRecorded`` event (``docs/segments.md``)."""
+
+    kind: SegmentKind = "model"
+    #: the version that sampled every token of it (None for observation tokens)
+    weight_version: int | None
+    #: one per sample with new tokens
+    segments: list[Segment]
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str
     attempt: int
     prompt_index: int
     n_samples: int
     seed: int
+    #: partial rollouts: the group's recorded flushes (every attempt, in log order) for
+    #: a worker that must rebuild it from the data plane -- sent with an attempt's
+    #: first call; empty on the calls that continue a group the worker holds
+    resume: list[SegmentFlush] = []
+    #: partial rollouts: flushes of *this* attempt already recorded; a worker that does
+    #: not hold exactly these refuses to go on (it would sample recorded tokens again)
+    flushes: int = 0
+
+
+#: done: the final rows are stored (commit it); flushed: new segments are stored and the
+#: group is paused until they are recorded; pending: not reached in this call
+GenerationStatus = Literal["done", "flushed", "pending"]
 
 
 class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +82,10 @@ class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     lengths: list[int]
     weight_version_start: int
     weight_version_end: int
+    status: GenerationStatus = "done"
+    flush: SegmentFlush | None = None
+    #: per sample, token versions run-length encoded ``[v0, n0, v1, n1, ...]``
+    version_runs: list[list[int]] = []
 
 
 class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,6 +124,14 @@ class TrainerClient(Protocol):
     async def abort_train_step(self) -> None: ...
     async def version_and_digest(self) -> tuple[int, str]: ...
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome: ...
+    async def begin_checkpoint(self, directory: str) -> None:
+        """Snapshot the weights and optimizer now; they are written in the background."""
+        ...
+
+    async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        """The begun checkpoint once durable (fsynced, renamed), else None."""
+        ...
+
     async def load_checkpoint(
         self, directory: str, expected_sha256: str | None = None
     ) -> tuple[int, str]:

@@ -14,8 +14,11 @@ Two shapes of the same data, both ``tensordict`` types (TransferQueue's own):
 
 Alignment convention (shared by generator, trainer and loss): position ``t`` of
 ``input_ids`` is the token; ``generator_logprobs[t]`` is log p(input_ids[t] | input_ids[<t])
-under the generator's weights; ``loss_mask[t]`` is True for completion tokens (never for
-t = 0, prompt tokens or padding). Logits at ``t - 1`` predict token ``t``.
+under the weights that sampled it (its behaviour logprob); ``token_versions[t]`` is the
+version of those weights (-1 on prompt and observation positions); ``loss_mask[t]`` is
+True for completion tokens (never for t = 0, prompt tokens or padding). Logits at
+``t - 1`` predict token ``t``. A sample generated across a refit has tokens of two
+versions, each with its own behaviour logprob (``docs/segments.md``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ ROW_FIELDS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,  # [T] prompt + completion
     "loss_mask": torch.bool,  # [T] True on completion tokens
     "generator_logprobs": torch.float32,  # [T] 0 where loss_mask is False
+    "token_versions": torch.int64,  # [T] -1 where no model sampled the token
     "reward": torch.float32,  # [] scalar
     "prompt_len": torch.int64,  # []
     "completion_len": torch.int64,  # []
 }
 
+
+#: row fields a writer older than per-token versions did not write (read if present)
+OPTIONAL_ROW_FIELDS = frozenset({"token_versions"})
 
 #: fields of a TrainBatch that are [B, T] (``advantages`` is [B] or [B, T])
 _PER_TOKEN = (

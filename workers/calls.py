@@ -10,7 +10,8 @@ workers are checked against these protocols (``tests/unit/test_trainer_architect
     WeightSource       prepare_weight_buckets,          the refit's sending side
                        weight_bucket
     WeightSink         receive_weight_bucket            the refit's receiving side
-    TrainerCalls       WorkerCalls + WeightSource + the split API, checkpoints,
+    TrainerCalls       WorkerCalls + WeightSource + the split API, checkpoints
+                       (in line, or begun and polled),
                        version_and_digest, reset, export_weights, clear_payloads
     GeneratorCalls     WorkerCalls + WeightSink + generate_groups, weight_version,
                        update_weights
@@ -84,6 +85,12 @@ class TrainerCalls(WorkerCalls, WeightSource, Protocol):
     def version_and_digest(self) -> tuple[int, str]: ...
 
     def save_checkpoint(self, directory: str) -> CheckpointOutcome: ...
+
+    def begin_checkpoint(self, directory: str) -> None:
+        """Snapshot now, write in the background (``trainer.async_checkpoint``)."""
+        ...
+
+    def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None: ...
 
     def load_checkpoint(
         self, directory: str, expected_sha256: str | None = None

@@ -135,8 +135,12 @@ class RayHandle:
             raise self._translate(err) from err
 
     def _translate(self, err: Exception) -> Exception:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
+        if isinstance(err, RayTaskError) and isinstance(err.cause, Exception):
+            # The worker's own exception, as it raised it: Ray's wrapper prints a
+            # coloured remote traceback where the cause's type and message belong.
+            err = err.cause
         if not isinstance(err, RayActorError):  # ActorDiedError, ActorUnavailableError, ...
             return err
         lost = WorkerLostError(self.name, self.role, f"{type(err).__name__}: {err}"[:300])
@@ -186,6 +190,12 @@ class TrainerClientImpl:
 
     async def save_checkpoint(self, directory: str) -> CheckpointOutcome:
         return await self.handle.call(TrainerCalls.save_checkpoint, directory)
+
+    async def begin_checkpoint(self, directory: str) -> None:
+        await self.handle.call(TrainerCalls.begin_checkpoint, directory)
+
+    async def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        return await self.handle.call(TrainerCalls.checkpoint_outcome, directory)
 
     async def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
         got = await self.handle.call(TrainerCalls.load_checkpoint, directory, expected_sha256)

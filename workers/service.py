@@ -29,19 +29,23 @@ from workers.api import (
     MicrobatchRef,
     StepOutcome,
 )
-from workers.backends import GeneratorBackend, make_trainer, trainer_options
-from workers.batch import ROW_FIELDS, collate
-from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.backends import GeneratorBackend, make_trainer
+from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
+from workers.dataplane import DataPlane, DataPlaneRuntime, DataPlaneSection, make_dataplane
+from workers.dataplane.api import MissingPayloadError
 from workers.fencing import EpochFence, Fenced
-from workers.generator.config import VllmSection
+from workers.generator.config import MIB, PartialSection, VllmSection
 from workers.generator.generator import Generator
-from workers.generator.vllm_config import MIB
+from workers.generator.inflight import InflightRunner
+from workers.generator.vllm_config import VllmRuntime
+from workers.loss import StepLoss
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
 from workers.envs.task import EpisodeTask
 from workers.tasks import make_task, prompt_set
 from workers.tasks.config import TaskSection
 from workers.trainer.api import Trainer
+from workers.trainer.async_checkpoint import AsyncCheckpointer
 from workers.trainer.checkpoint import MANIFEST_NAME, CheckpointCorruptError
 from workers.trainer.config import BuiltModelFactory, TrainSection
 from workers.weight_sync import WeightsAck
@@ -53,8 +57,8 @@ class WorkerSpec:
     """Everything a worker needs to build itself in any process (picklable).
 
     It carries the config tables the workers own -- the same Structs the run's
-    ``Config`` composes, not copies -- and each worker derives its runtime config from
-    its own table (``ModelSection.model_config``, ``TrainSection.trainer_config``, ...).
+    ``Config`` composes, not copies, which the components take as they are -- and the
+    run's own values beside them (run id, seed, where the data plane lives).
     """
 
     run_id: str
@@ -64,9 +68,12 @@ class WorkerSpec:
     task: TaskSection
     sampling: SamplingSection
     train: TrainSection
-    dataplane: DataPlaneConfig
+    dataplane: DataPlaneSection
+    #: the run's directory and Ray cluster, for the data plane
+    dataplane_runtime: DataPlaneRuntime
     generator_backend: GeneratorBackend = "torch"
     vllm: VllmSection = field(default_factory=VllmSection)
+    partial: PartialSection = field(default_factory=PartialSection)
     #: weight refit bucket size (``workers.weight_transport``)
     refit_bucket_mib: float = DEFAULT_BUCKET_BYTES / MIB
     task_options: Mapping[str, Any] = field(default_factory=dict)
@@ -89,30 +96,27 @@ class TrainerWorker(Fenced):
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.fence = EpochFence(spec.run_id, "trainer")
-        self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
+        if dataplane is None:
+            dataplane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
+        self.dataplane = dataplane
         #: the loss compares logprobs under the generators' sampling temperature
-        self.loss = spec.train.loss.loss_config(
-            spec.sampling.temperature, spec.sampling.max_new_tokens
-        )
+        self.loss = StepLoss(spec.train.loss, spec.sampling)
         self.trainer: Trainer = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
+        self._checkpointer = AsyncCheckpointer()
 
     def _build(self) -> Trainer:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
         spec, train = self.spec, self.spec.train
-        factory = BuiltModelFactory(spec.model.model_config(spec.seed))
-        config = train.trainer_config(spec.seed)
-        options = trainer_options(train)
+        factory = BuiltModelFactory(spec.model, spec.seed)
+        runtime = train.runtime(spec.seed)
         world = train.data_parallel * train.tensor_parallel
         if world == 1:
-            return make_trainer(train.backend, factory, config, options)
+            return make_trainer(train.backend, factory, train, runtime)
         from workers.trainer.actor import TrainerGroup
 
-        return TrainerGroup(
-            world, factory, config, trainer_backend=train.backend,
-            options=options, tensor_parallel=train.tensor_parallel,
-        )
+        return TrainerGroup(world, factory, train, runtime, trainer_backend=train.backend)
 
     def reset(self) -> None:
         """Back to the initial weights (seeded init, version 0), as if just started."""
@@ -127,10 +131,19 @@ class TrainerWorker(Fenced):
         self.trainer.begin_train_step(step, self.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
-        rows = self.dataplane.get_batch(self.spec.run_id, ref.payload_keys, list(ROW_FIELDS))
-        batch = collate(rows, ref.advantages, ref.versions)
+        batch = collate(self._rows(ref.payload_keys), ref.advantages, ref.versions)
         result = self.trainer.train_microbatch(batch)
         return MicrobatchOutcome(num_sequences=result.num_sequences, num_tokens=result.num_tokens)
+
+    def _rows(self, keys: list[str]) -> Any:
+        """The rows' fields; those an older writer did not write are left out."""
+        try:
+            return self.dataplane.get_batch(self.spec.run_id, keys, list(ROW_FIELDS))
+        except MissingPayloadError as err:
+            if err.keys or not set(err.fields) <= OPTIONAL_ROW_FIELDS:
+                raise
+        required = [f for f in ROW_FIELDS if f not in OPTIONAL_ROW_FIELDS]
+        return self.dataplane.get_batch(self.spec.run_id, keys, required)
 
     def finish_train_step(self) -> StepOutcome:
         r = self.trainer.finish_train_step()
@@ -152,6 +165,17 @@ class TrainerWorker(Fenced):
 
     def save_checkpoint(self, directory: str) -> CheckpointOutcome:
         info = self.trainer.save_checkpoint(directory)
+        return CheckpointOutcome(trainer_version=info.trainer_version, uri=info.path, sha256=info.sha256)
+
+    def begin_checkpoint(self, directory: str) -> None:
+        """Snapshot the trainer and write it in the background (``async_checkpoint``)."""
+        self._checkpointer.begin(self.trainer, directory)
+
+    def checkpoint_outcome(self, directory: str) -> CheckpointOutcome | None:
+        """The begun checkpoint once it is durable; None while it is being written."""
+        info = self._checkpointer.outcome(directory)
+        if info is None:
+            return None
         return CheckpointOutcome(trainer_version=info.trainer_version, uri=info.path, sha256=info.sha256)
 
     def load_checkpoint(self, directory: str, expected_sha256: str | None = None) -> tuple[int, str]:
@@ -207,9 +231,10 @@ class GeneratorWorker(Fenced):
         self.fence = EpochFence(spec.run_id, name)
         task = make_task(spec.task.name, **{**spec.task.options, **spec.task_options})
         self.prompts = prompt_set(task, spec.task.num_prompts, spec.seed, spec.task.dataset or None)
-        self.sampling = spec.sampling.sampling_config()
-        plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
-        fenced_plane: Any = _FencedWrites(plane, self.fence)
+        self.sampling = spec.sampling
+        if dataplane is None:
+            dataplane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
+        fenced_plane: Any = _FencedWrites(dataplane, self.fence)
         self.generator: Any
         if spec.generator_backend == "vllm" and isinstance(task, EpisodeTask):
             raise ValueError(
@@ -224,11 +249,21 @@ class GeneratorWorker(Fenced):
             self.generator = make_generator(
                 "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
                 task=task, dataplane=fenced_plane, run_id=spec.run_id, name=name,
-                options=spec.vllm.options(spec.seed), num_threads=spec.torch_threads,
+                options=spec.vllm,
+                runtime=VllmRuntime(seed=spec.seed, prefix_caching=not spec.partial.enabled),
+                num_threads=spec.torch_threads, kv_on_refit=spec.partial.kv_on_refit,
             )
         else:
-            model, tokenizer = build_model(spec.model.model_config(spec.seed))
-            self.generator = Generator(model, tokenizer, task, fenced_plane, spec.run_id, name=name)
+            model, tokenizer = build_model(spec.model, spec.seed)
+            self.generator = Generator(
+                model, tokenizer, task, fenced_plane, spec.run_id, name=name,
+                kv_on_refit=spec.partial.kv_on_refit,
+            )
+        #: partial rollouts: the groups paused at a flush point (``generator.inflight``)
+        self.inflight = (
+            InflightRunner(self.generator, spec.partial.segment_tokens)
+            if spec.partial.enabled else None
+        )
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
         example = self.prompts[req.prompt_index % len(self.prompts)]
@@ -241,10 +276,15 @@ class GeneratorWorker(Fenced):
             lengths=list(result.completion_lens),
             weight_version_start=result.weight_version_start,
             weight_version_end=result.weight_version_end,
+            version_runs=result.version_runs,
         )
 
     def generate_groups(self, reqs: list[GenerationRequest]) -> list[GenerationOutcome]:
-        """One call, several groups (``rollout.groups_per_call``), generated in order."""
+        """One call, several groups (``rollout.groups_per_call``), generated in order;
+        with partial rollouts, until the first flush point (``generator.inflight``)."""
+        if self.inflight is not None:
+            examples = [self.prompts[r.prompt_index % len(self.prompts)] for r in reqs]
+            return self.inflight.advance(reqs, examples, self.sampling)
         return [self.generate(req) for req in reqs]
 
     def update_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsAck:

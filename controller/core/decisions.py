@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from controller.core.failures import stop_reason
 from controller.core.state import GroupRecord, GroupStatus, RunState
 import events.schema as ev
 
@@ -132,4 +133,16 @@ def run_rewound(state: RunState, to: int, reason: str, at: Stamp) -> ev.RunRewou
         event_id=ev.run_rewound_id(at.epoch, at.position), epoch=at.epoch, ts=at.ts,
         to_trainer_version=to, lost_steps=[s.step for s in lost],
         lost_group_ids=[g for s in lost for g in s.group_ids], reason=reason,
+    )
+
+
+def run_stopped(state: RunState, budget: int, at: Stamp) -> ev.RunStopped | None:
+    """Stop the run when ``budget`` groups failed in a row (``controller.core.failures``);
+    None while the budget lasts or once the run is stopped."""
+    reason = stop_reason(state.failures, budget)
+    if reason is None:
+        return None
+    return ev.RunStopped(
+        event_id=ev.run_stopped_id(at.epoch, at.position), epoch=at.epoch, ts=at.ts,
+        reason=reason, cause=state.failures.cause,
     )

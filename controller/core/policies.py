@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from controller.core.segments import WindowBasis
 from controller.core.decisions import Stamp, window_evictions
 from controller.core.state import GroupRecord, GroupStatus, RunState
 from events.schema import GroupEvicted
@@ -53,6 +54,10 @@ class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     window_versions: int = 1
     """Dispatch may lead the trainer by at most this many versions; 0 = on-policy."""
+    window_basis: WindowBasis = "oldest_token"
+    """Which token's version the window bounds at training time: ``oldest_token`` (a
+    group's first token), or ``newest_token`` (its last: a group resumed across refits
+    with rollout.partial is kept while its tail is fresh; docs/segments.md)."""
     selection: SelectionPolicy = "in_order"
     buffer_groups: int = 0
     """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
@@ -94,8 +99,16 @@ def admission(
 ) -> Admission:
     return _gate(
         live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
-        window=window, groups_per_step=groups_per_step, capacity=capacity,
+        window=dispatch_window(state, window), groups_per_step=groups_per_step, capacity=capacity,
     )
+
+
+def dispatch_window(state: RunState, window: int) -> int | None:
+    """The window the dispatch-lag clause enforces; None when the window bounds each
+    group's newest token instead: a group generated across refits keeps its tail fresh
+    whenever it was dispatched, so only the capacity and the eviction at training
+    (``to_evict``) bound it."""
+    return None if state.window_basis == "newest_token" else window
 
 
 def admission_room(
@@ -110,8 +123,9 @@ def admission_room(
     """
     live = live_groups(state)
     room = 0
+    lag_window = dispatch_window(state, window)
     while room < limit and _gate(
-        live + room, state.trainer_version, dispatch_version=dispatch_version, window=window,
+        live + room, state.trainer_version, dispatch_version=dispatch_version, window=lag_window,
         groups_per_step=groups_per_step, capacity=capacity,
     ).allowed:
         room += 1
@@ -119,18 +133,19 @@ def admission_room(
 
 
 def gate_open(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
     groups_per_step: int, capacity: int,
 ) -> bool:
     """The admission gate on bare numbers: room in the buffer, and a group dispatched at
-    ``dispatch_version`` now would be trained within the window (module docstring)."""
+    ``dispatch_version`` now would be trained within the window (module docstring;
+    ``window`` None: capacity only, see :func:`dispatch_window`)."""
     return live < capacity and (
-        trainer_version + live // groups_per_step - dispatch_version <= window
+        window is None or trainer_version + live // groups_per_step - dispatch_version <= window
     )
 
 
 def _gate(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
     groups_per_step: int, capacity: int,
 ) -> Admission:
     if gate_open(live, trainer_version, dispatch_version=dispatch_version, window=window,
@@ -159,8 +174,9 @@ def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:
     """(group_id, lag) of buffered groups too stale to train at ``trainer_version``."""
     out = []
+    newest = state.window_basis == "newest_token"  # the lag the window bounds
     for group in state.iter_buffer():  # buffered groups are committed: lag is an int
-        lag: int = state.lag_of(group, trainer_version)  # type: ignore[assignment]
+        lag: int = state.lag_of(group, trainer_version, newest=newest)  # type: ignore[assignment]
         if lag > window:
             out.append((group.group_id, lag))
     return out

@@ -30,13 +30,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, assert_never, get_args
 
+from controller.core import failures
 from controller.core.errors import violation
+from controller.core.segments import WINDOW_BASES
 from controller.core.reducer_groups import (
     _on_group_committed,
     _on_group_evicted,
     _on_group_failed,
     _on_payloads_released,
     _on_rollout_admitted,
+    _on_segments_recorded,
 )
 from controller.core.reducer_steps import (
     _on_microbatch_trained,
@@ -68,6 +71,8 @@ from events.schema import (
     RunFinished,
     RunRewound,
     RunStarted,
+    RunStopped,
+    SegmentsRecorded,
     StepAborted,
     StepBegun,
     StepFinished,
@@ -156,6 +161,9 @@ def _on_run_started(state: RunState, ev: RunStarted, pos: int) -> None:
     state.seed = ev.seed
     state.code_version = ev.code_version
     state.window_versions = ev.window_versions
+    staleness = ev.config.get("staleness")
+    basis = staleness.get("window_basis") if isinstance(staleness, dict) else None
+    state.window_basis = basis if basis in WINDOW_BASES else "oldest_token"
     state.groups_per_step = ev.groups_per_step
     state.samples_per_group = ev.samples_per_group
     state.epoch = ev.epoch
@@ -175,9 +183,10 @@ def _on_controller_started(state: RunState, ev: ControllerStarted, pos: int) -> 
     state.epochs.append(
         EpochRecord(epoch=ev.epoch, host=ev.host, pid=ev.pid, ts=ev.ts, position=pos)
     )
-    # A restarted controller may resume a finished run.
+    # A restarted controller may resume a finished (or stopped) run, with fresh streaks.
     state.finished = False
     state.finished_reason = None
+    failures.on_controller_started(state.failures)
 
 
 def _on_run_finished(state: RunState, ev: RunFinished, pos: int) -> None:
@@ -187,6 +196,12 @@ def _on_run_finished(state: RunState, ev: RunFinished, pos: int) -> None:
         _violation(pos, ev, f"RunFinished while step {state.open_step.step} is open")
     state.finished = True
     state.finished_reason = ev.reason
+
+
+def _on_run_stopped(state: RunState, ev: RunStopped, pos: int) -> None:
+    if state.finished:
+        _violation(pos, ev, "RunStopped after RunFinished")
+    state.failures.stopped = ev.reason
 
 
 def _on_worker_lost(state: RunState, ev: WorkerLost, pos: int) -> None:
@@ -295,6 +310,7 @@ HANDLERS: dict[type, _Handler] = {
     ControllerStarted: _on_controller_started,
     RolloutAdmitted: _on_rollout_admitted,
     GroupCommitted: _on_group_committed,
+    SegmentsRecorded: _on_segments_recorded,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,
     StepBegun: _on_step_begun,
@@ -308,6 +324,7 @@ HANDLERS: dict[type, _Handler] = {
     RunRewound: _on_run_rewound,
     WorkerLost: _on_worker_lost,
     RunFinished: _on_run_finished,
+    RunStopped: _on_run_stopped,
 }
 
 # Exhaustive over the union, checked at import: an event type added to the schema

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import struct
 
+from controller.core import failures
 from controller.core.errors import violation as _violation
+from controller.core.segments import (
+    InflightSegments,
+    commit_problem,
+    commit_summary,
+    record_flush,
+    segments_problem,
+)
 from controller.core.state import (
     GroupRecord,
     GroupStatus,
@@ -23,6 +31,7 @@ from events.schema import (
     GroupFailed,
     PayloadsReleased,
     RolloutAdmitted,
+    SegmentsRecorded,
 )
 
 _ADMITTED = GroupStatus.ADMITTED
@@ -54,6 +63,23 @@ def _on_rollout_admitted(state: RunState, ev: RolloutAdmitted, pos: int) -> None
         admitted_position=pos,
     )
     state.admitted[gid] = None
+    if ev.generator:  # where it runs: its commit or failure counts for or against that worker
+        state.failures.dispatched[gid] = ev.generator
+    rec = state.inflight.get(gid) if state.inflight else None
+    if rec is not None:  # a re-admission resumes from what earlier attempts recorded
+        rec.attempt, rec.attempt_flushes = ev.attempt, 0
+
+
+def _on_segments_recorded(state: RunState, ev: SegmentsRecorded, pos: int) -> None:
+    group = _admitted_group(state, ev, pos)
+    rec = state.inflight.get(ev.group_id)
+    if rec is None:
+        rec = InflightSegments.empty(group.n_samples, group.attempt)
+    problem = segments_problem(rec, ev, state.trainer_version)
+    if problem:
+        _violation(pos, ev, f"group {ev.group_id}: {problem}")
+    record_flush(rec, ev)
+    state.inflight[ev.group_id] = rec
 
 
 def _check_admission(state: RunState, ev: RolloutAdmitted, pos: int) -> None:
@@ -110,6 +136,11 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
         packed_lengths = pack_i64(lengths)
     except struct.error:
         _violation(pos, ev, f"group {gid}: a length is not an int64")
+    rec = state.inflight.pop(gid, None) if state.inflight else None
+    if rec is not None and (problem := commit_problem(rec, lengths, start, end)):
+        state.inflight[gid] = rec  # validate first: the state stays as it was
+        _violation(pos, ev, f"group {gid}: {problem}")
+    group.version_token_sum, group.partial_span = commit_summary(rec, lengths, start, end)
     group.status = _COMMITTED
     group.committed_ts = ev.ts
     group.committed_position = pos
@@ -120,6 +151,7 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
     group.lengths_i64 = packed_lengths
     del state.admitted[gid]
     state.buffer[gid] = None
+    failures.on_committed(state.failures, gid)
 
 
 def _check_commit(ev: GroupCommitted, pos: int) -> None:
@@ -145,6 +177,7 @@ def _on_group_failed(state: RunState, ev: GroupFailed, pos: int) -> None:
     group.status = GroupStatus.FAILED
     group.failed_reason = ev.reason
     del state.admitted[ev.group_id]
+    failures.on_failed(state.failures, ev.group_id, ev.reason, ev.ts, pos)
 
 
 def _on_group_evicted(state: RunState, ev: GroupEvicted, pos: int) -> None:

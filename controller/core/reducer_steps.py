@@ -73,16 +73,20 @@ def _on_microbatch_trained(state: RunState, ev: MicrobatchTrained, pos: int) -> 
         _violation(pos, ev, "negative num_sequences/num_tokens")
     groups, buffer = state.groups, state.buffer
     base, window = open_step.base_trainer_version, state.window_versions
+    newest = state.window_basis == "newest_token"
     for gid in ids:
         if gid not in buffer:
             _violation(pos, ev, _unclaimable(state, gid))
-        lag = base - groups[gid].weight_version_start  # type: ignore[operator]
-        if lag < 0 or lag > window:
+        group = groups[gid]
+        lag = base - group.weight_version_start  # type: ignore[operator]
+        # the window bounds the oldest token's lag, or the newest one's (partial rollouts)
+        bounded = base - group.weight_version_end if newest else lag  # type: ignore[operator]
+        if lag < 0 or bounded > window:
             _violation(
                 pos,
                 ev,
-                f"group {gid} lag {lag} at trainer_version {base} is outside the window "
-                f"[0, {window}]",
+                f"group {gid} lag {bounded} at trainer_version {base} is outside the window "
+                f"[0, {window}]" + (" (its newest token's)" if newest else ""),
             )
     step = ev.step
     claimed = []

@@ -17,11 +17,15 @@ from typing import Any, Final, Iterator, Sequence
 import msgspec
 
 from controller.core.errors import SnapshotDecodeError
+from controller.core.failures import FailureRecord
+from controller.core.segments import InflightSegments
 
 #: Bumped whenever the shape of ``RunState`` changes; an older snapshot is refused
 #: (the caller folds the log from the start instead -- snapshots are only a cache).
 #: 2: a group's payload keys, rewards and lengths are packed (``GroupRecord``).
-STATE_FORMAT_VERSION: Final = 2
+#: 3: the failure streaks (``failures``, ``controller.core.failures``).
+#: 4: segments (``RunState.inflight``, per-token version sums, the window's basis).
+STATE_FORMAT_VERSION: Final = 4
 
 #: joins a committed group's payload keys into one string (see ``pack_keys``)
 KEY_SEPARATOR: Final = "\x00"
@@ -91,8 +95,13 @@ class GroupRecord(msgspec.Struct, kw_only=True, gc=False):
     committed_ts: float | None = None
     #: also the group's place in the buffer order (commit order)
     committed_position: int | None = None
+    #: the oldest / newest token version of the committed group
     weight_version_start: int | None = None
     weight_version_end: int | None = None
+    #: sum over its tokens of their versions (``controller.core.segments``), and the
+    #: most versions one sample spans (newest - oldest token)
+    version_token_sum: int = 0
+    partial_span: int = 0
     # Packed, one object each instead of one per sample (read them through the
     # ``payload_keys`` / ``rewards`` / ``lengths`` properties). A long log's state holds
     # every group; per-sample strings, floats and ints were most of its memory (half of
@@ -257,6 +266,8 @@ class RunState(msgspec.Struct, kw_only=True):
     seed: int = 0
     code_version: str = ""
     window_versions: int = 0
+    #: which token's version the window bounds (``controller.core.segments``)
+    window_basis: str = "oldest_token"
     groups_per_step: int = 0
     samples_per_group: int = 0
     #: newest claimed epoch (RunStarted's, then each ControllerStarted's)
@@ -275,6 +286,8 @@ class RunState(msgspec.Struct, kw_only=True):
     buffer: dict[str, None] = {}
     #: ADMITTED group ids (in flight at a generator) in admission order
     admitted: dict[str, None] = {}
+    #: uncommitted groups that recorded segments (partial rollouts)
+    inflight: dict[str, InflightSegments] = {}
     steps: dict[int, StepRecord] = {}
     #: trainer_version -> the (not lost) finished step that produced it
     version_steps: dict[int, int] = {}
@@ -285,6 +298,8 @@ class RunState(msgspec.Struct, kw_only=True):
     released_groups: int = 0
     finished: bool = False
     finished_reason: str | None = None
+    #: groups failing in a row, per worker and in all (the failure budget's input)
+    failures: FailureRecord = msgspec.field(default_factory=FailureRecord)
     #: position of the last applied event (0 = nothing applied)
     position: int = 0
 
@@ -342,13 +357,17 @@ class RunState(msgspec.Struct, kw_only=True):
         steps, by_version = self.steps, self.version_steps
         return [steps[by_version[v]] for v in range(version + 1, self.trainer_version + 1)]
 
-    def lag_of(self, group: GroupRecord, at_version: int | None = None) -> int | None:
+    def lag_of(
+        self, group: GroupRecord, at_version: int | None = None, *, newest: bool = False
+    ) -> int | None:
         """Lag the group would have if trained at ``at_version`` (default: now), i.e. that
-        version - its start version; None for a group not committed yet."""
-        if group.weight_version_start is None:
+        version - its start version (its oldest token's; with ``newest``, its newest
+        token's: ``staleness.window_basis``); None for a group not committed yet."""
+        start = group.weight_version_end if newest else group.weight_version_start
+        if start is None:
             return None
         version = self.trainer_version if at_version is None else at_version
-        return version - group.weight_version_start
+        return version - start
 
     def copy(self) -> RunState:
         """A deep copy (the reducer updates states in place)."""

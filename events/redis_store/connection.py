@@ -8,27 +8,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis import exceptions as rex
 
 from events.errors import StorePermissionError, StoreUnavailableError
+from events.redis_store.url import redact_url
 
 if TYPE_CHECKING:
     from events.redis_store.layout import Script
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
 
 
 class PinnedConnection:

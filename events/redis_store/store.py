@@ -38,6 +38,7 @@ from events.redis_store.replies import (
     xrange_page,
 )
 from events.redis_store.replication import check_confirmed, replicated_append, wait_command
+from events.redis_store.url import check_url
 from events.schema import Event, StoredEvent
 from events.store_config import StoreConfig
 from events.store import (
@@ -76,6 +77,10 @@ class RedisEventStore:
         page_reads: PageReads = "auto",
         chain_key: bytes | None = None,
     ) -> None:
+        if client is None:
+            # One line for a malformed URL, not redis-py's traceback. A client handed in
+            # (Sentinel, fakeredis) was built elsewhere; ``url`` then only names it.
+            check_url(url)
         self.url = url
         #: appends wait for this many replicas (``events.redis_store.replication``)
         self.replication = replication or StoreConfig()

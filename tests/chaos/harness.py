@@ -97,6 +97,8 @@ class Chaos:
         self.redis_url = redis_url
         self.root = root
         self.extra = list(extra or [])
+        #: environment every process of the scenario gets (test hooks)
+        self.env: dict[str, str] = {}
         self._n = 0
 
     # -- processes ----------------------------------------------------------------
@@ -117,7 +119,7 @@ class Chaos:
         else:
             argv += TINY + self.extra + (args or [])
         log = self._log(("resume" if resume else "run") + (f"-{crash}" if crash else ""))
-        env = {"RLC_CRASH_AT": crash} if crash else {"RLC_CRASH_AT": ""}
+        env = {**self.env, "RLC_CRASH_AT": crash}
         return Proc(self.server.spawn(argv, env, log), log)
 
     def finish(self, proc: Proc, timeout_s: float = 120.0) -> int:

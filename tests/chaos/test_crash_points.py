@@ -18,6 +18,7 @@ import pytest
 
 from controller.crashpoints import CRASH_POINTS
 from tests.chaos.harness import EXIT_CRASH, Chaos
+from tests.chaos.test_partial_crashes import PARTIAL_SCENARIOS
 from workers.dataplane.memory import MemoryDataPlane
 from workers.dataplane.spill import SpillDataPlane
 
@@ -134,7 +135,11 @@ def test_lost_buffered_payload_is_evicted(chaos: Chaos) -> None:
 
 def test_lost_payloads_stop_then_rewind(chaos: Chaos) -> None:
     """Payloads needed to re-train are gone: stop with an explanation; rewind on request."""
-    chaos.run("r", steps=N, resume=False, crash="after_step_finished:2", expect=EXIT_CRASH)
+    # The v2 checkpoint must be durable when the run dies at v3: saved in line (an async
+    # save may still be writing it then, and the rewind would go back to v0).
+    in_line = ["--set", "checkpoint.async_save=false"]
+    chaos.run("r", steps=N, resume=False, crash="after_step_finished:2", args=in_line,
+              expect=EXIT_CRASH)
     state = chaos.fold("r").state
     lost = state.steps[2].group_ids
     for gid in lost:
@@ -161,6 +166,8 @@ def test_every_crash_point_is_covered() -> None:
     for first, second in DURING_RECOVERY.values():
         armed |= {first.split(":")[0], second.split(":")[0]}
     armed |= {"after_checkpoint_rejected", "after_lost_payloads_evicted", "after_run_rewound"}
+    for spec in PARTIAL_SCENARIOS.values():  # partial rollouts: tests.chaos.test_partial_crashes
+        armed |= {item.split("@")[0].split(":")[0] for item in spec.split(",")}
     # eviction by the staleness window is timing-dependent: exercised by the soak
     missing = set(CRASH_POINTS) - armed - {"after_group_evicted"}
     assert not missing, f"crash points without a scenario: {sorted(missing)}"

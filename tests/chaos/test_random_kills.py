@@ -23,7 +23,9 @@ NATURAL = [
     p for p in CRASH_POINTS
     if p not in {"after_checkpoint_rejected", "after_lost_payloads_evicted", "after_run_rewound",
                  "after_worker_lost", "after_group_failed", "after_group_evicted",
-                 "after_step_aborted", "before_payloads_released", "after_payloads_released"}
+                 "after_step_aborted", "before_payloads_released", "after_payloads_released",
+                 # partial rollouts only (tests.chaos.test_partial_crashes)
+                 "before_segments_recorded", "after_segments_recorded"}
 ]
 
 

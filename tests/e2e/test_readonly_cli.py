@@ -13,6 +13,7 @@ import pytest
 from cli.main import main
 from events.codec import encode
 from events.redis_store import RedisEventStore
+from tests.foreground import popen_foreground
 from tests.unit.log_builder import LogBuilder, random_run
 
 pytestmark = pytest.mark.integration
@@ -119,6 +120,21 @@ def test_audit_clean_and_csv(capsys, redis_url, run, tmp_path):
     assert json.loads(out)["problem"] is None
 
 
+def test_tables_keep_values_by_their_names_and_paths_whole(capsys, redis_url):
+    b = random_run(4, 6)
+    long_dir = "/srv/" + "a-rather-long-directory-name/" * 4 + "runs/tables/checkpoints"
+    b.checkpoint(uri=f"{long_dir}/v{b.trainer_version:06d}-e1")
+    b.run_id = "tables"
+    write_log(redis_url, b)
+    code, out, _ = cli(capsys, redis_url, "audit", "--run", "tables")
+    assert code == 0 and f"checkpoints in {long_dir}/" in out and "…" not in out
+    assert f"v{b.trainer_version:06d}-e1" in out
+    code, out, _ = cli(capsys, redis_url, "staleness", "--run", "tables")
+    value = next(line for line in out.splitlines() if "│ lag_mean " in line).split("│")[2]
+    # the value right after its name's column, not pushed to the far right
+    assert value.startswith(" 0.") and len(value) < 20, value
+
+
 def test_audit_violation_exits_1_naming_the_position(capsys, redis_url):
     b = LogBuilder(run_id="bad", window=1, groups_per_step=2).start().group("g1").group("g2")
     b.train_step(["g1", "g2"]).begin_step().microbatch(["g1"])  # g1 consumed twice
@@ -129,6 +145,16 @@ def test_audit_violation_exits_1_naming_the_position(capsys, redis_url):
     assert f"position {bad}" in err and "Traceback" not in err
     code, out, _ = cli(capsys, redis_url, "audit", "--run", "bad", "--json")
     assert code == 1 and json.loads(out)["problem"]["position"] == bad
+
+
+@pytest.mark.parametrize("url", ["http://localhost:6379", "localhost:6379",
+                                 "redis://127.0.0.1:notaport/0"])
+@pytest.mark.parametrize("command", [["runs"], ["audit", "--run", "r"], ["tail", "--run", "r"]])
+def test_a_malformed_redis_url_is_one_line_and_exit_2(capsys, url, command):
+    code, out, err = cli(capsys, url, *command)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("rl-controller: error: --redis-url: "), err
+    assert "Traceback" not in err
 
 
 def test_malformed_entry_named_without_traceback(capsys, redis_url):
@@ -222,17 +248,23 @@ def test_subprocess_entry_point(redis_url, run):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and run.run_id in proc.stderr
 
 
-def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
-    b = LogBuilder(run_id="live").start()
+def _following(redis_url: str, run_id: str) -> tuple[LogBuilder, subprocess.Popen]:
+    """A started run's log, and ``tail --follow`` of it once it printed both events."""
+    b = LogBuilder(run_id=run_id).start()
     write_log(redis_url, b)
     env = {**os.environ, "RLC_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "tail", "--run", "live", "--follow"],
+    proc = popen_foreground(
+        [sys.executable, "-m", "cli.main", "tail", "--run", run_id, "--follow"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    assert "RunStarted" in proc.stdout.readline()
+    assert "ControllerStarted" in proc.stdout.readline()
+    return b, proc
+
+
+def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
+    b, proc = _following(redis_url, "live")
     try:
-        assert "RunStarted" in proc.stdout.readline()
-        assert "ControllerStarted" in proc.stdout.readline()
         store = RedisEventStore(redis_url)
         b.admit("g1")
         store.append_raw("live", encode(b.events[-1].event), event_type="RolloutAdmitted")
@@ -248,6 +280,23 @@ def test_tail_follow_prints_new_events_and_exits_cleanly(redis_url):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_tail_follow_ends_with_the_run(capsys, redis_url):
+    b, proc = _following(redis_url, "ending")
+    try:
+        b.finish_run()
+        store = RedisEventStore(redis_url)
+        store.append_raw("ending", encode(b.events[-1].event), event_type="RunFinished")
+        store.close()
+        out, err = proc.communicate(timeout=60)  # no signal: it ends by itself
+        assert proc.returncode == 0 and "RunFinished" in out and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # a log that already ends with RunFinished: printed, then done (no wait at all)
+    code, out, _ = cli(capsys, redis_url, "tail", "--run", "ending", "--follow")
+    assert code == 0 and out.strip().splitlines()[-1].split()[0] == "3"
 
 
 @pytest.mark.parametrize("command", [["audit", "--json"], ["staleness", "--json"],

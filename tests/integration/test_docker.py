@@ -79,9 +79,25 @@ def test_compose_validates(tmp_path: Path) -> None:
     proc = _compose_config(tmp_path, (DOCKER / "compose.yaml").read_text())
     assert proc.returncode == 0, proc.stderr
     resolved = yaml.safe_load(proc.stdout)["services"]
-    assert set(resolved) == {"redis", "ray-head", "ray-worker", "controller"}
+    assert set(resolved) == {"redis", "ray-head", "ray-worker", "controller", "prometheus"}
     for name in ("redis", "ray-head"):
         assert "healthcheck" in resolved[name], name
+    # Prometheus only runs when asked for (--profile metrics); the rest always does
+    assert [n for n, s in resolved.items() if s.get("profiles")] == ["prometheus"]
+    assert resolved["prometheus"]["profiles"] == ["metrics"]
+
+
+def test_prometheus_scrapes_the_port_the_controller_serves(services: dict) -> None:
+    from cli.main import build_parser
+    from cli.run_cmd import _resolve_config
+
+    argv = shlex.split(_shell(services["controller"]["command"]).replace("${RLC_STEPS:-150}", "7"))
+    cfg = _resolve_config(build_parser().parse_args(argv[2:]))
+    scrape = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    [job] = scrape["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == [f"controller:{cfg.metrics.port}"]
+    assert cfg.metrics.host == "0.0.0.0"  # inside the compose network only: no port published
+    assert "ports" not in services["controller"]
 
 
 def test_a_broken_compose_file_fails(tmp_path: Path) -> None:

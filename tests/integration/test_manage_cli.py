@@ -70,10 +70,38 @@ def test_delete_refuses_a_run_held_by_a_live_controller(data_dir):
     assert runs(data_dir) == before
 
 
+def test_resume_refuses_a_run_held_by_a_live_controller_unless_told_to_take_over(data_dir):
+    _make_run(data_dir, "live", finished=False)  # its ControllerStarted names this process
+    before = runs(data_dir)
+    proc = cli("run", "--resume", "--run-id", "live", "--no-progress", "--data-dir", str(data_dir))
+    assert_one_line_error(proc, "live", "running controller", "--takeover")
+    assert runs(data_dir) == before  # no new epoch: this "controller" is not fenced
+    taken = cli("run", "--resume", "--run-id", "live", "--takeover", "--steps", "1",
+                "--local-workers", "--no-progress", "--data-dir", str(data_dir), timeout_s=600)
+    assert taken.returncode == 0, taken.stderr[-3000:]
+    after = runs(data_dir)["live"]
+    assert after["epoch"] == before["live"]["epoch"] + 1 and after["trainer_version"] == 1
+
+
 def test_delete_of_an_unknown_run_names_the_known_ones(data_dir):
     _make_run(data_dir, "keep", finished=True)
     proc = cli("delete", "--run", "nope", "--yes", "--data-dir", str(data_dir))
     assert_one_line_error(proc, "nope", "keep")
+
+
+def test_a_run_directory_without_a_log_is_listed_and_deleted(data_dir):
+    _make_run(data_dir, "keep", finished=True)
+    orphan = data_dir / "runs" / "failed-start"  # what a failed Ray start once left
+    orphan.mkdir(parents=True)
+    (orphan / "third_party.log").write_text("ray: cannot join\n")
+    listed = cli("runs", "--data-dir", str(data_dir))
+    assert listed.returncode == 0 and "without a log in this store: failed-start" in listed.stdout
+    assert set(runs(data_dir)) == {"keep"}  # --json keeps its rows: runs with a log
+    proc = cli("delete", "--run", "failed-start", "--yes", "--data-dir", str(data_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "no log of run failed-start" in proc.stdout
+    assert not orphan.exists() and (data_dir / "runs" / "keep").exists()
+    assert "without a log" not in cli("runs", "--data-dir", str(data_dir)).stdout
 
 
 def test_stop_server_stops_the_embedded_server(data_dir):

@@ -137,6 +137,7 @@ def test_a_run_that_cannot_be_placed_is_refused_up_front_with_the_numbers(ray_he
     proc = cli("run", "--run-id", "too-big", "--ray-address", ray_head["address"],
                "--data-dir", str(data_dir), *QUICK, env=_env(ray_head, token=True), timeout_s=180)
     assert_one_line_error(proc, "needs 5 CPUs", "has 4 CPUs", "dataplane.storage_units")
+    assert not (data_dir / "runs" / "too-big").exists()  # no orphan directory either
     if (data_dir / "redis").exists():
         assert "too-big" not in runs(data_dir)
 
@@ -158,5 +159,6 @@ def test_without_the_token_the_error_names_the_variables(ray_head, data_dir):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rl-controller: error: ") and "RAY_AUTH_TOKEN" in last, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    assert not (data_dir / "runs" / "no-token").exists()  # no orphan directory either
     if (data_dir / "redis").exists():
         assert "no-token" not in runs(data_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,7 @@ BAD_INPUT = {
         ["staleness.buffer_groups"],
     ),
     "unreachable ray": (["--ray-address", "127.0.0.1:1"], ["127.0.0.1:1"]),
+    "malformed redis url": (["--redis-url", "localhost:6379"], ["--redis-url", "not a Redis URL"]),
     "unknown task": (["--set", "task.name=sort"], ["task.name", "sort", "reverse"]),
     "unimportable task plugin": (
         ["--set", 'task.name="no_such_pkg.tasks:Sort"'], ["task.name", "no_such_pkg"],
@@ -144,6 +146,40 @@ def test_bad_input_is_one_line_and_writes_nothing(data_dir, trained, case):
     after = runs(data_dir)
     assert run_id not in after, f"{case}: the bad run was written to the log: {after[run_id]}"
     assert after[RUN_ID] == trained
+    assert not (data_dir / "runs" / run_id).exists(), f"{case}: a run directory was left"
+
+
+def _hf_without_tokenizer(d: Path) -> None:
+    for f in d.iterdir():
+        if "token" in f.name:
+            f.unlink()
+
+
+#: HF model directories the workers could not use: found by the pre-check, before Ray
+HF_BROKEN = {
+    "invalid config.json": (lambda d: (d / "config.json").write_text("{not json"),
+                            "config.json cannot be loaded"),
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), "no weights"),
+    "no tokenizer files": (_hf_without_tokenizer, "to no tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_BROKEN))
+def test_an_hf_directory_the_workers_cannot_load_is_one_line_and_writes_nothing(
+    data_dir, trained, tmp_path, case
+):
+    from tests.hf_fixture import save_tiny_hf_lm
+
+    pytest.importorskip("transformers")
+    model = save_tiny_hf_lm(tmp_path / "model", "qwen2")  # without files: an empty tokenizer
+    break_it, says = HF_BROKEN[case]
+    break_it(model)
+    run_id = "bad-hf-" + case.split()[0]
+    proc = cli("run", "--steps", "1", "--run-id", run_id, "--no-progress", "--data-dir",
+               str(data_dir), "--set", "model.kind=hf", "--set", f'model.path="{model}"',
+               timeout_s=180)
+    assert_one_line_error(proc, "model.path", says)
+    assert run_id not in runs(data_dir) and not (data_dir / "runs" / run_id).exists()
 
 
 def test_unreachable_redis_is_one_line(data_dir, trained):
@@ -152,6 +188,18 @@ def test_unreachable_redis_is_one_line(data_dir, trained):
     assert_one_line_error(proc, "127.0.0.1:1")
     after = runs(data_dir)
     assert "bad-redis" not in after and after[RUN_ID] == trained
+
+
+def test_a_ray_address_where_something_else_listens_is_refused_in_seconds(data_dir, trained):
+    listening = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        port = listening.getsockname()[1]
+        proc = cli("run", "--steps", "1", "--run-id", "not-ray", "--no-progress",
+                   "--data-dir", str(data_dir), "--ray-address", f"127.0.0.1:{port}", timeout_s=60)
+    finally:
+        listening.close()
+    assert_one_line_error(proc, f"127.0.0.1:{port}", "does not answer as Ray")
+    assert "not-ray" not in runs(data_dir) and not (data_dir / "runs" / "not-ray").exists()
 
 
 def test_existing_run_id_without_resume_is_refused(data_dir, trained):

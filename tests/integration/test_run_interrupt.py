@@ -2,7 +2,9 @@
 
 The run is started in its own session (so it is the terminal's foreground process
 group) and SIGINT goes to the whole group once the first ``step_finished`` is in its
-log file, exactly what Ctrl-C does to the command and every process it started. Then:
+log file, exactly what Ctrl-C does to the command and every process it started (the
+command starts with SIGINT at its default action, as a terminal's foreground job does,
+even when pytest runs as a background job: ``tests.foreground``). Then:
 exit status 130, one line that ends in a resume command and no traceback, a consistent
 log (``audit`` exits 0), and the printed command, run word for word, finishes the run.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from events.embedded import stop_embedded_redis
+from tests.foreground import popen_foreground
 from tests.integration.test_run_cli import ROOT, _command, cli, runs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,6 +30,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RUN_ID = "ctrl-c"
 STEPS = 6
 PROMPT = "interrupted; the log is consistent, continue with: "
+
+
+def _same_program(printed: str, expected: str) -> bool:
+    """The printed command is the bare name when that name on PATH is this program."""
+    return os.path.realpath(shutil.which(printed) or printed) == os.path.realpath(expected)
 
 
 def _wait_for_first_step(proc: subprocess.Popen, log_file: Path, limit_s: float) -> None:
@@ -42,7 +51,7 @@ def _wait_for_first_step(proc: subprocess.Popen, log_file: Path, limit_s: float)
 def test_ctrl_c_leaves_a_consistent_log_and_a_resume_command_that_finishes(tmp_path):
     data_dir = tmp_path / "rlc-data"
     env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
-    proc = subprocess.Popen(
+    proc = popen_foreground(
         [*_command(), "run", "--steps", str(STEPS), "--run-id", RUN_ID, "--no-progress",
          "--data-dir", str(data_dir)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -60,7 +69,7 @@ def test_ctrl_c_leaves_a_consistent_log_and_a_resume_command_that_finishes(tmp_p
         assert errors == [err.strip().splitlines()[-1]], err[-3000:]
         assert errors[0].startswith("rl-controller: error: " + PROMPT), errors
         resume = shlex.split(errors[0].split(PROMPT, 1)[1])
-        assert resume[0] == _command()[0] and resume[1:5] == ["run", "--resume", "--run-id", RUN_ID]
+        assert _same_program(resume[0], _command()[0]) and resume[1:5] == ["run", "--resume", "--run-id", RUN_ID]
 
         stopped = runs(data_dir)[RUN_ID]
         assert not stopped["finished"] and 1 <= stopped["trainer_version"] < STEPS, stopped

@@ -132,11 +132,10 @@ def test_run_with_vllm_generator_then_audit(model_dir, data_dir, tmp_path):
     assert max(starts) >= 1  # groups were generated with refitted weights
 
 
-def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path):
-    mark = uuid.uuid4().hex
-    args = ["run", "--run-id", "k", "--steps", "5", *_args(model_dir, data_dir)]
+def _kill_after_two_steps(args: list[str], mark: str, run_dir: Path, tmp_path: Path) -> None:
+    """Start the run, SIGKILL its whole process group once two steps are reported."""
     proc = _start(args, mark, tmp_path / "run.txt")
-    metrics = data_dir / "runs" / "k" / "metrics.jsonl"
+    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 900
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None, (tmp_path / "run.txt").read_text()[-4000:]
@@ -146,6 +145,12 @@ def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path
     proc.wait(timeout=60)
     left = _left_behind(mark)
     assert left == [], f"after kill -9 of the run's process group: {left}"
+
+
+def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path):
+    mark = uuid.uuid4().hex
+    args = ["run", "--run-id", "k", "--steps", "5", *_args(model_dir, data_dir)]
+    _kill_after_two_steps(args, mark, data_dir / "runs" / "k", tmp_path)
 
     # The kill lands at some version v <= 5 (the run may step on between the poll and
     # the kill). At most window+1 = 2 steps' groups are live then, so they cover steps up
@@ -170,3 +175,32 @@ def test_kill_minus_9_of_the_whole_run_then_resume(model_dir, data_dir, tmp_path
     # the new generator got the recovered version before it generated anything
     assert after.index(first_publish) < after.index(first_commit)
     assert first_commit.weight_version_start >= first_publish.weight_version
+
+
+def test_partial_rollouts_on_vllm_survive_kill_minus_9(model_dir, data_dir, tmp_path):
+    """In-flight refits on vLLM (the engine stepped by hand) through the whole CLI: a run
+    with rollout.partial on records flushes, is killed with SIGKILL after two steps, and
+    resumes from the log -- audit 0, and every group that recorded flushes in a failed
+    attempt was committed by a later attempt that kept them (the reducer checks that a
+    resumed flush starts where the recorded tokens end)."""
+    mark = uuid.uuid4().hex
+    partial = ["--set", "rollout.partial.enabled=true", "--set", "rollout.partial.segment_tokens=2",
+               "--set", "staleness.window_basis=newest_token"]
+    args = ["run", "--run-id", "p", "--steps", "5", *_args(model_dir, data_dir), *partial]
+    _kill_after_two_steps(args, mark, data_dir / "runs" / "p", tmp_path)
+    mark2 = uuid.uuid4().hex
+    resume = ["run", "--run-id", "p", "--steps", str(RESUMED_TO), "--resume", "--no-progress",
+              "--data-dir", str(data_dir)]
+    resumed = _start(resume, mark2, tmp_path / "resume.txt")
+    assert resumed.wait(timeout=900) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
+    assert _left_behind(mark2) == []
+    audit = _cli("audit", "--run", "p", "--json", "--data-dir", str(data_dir))
+    assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+    result, events = _events(data_dir, "p")
+    assert result.problem is None and result.state.trainer_version == RESUMED_TO
+    flushes = [e for e in events if isinstance(e, ev.SegmentsRecorded)]
+    assert flushes and all(f.weight_version is not None for f in flushes)
+    committed = {e.group_id: e.attempt for e in events if isinstance(e, ev.GroupCommitted)}
+    for f in flushes:  # a flush of a failed attempt was kept by the attempt that committed
+        if f.group_id in committed:
+            assert committed[f.group_id] >= f.attempt

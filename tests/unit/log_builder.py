@@ -43,6 +43,8 @@ from events.schema import (
     RunFinished,
     RunRewound,
     RunStarted,
+    Segment,
+    SegmentsRecorded,
     StepAborted,
     StepBegun,
     StepFinished,
@@ -53,6 +55,7 @@ from events.schema import (
     group_event_id,
     microbatch_event_id,
     run_started_id,
+    segments_event_id,
     step_event_id,
 )
 
@@ -95,6 +98,8 @@ class LogBuilder:
         self.open_base = 0
         self.mb_index = 0
         self.attempts: dict[str, int] = {}
+        #: flushes recorded per (group, attempt)
+        self.flushes: dict[tuple[str, int], int] = {}
         self.dispatch_versions: dict[str, int] = {}
         self.prompt_index = 0
         #: step -> (trainer_version, group ids) of finished steps, for rewind defaults
@@ -222,6 +227,32 @@ class LogBuilder:
             lengths=[16 + i for i in range(n)],
         )
         self._emit(GroupCommitted, group_event_id(group_id, "committed", attempt), fields, overrides)
+        return self
+
+    def flush(
+        self,
+        group_id: str,
+        spans: dict[int, tuple[int, int]] | dict[int, tuple[int, int, bool]],
+        *,
+        version: int | None = 0,
+        index: int | None = None,
+        kind: str = "model",
+        **overrides: Any,
+    ) -> LogBuilder:
+        """SegmentsRecorded: ``spans`` = {sample: (start, length[, stopped])}; the index
+        counts this attempt's flushes unless given."""
+        attempt = self.attempts.get(group_id, 1)
+        counted = (group_id, attempt)
+        index = self.flushes.get(counted, 0) if index is None else index
+        self.flushes[counted] = index + 1
+        segments = [
+            Segment(sample=i, start=span[0], length=span[1], key=f"{group_id}/a{attempt}/s{i}/k{index}",
+                    stopped=bool(span[2]) if len(span) > 2 else False)
+            for i, span in spans.items()
+        ]
+        fields = dict(group_id=group_id, attempt=attempt, index=index, kind=kind,
+                      weight_version=version, segments=segments)
+        self._emit(SegmentsRecorded, segments_event_id(group_id, attempt, index), fields, overrides)
         return self
 
     def group(self, group_id: str, **commit_overrides: Any) -> LogBuilder:
@@ -365,7 +396,7 @@ class _Sim:
         while len(self.in_flight) + len(self.buffer) < capacity:
             gid = f"g{self.n_groups:07d}"
             self.n_groups += 1
-            self.b.admit(gid)
+            self.b.admit(gid, generator=_generator(gid))
             self.in_flight.append(gid)
 
     def complete_some(self, p_fail: float) -> None:
@@ -379,7 +410,7 @@ class _Sim:
                 b.fail(gid)
                 if rng.random() < 0.5:
                     b.release([gid])
-                b.admit(gid)
+                b.admit(gid, generator=_generator(gid))
                 self.in_flight.append(gid)
             else:
                 b.commit(gid)
@@ -419,7 +450,7 @@ class _Sim:
         self.buffer = sorted(self.buffer + picked, key=self.commit_seq.__getitem__)
         if restart:
             for gid in list(self.in_flight):
-                b.fail(gid, "controller restart").admit(gid)
+                b.fail(gid, "controller restart").admit(gid, generator=_generator(gid))
             b.publish()
 
     def checkpoint(self) -> None:
@@ -439,6 +470,11 @@ class _Sim:
         if lost:
             b.release(lost)
         b.publish()
+
+
+def _generator(group_id: str) -> str:
+    """The simulated run's two generators (no random draw: other logs stay the same)."""
+    return f"generator-{int(group_id[1:]) % 2}"
 
 
 def random_run(

@@ -5,6 +5,11 @@ populated. The file is written once and then only read: a schema change that bre
 old logs fails here. To add a fixture for a *new* type, add its value to ``GOLDEN`` and
 run ``python -m tests.unit.test_event_codec --regenerate`` deliberately (it only
 appends types missing from the file; existing lines are never rewritten).
+
+When a type gains an optional field, its golden line is superseded by one that sets the
+field, and the old line moves, byte for byte, to ``tests/fixtures/golden_history.jsonl``.
+That file is only appended to: every line in it must still decode, to the current
+golden value with the fields it lacks at their defaults.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from events.schema import (
     RunFinished,
     RunRewound,
     RunStarted,
+    RunStopped,
+    Segment,
+    SegmentsRecorded,
     StepAborted,
     StepBegun,
     StepFinished,
@@ -56,13 +64,21 @@ GOLDEN: dict[str, Event] = {
     "RolloutAdmitted": RolloutAdmitted(
         event_id="group:g0042:admitted:a2", epoch=1, ts=_TS + 2, schema_version=1, group_id="g0042",
         attempt=2, prompt_index=42, prompt_ref="gsm8k/train.jsonl#42", weight_version=3, n_samples=4,
-        sample_seed=987654321,
+        sample_seed=987654321, generator="generator-1",
     ),
     "GroupCommitted": GroupCommitted(
         event_id="group:g0042:committed:a2", epoch=1, ts=_TS + 3, schema_version=1, group_id="g0042",
         attempt=2, weight_version_start=3, weight_version_end=4,
         payload_keys=["g0042/a2/0", "g0042/a2/1", "g0042/a2/2", "g0042/a2/3"],
         rewards=[1.0, 0.0, 0.5, -0.25], lengths=[17, 128, 64, 1],
+    ),
+    "SegmentsRecorded": SegmentsRecorded(
+        event_id="group:g0042:segments:a2:k1", epoch=1, ts=_TS + 16.5, schema_version=1,
+        group_id="g0042", attempt=2, index=1, kind="model", weight_version=4,
+        segments=[
+            Segment(sample=0, start=64, length=64, key="r/g0042/a2/s0/k1", turn=3, stopped=False),
+            Segment(sample=3, start=17, length=1, key="r/g0042/a2/s3/k1", turn=3, stopped=True),
+        ],
     ),
     "GroupFailed": GroupFailed(
         event_id="group:g0043:failed:a1", epoch=1, ts=_TS + 4, schema_version=1, group_id="g0043",
@@ -112,6 +128,12 @@ GOLDEN: dict[str, Event] = {
     ),
     "RunFinished": RunFinished(
         event_id="run:r-golden:finished", epoch=2, ts=_TS + 16, schema_version=1, reason="budget reached",
+    ),
+    "RunStopped": RunStopped(
+        event_id="run:stopped:e2:p40", epoch=2, ts=_TS + 17, schema_version=1,
+        reason="32 groups failed in a row (none committed since log position 7), all with: "
+               "ValueError: cannot sample from an empty prompt (on generator-0)",
+        cause="ValueError: cannot sample from an empty prompt",
     ),
 }
 
@@ -195,6 +217,32 @@ def test_bad_entries_raise_decode_error_with_position(data: bytes, reason: str) 
 def test_missing_schema_version_reads_as_current() -> None:
     data = b'{"type": "StepAborted", "event_id": "x", "epoch": 1, "ts": 0.0, "step": 1, "reason": "r"}'
     assert codec.decode(data, position=1) == StepAborted(event_id="x", epoch=1, ts=0.0, step=1, reason="r")
+
+
+#: RolloutAdmitted as written before the admission recorded its generator (the golden
+#: line's bytes until then): an old log's admissions still decode, with generator "".
+HISTORY = FIXTURE.with_name("golden_history.jsonl")
+
+
+def _history() -> list[bytes]:
+    return [line for line in HISTORY.read_bytes().splitlines() if line.strip()]
+
+
+def test_history_holds_the_superseded_lines() -> None:
+    # RolloutAdmitted gained ``generator``: its first golden line is kept here
+    assert "RolloutAdmitted" in [msgspec.json.decode(line)["type"] for line in _history()]
+
+
+@pytest.mark.parametrize("line", _history(), ids=lambda b: msgspec.json.decode(b)["type"])
+def test_a_superseded_golden_line_still_decodes(line: bytes) -> None:
+    raw = msgspec.json.decode(line)
+    want = GOLDEN[raw["type"]]
+    lacking = {
+        f.name: (f.default if f.default is not msgspec.NODEFAULT else f.default_factory())
+        for f in msgspec.structs.fields(type(want)) if f.encode_name not in raw
+    }
+    assert lacking, "a history line must lack a field the current golden line sets"
+    assert codec.decode(line, position=3) == msgspec.structs.replace(want, **lacking)
 
 
 # -- upcasters: a log written before a schema change still decodes ----------------------

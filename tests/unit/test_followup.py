@@ -36,3 +36,10 @@ def test_redis_url_is_repeated_with_the_password_masked(monkeypatch):
 def test_run_as_a_module_prints_the_module_invocation(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/x/cli/main.py"])
     assert followup.executable().endswith(" -m cli.main")
+
+
+def test_a_command_that_resumes_a_run_repeats_where_its_workers_ran():
+    assert followup.worker_flags(_args(ray_address="10.0.0.5:6379", local_workers=False)) == [
+        "--ray-address", "10.0.0.5:6379"]
+    assert followup.worker_flags(_args(ray_address=None, local_workers=True)) == ["--local-workers"]
+    assert followup.worker_flags(_args()) == []

@@ -167,3 +167,14 @@ def test_no_capability_of_a_tier_is_probed_for_with_getattr():
             ):
                 offenders.append(f"{name}:{node.lineno} {node.args[1].value}")
     assert offenders == []
+
+
+def test_only_the_cli_imports_views() -> None:
+    """``views`` shares a floor with replay and sim, but nothing below the commands
+    depends on what people look at: only ``cli`` may import it."""
+    offenders = sorted(
+        f"{src} -> {dst}"
+        for src, dsts in import_graph().items() for dst in dsts
+        if dst.split(".")[0] == "views" and src.split(".")[0] not in ("views", "cli")
+    )
+    assert offenders == []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the project's code (tests may use client libraries and fakes freely)
-PACKAGES = ("events", "controller", "workers", "replay", "sim", "cli", "bench")
+PACKAGES = ("events", "controller", "workers", "replay", "sim", "views", "cli", "bench")
 
 
 def _sources() -> Iterator[Path]:

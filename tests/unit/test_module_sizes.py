@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("controller", "events", "replay", "workers", "sim", "cli")
+PACKAGES = ("controller", "events", "replay", "workers", "sim", "views", "cli")
 MAX_LINES = 400
 
 

@@ -120,3 +120,17 @@ def test_a_simulated_run_is_reproduced_exactly():
     sync = result.scenarios[1].timeline
     assert sync.wall_s > result.recorded.wall_s and max(sync.lags) == 0
     json.dumps(result.to_dict())  # the CLI's --json output
+
+
+def test_a_misspelt_what_if_lists_the_short_names_and_never_mentions_set():
+    from replay.settings import WhatIfError
+    from sim.whatif import parse_scenario, scenario_config
+
+    with pytest.raises(WhatIfError) as err:
+        parse_scenario("windw=2")
+    assert "windw" in str(err.value) and "window, " in str(err.value) and "generators" in str(err.value)
+    assert "--set" not in str(err.value)
+    with pytest.raises(WhatIfError) as err:
+        scenario_config(load_config(None, []), parse_scenario("window=wide"), 5)
+    assert str(err.value).startswith("--what-if staleness.window_versions=wide: ")
+    assert "--set" not in str(err.value)

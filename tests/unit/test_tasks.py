@@ -160,8 +160,10 @@ def test_jsonl_loads_examples_with_metadata(tmp_path):
     [
         ('{"prompt": "ab>", "answer": ', "not valid JSON"),
         ('["ab>", "ba"]', "expected a JSON object"),
-        ('{"prompt": "ab>"}', "'answer' must be a string"),
-        ('{"prompt": 3, "answer": "x"}', "'prompt' must be a string"),
+        ('{"prompt": "ab>"}', "'answer' is missing"),
+        ('{"answer": "ba"}', "'prompt' is missing"),
+        ('{"prompt": 3, "answer": "x"}', "'prompt' must be a string, got int"),
+        ('{"prompt": "ab>", "answer": null}', "'answer' must be a string, got NoneType"),
         ('{"prompt": "ab>", "answer": "ba", "extra": 1}', "unknown keys"),
         ('{"prompt": "ab>", "answer": "ba", "metadata": 5}', "'metadata' must be an object"),
     ],

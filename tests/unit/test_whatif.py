@@ -120,7 +120,9 @@ def test_recorded_settings_reproduce_recorded_batches_exactly(seed, policy, wind
     b = loop_like_run(seed, policy=policy, window=window)
     state = fold(b.events)
     settings = whatif.recorded_settings(state)
-    assert (settings.policy, settings.window, settings.groups_per_microbatch) == (policy, window, 2)
+    got = settings.summary()
+    assert got["staleness.selection"] == policy and got["staleness.window_versions"] == window
+    assert got["train.groups_per_microbatch"] == 2
     result = whatif.simulate(_pairs(b), settings)
     recorded = whatif.recorded_batches(state)
     got = {s.step: s.microbatches for s in result.finished()}
@@ -185,7 +187,7 @@ def test_policy_change_changes_composition_not_group_set_size():
     ("microbatch=0", "train.groups_per_microbatch must be > 0"),
     ("speed=3", "key one of"),
     ("window", "key one of"),
-    ("generators=4", "key one of groups_per_microbatch, microbatch, policy"),  # timing
+    ("generators=4", "key one of basis, groups_per_microbatch, microbatch, policy"),  # timing
 ])
 def test_bad_what_if_names_the_key(item, message):
     state = fold(LogBuilder(window=1, groups_per_step=4).start().events)

@@ -95,8 +95,7 @@ class SpillDataPlane:
         if not folder.exists():
             return
         if keys is None:
-            shutil.rmtree(folder)
-            _fsync_dir(self.directory)
+            _remove_dir(folder)
             return
         doomed = set(keys)
         for path in _put_dirs(folder):
@@ -116,9 +115,8 @@ class SpillDataPlane:
                     {n: [rows[i][n] for i in keep] for n in rows[0]},
                     None if tags is None else [tags[i] for i in keep],
                 )
-            shutil.rmtree(path)
+            _remove_dir(path)
             self._keys_of.pop(path, None)
-        _fsync_dir(folder)
 
     def list(self, partition: str) -> list[str]:
         return self.inner.list(partition)
@@ -132,7 +130,10 @@ class SpillDataPlane:
     # -- recovery -----------------------------------------------------------------
 
     def spilled_partitions(self) -> list[str]:
-        return sorted(unquote(p.name) for p in self.directory.iterdir() if p.is_dir())
+        return sorted(
+            unquote(p.name) for p in self.directory.iterdir()
+            if p.is_dir() and not p.name.startswith(_TMP_PREFIX)
+        )
 
     def reload(self, partition: str | None = None) -> int:
         """Put every spilled row (of ``partition``, or all) back into the inner plane.
@@ -191,6 +192,16 @@ def _put_dirs(folder: Path, *, tidy: bool = False) -> list[Path]:
         elif tidy:
             shutil.rmtree(path)
     return [newest[stamp][1] for stamp in sorted(newest)]
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a put (or a partition) atomically: renamed out of the way first, so a crash
+    mid-delete leaves a temporary directory (tidied away), never a half-deleted put that
+    a reload would read."""
+    doomed = path.parent / f"{_TMP_PREFIX}rm-{path.name}"
+    os.rename(path, doomed)
+    _fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_put(

@@ -23,6 +23,7 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from workers.envs.base import Action, EnvError, EnvStep, Observation, StepKey, UnknownEnvError
@@ -66,7 +67,8 @@ def render(messages: Any, player: int) -> str:
 
 
 def _kind(kind: Any) -> int:
-    return int(getattr(kind, "value", kind))
+    # TextArena's observation kinds are an Enum in some releases and plain ints in others
+    return int(kind.value if isinstance(kind, Enum) else kind)
 
 
 @dataclass

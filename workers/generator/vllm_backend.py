@@ -4,7 +4,9 @@ Same public surface as :class:`workers.generator.generator.Generator` --
 ``generate_group`` (rows in the data plane, a :class:`GroupResult` back),
 ``update_weights`` / ``receive_weight_bucket`` (acknowledged with the version),
 ``weight_version``, ``close`` -- so the controller and the worker shells do not care
-which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions`.
+which one they drive. Options: the ``[rollout.vllm]`` table
+(:class:`workers.generator.config.VllmSection`) and the run's
+:class:`workers.generator.vllm_config.VllmRuntime`.
 
 * **Model**: an HF causal LM in a local directory (``model.kind = "hf"``); vLLM loads
   it itself, the tokenizer is the directory's own (token ids go in and come out, vLLM's
@@ -24,7 +26,7 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   with respect to generation: between groups, or between chunks (below), never
   inside one.
 * **Versions across an update**: ``LLM.generate`` cannot be paused, so with
-  ``chunk_tokens = None`` the only boundary is the end of the group: the update lands
+  ``chunk_tokens = 0`` the only boundary is the end of the group: the update lands
   after it and the group is tagged start == end. With ``chunk_tokens = k`` the group is
   generated k tokens at a time (each continuation re-submits prompt + tokens so far,
   re-read with the *new* weights after an update) and a group that spans an update is
@@ -48,20 +50,24 @@ import gc
 import importlib.metadata
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from workers.availability import VLLM_INSTALL_HINT, BackendUnavailableError, check_vllm, cuda_available
 from workers.dataplane.api import DataPlane
+from workers.generator.config import VllmSection
 from workers.generator.generator import Generator, GroupResult
-from workers.generator.vllm_config import VllmOptions
+from workers.generator.vllm_config import VllmRuntime, llm_kwargs
+from workers.generator.vllm_decoder import VllmDecoder
 from workers.generator.vllm_threads import EngineThreads
+from workers.models.config import KvOnRefit, SamplingSection
+from workers.models.decoder import RowPrefix
 from workers.models.factory import Tokenizer
-from workers.models.sampling import Completion, SamplingConfig
+from workers.models.sampling import Completion
 from workers.tasks.base import Example, Task
-from workers.tasks.dataset import check_prompts_fit
 from workers.weight_buckets import iter_buckets
 from workers.weight_spool import BucketSpool, SpooledBuckets
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck, WeightStream
@@ -132,10 +138,12 @@ class VllmGenerator(Generator):
         *,
         name: str = "generator-0",
         weight_version: int = 0,
-        options: VllmOptions = VllmOptions(),
+        options: VllmSection = VllmSection(),
+        runtime: VllmRuntime = VllmRuntime(),
         strip_prefix: str = "model.",
         on_step: Callable[[int], None] | None = None,
         num_threads: int | None = None,
+        kv_on_refit: KvOnRefit = "recompute",
     ) -> None:
         try:
             import vllm
@@ -154,14 +162,15 @@ class VllmGenerator(Generator):
         # (vLLM's CPU attention checks it per call; see ``vllm_threads``).
         self.threads = EngineThreads(num_threads)
         with self.threads.building():
-            self.llm = vllm.LLM(model=str(model_path), **options.llm_kwargs())
+            self.llm = vllm.LLM(model=str(model_path), **llm_kwargs(options, runtime))
         self.tokenizer = tokenizer
         self.task = task
         self.dataplane = dataplane
         self.run_id = run_id
         self.use_cache = True
+        self.kv_on_refit = kv_on_refit
         self.on_step = on_step
-        self.chunk_tokens = options.chunk_tokens
+        self.chunk_tokens = options.chunk_tokens or None
         self.model = _EngineWeights(self.llm, strip_prefix, self.threads)  # type: ignore[assignment]
         self.weights = VersionedWeights(self.model, name, weight_version)  # type: ignore[arg-type]
         self.receiver = BucketReceiver(self.weights)
@@ -178,16 +187,13 @@ class VllmGenerator(Generator):
         group_id: str,
         prompt: Example,
         n: int,
-        sampling: SamplingConfig,
+        sampling: SamplingSection,
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
         if self._closed:
             raise GeneratorClosedError(f"generator {self.weights.name} is closed")
-        prompt_ids = self.tokenizer.encode(prompt.prompt)
-        check_prompts_fit(
-            [prompt], self.tokenizer.encode, self.max_model_len, sampling.max_new_tokens
-        )
+        prompt_ids = self.prompt_ids(prompt, sampling)
         with self._busy:
             if self._closed:
                 raise GeneratorClosedError(f"generator {self.weights.name} is closed")
@@ -198,8 +204,43 @@ class VllmGenerator(Generator):
                 else:
                     completions = self._sample_in_chunks(prompt_ids, n, sampling, seed)
             finally:
-                end = self.weights.end_group()
-        return self._commit(group_id, attempt, prompt, prompt_ids, completions, start, end)
+                self.weights.end_group()
+        return self.store_group(group_id, attempt, prompt, prompt_ids, completions, start)
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """A partial-rollout call holds the engine as a whole group does (``close``)."""
+        with self._busy:
+            if self._closed:
+                raise GeneratorClosedError(f"generator {self.weights.name} is closed")
+            yield
+
+    @property
+    def context_len(self) -> int:
+        return self._max_model_len
+
+    def new_decoder(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        sampling: SamplingSection,
+        seed: int,
+        prefixes: list[RowPrefix] | None,
+    ) -> VllmDecoder:
+        """Partial rollouts: the group as engine requests stepped one token at a time."""
+        if self._closed:
+            raise GeneratorClosedError(f"generator {self.weights.name} is closed")
+        if self.options.engine_mode != "inprocess":
+            raise ValueError("rollout.partial needs rollout.vllm.engine_mode = \"inprocess\"")
+        return VllmDecoder(self, prompt_ids, n, sampling, seed, prefixes, self.kv_on_refit)
+
+    def step_params(self, cfg: SamplingSection, max_tokens: int, seed: int) -> Any:
+        """One sample's parameters when the engine is stepped by hand (output deltas)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._params(1, cfg, max_tokens, seed)
+        params.output_kind = RequestOutputKind.DELTA
+        return params
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop (see the module docstring); idempotent."""
@@ -219,11 +260,11 @@ class VllmGenerator(Generator):
             if got:
                 self._busy.release()
 
-    def _params(self, n: int, cfg: SamplingConfig, max_tokens: int, seed: int) -> Any:
+    def _params(self, n: int, cfg: SamplingSection, max_tokens: int, seed: int) -> Any:
         return self._vllm.SamplingParams(
             n=n,
             temperature=cfg.temperature,
-            top_p=1.0 if cfg.top_p is None else cfg.top_p,
+            top_p=cfg.top_p,
             max_tokens=max_tokens,
             seed=seed,
             logprobs=0,
@@ -233,7 +274,7 @@ class VllmGenerator(Generator):
         )
 
     def _sample(
-        self, prompt_ids: list[int], n: int, cfg: SamplingConfig, max_tokens: int, seed: int
+        self, prompt_ids: list[int], n: int, cfg: SamplingSection, max_tokens: int, seed: int
     ) -> list[Completion]:
         out = self._generate(
             [{"prompt_token_ids": prompt_ids}], self._params(n, cfg, max_tokens, seed)
@@ -252,10 +293,12 @@ class VllmGenerator(Generator):
         return Completion(tokens, torch.tensor(logprobs, dtype=torch.float32), stopped)
 
     def _sample_in_chunks(
-        self, prompt_ids: list[int], n: int, cfg: SamplingConfig, seed: int
+        self, prompt_ids: list[int], n: int, cfg: SamplingSection, seed: int
     ) -> list[Completion]:
         """k tokens at a time per row, applying pending weight updates between chunks."""
-        rows: list[Completion] = [Completion([], torch.zeros(0), False) for _ in range(n)]
+        rows: list[Completion] = [
+            Completion([], torch.zeros(0), False, torch.zeros(0, dtype=torch.int64)) for _ in range(n)
+        ]
         chunk, done_tokens = 0, 0
         while done_tokens < cfg.max_new_tokens:
             if self._closed:
@@ -267,12 +310,15 @@ class VllmGenerator(Generator):
             requests = [{"prompt_token_ids": prompt_ids + rows[i].tokens} for i in live]
             params = [self._params(1, cfg, k, seed + 7919 * chunk + i) for i in live]
             outs = self._generate(requests, params)
+            version = self.weights.version
             for i, out in zip(live, outs):
                 piece = self._completion(out.outputs[0])
+                versions = torch.full((len(piece.tokens),), version, dtype=torch.int64)
                 rows[i] = Completion(
                     rows[i].tokens + piece.tokens,
                     torch.cat([rows[i].logprobs, piece.logprobs]),
                     piece.stopped,
+                    torch.cat([rows[i].versions, versions]),
                 )
             done_tokens += k
             if self.on_step is not None:

@@ -4,7 +4,8 @@
 ``model(input_ids) -> logits`` ([B, T] int64 -> [B, T, vocab]) and
 ``model(input_ids, past=cache, return_cache=True) -> (logits, cache)`` for cached
 sampling (the cache is HF's ``past_key_values``, opaque to callers). ``HFTokenizer``
-gives an HF tokenizer the char tokenizer's interface.
+(``workers.models.hf_tokenizer``, torch-free) gives an HF tokenizer the char tokenizer's
+interface.
 
 Loading never touches the network: ``HF_HUB_OFFLINE=1`` is set and
 ``local_files_only=True`` is passed, so a missing file is an error, not a download.
@@ -18,6 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.models.hf_check import config_context_len
+from workers.models.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+
+__all__ = ["HFCausalLM", "HFTokenizer", "load_hf", "load_hf_tokenizer"]
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,11 +36,7 @@ class HFCausalLM(nn.Module):
 
     @property
     def context_len(self) -> int:
-        cfg = self.model.config
-        for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-            if getattr(cfg, name, None):
-                return int(getattr(cfg, name))
-        raise ValueError("the HF model config names no maximum context length")
+        return config_context_len(self.model.config)
 
     def forward(
         self,
@@ -52,47 +54,6 @@ class HFCausalLM(nn.Module):
             input_ids=input_ids, past_key_values=past, use_cache=return_cache or past is not None
         )
         return (out.logits, out.past_key_values) if return_cache else out.logits
-
-
-class HFTokenizer:
-    """An HF tokenizer with ``encode``/``decode``/``eos_id``/``pad_id``/``vocab_size``."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the HF tokenizer defines no eos_token; sampling needs one")
-        self.tokenizer = tokenizer
-
-    @property
-    def eos_id(self) -> int:
-        return int(self.tokenizer.eos_token_id)
-
-    @property
-    def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return self.eos_id if pad is None else int(pad)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        """Decode up to the first EOS."""
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def load_hf_tokenizer(path: str | os.PathLike[str]) -> HFTokenizer:
-    """The tokenizer alone (the vLLM generator loads the model in its engine)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"HF model directory {str(path)!r} does not exist")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoTokenizer
-
-    return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
 
 
 def load_hf(path: str | os.PathLike[str], dtype: str = "float32") -> tuple[HFCausalLM, HFTokenizer]:

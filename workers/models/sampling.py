@@ -1,6 +1,7 @@
-"""Autoregressive sampling with a KV cache and per-token logprobs.
+"""Sampling primitives: the config, one token draw, completions, reference logprobs.
 
-Algorithm (one call samples ``n`` completions of one prompt, batched):
+The decoding loop is ``workers.models.decoder`` (``Decoder``, ``sample``). Its algorithm
+(one call samples ``n`` completions of one prompt, batched):
 
 1. Repeat the prompt ``n`` times and run it through the model once (prefill), keeping
    the KV cache. Without a cache every step re-runs the whole prefix (slow, for tests
@@ -15,9 +16,8 @@ Algorithm (one call samples ``n`` completions of one prompt, batched):
    are ignored. Sampling stops when every row has finished or after
    ``max_new_tokens``.
 
-``between_steps`` is called after every token step; the generator uses it to apply a
-weight update that arrived mid-group (the group's start and end versions then differ
-and that is recorded, not hidden).
+Between two token steps the caller may apply a weight update that arrived mid-group;
+every token records the version that sampled it.
 
 Models implement ``model(input_ids, past=cache, return_cache=True) -> (logits, cache)``
 with an opaque cache object; ``model(input_ids) -> logits`` without one.
@@ -25,36 +25,13 @@ with an opaque cache object; ``model(input_ids) -> logits`` without one.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How completions are drawn."""
-
-    #: softmax temperature (> 0); logprobs are reported under this scaled distribution
-    temperature: float = 1.0
-    #: nucleus sampling: draw only from the smallest set of tokens whose probability
-    #: reaches ``top_p`` (None = the whole vocabulary)
-    top_p: float | None = None
-    #: completion budget in tokens, EOS included
-    max_new_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}"
-            )
+from workers.models.config import SamplingSection
 
 
 @dataclass(frozen=True)
@@ -67,6 +44,9 @@ class Completion:
     logprobs: torch.Tensor
     #: True when the completion ended with EOS (False: truncated at max_new_tokens)
     stopped: bool
+    #: [len(tokens)] int64, the weight version that sampled each token (None: not
+    #: recorded, e.g. by an older writer; then every token counts as the group's start)
+    versions: torch.Tensor | None = None
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -77,74 +57,16 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
 
-def _draw(
-    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+def draw(
+    logits: torch.Tensor, cfg: SamplingSection, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``logits`` [B, V]; returns (tokens [B], logprobs [B])."""
     logp = F.log_softmax(logits.float() / cfg.temperature, dim=-1)
     probs = logp.exp()
-    if cfg.top_p is not None and cfg.top_p < 1.0:
+    if cfg.top_p < 1.0:
         probs = _nucleus(probs, cfg.top_p)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-@torch.no_grad()
-def sample(
-    model: nn.Module,
-    prompt_ids: list[int] | list[list[int]],
-    n: int,
-    cfg: SamplingConfig,
-    generator: torch.Generator,
-    eos_id: int,
-    *,
-    use_cache: bool = True,
-    between_steps: Callable[[], None] | None = None,
-) -> list[Completion]:
-    """Sample ``n`` completions of ``prompt_ids``; see the module docstring.
-
-    ``prompt_ids`` may also be ``n`` prompts of equal length, one per row (episodes
-    past their first turn): equal lengths keep positions aligned, so no padding.
-    """
-    if not prompt_ids:
-        raise ValueError("cannot sample from an empty prompt")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    device = next(model.parameters()).device
-    rows = prompt_ids if isinstance(prompt_ids[0], list) else [prompt_ids] * n
-    if len(rows) != n or len({len(r) for r in rows}) != 1 or not rows[0]:
-        raise ValueError(f"expected one prompt or {n} non-empty prompts of equal length")
-    seq = torch.tensor(rows, dtype=torch.int64, device=device)
-    tokens = torch.empty(n, 0, dtype=torch.int64, device=device)
-    logprobs = torch.empty(n, 0, dtype=torch.float32, device=device)
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    cache = None
-    step_input = seq
-    for _ in range(cfg.max_new_tokens):
-        if use_cache:
-            logits, cache = model(step_input, past=cache, return_cache=True)
-        else:
-            logits = model(seq)
-        tok, lp = _draw(logits[:, -1, :], cfg, generator)
-        tokens = torch.cat([tokens, tok[:, None]], dim=1)
-        logprobs = torch.cat([logprobs, lp[:, None]], dim=1)
-        done = done | (tok == eos_id)
-        if bool(done.all()):
-            break
-        if between_steps is not None:
-            between_steps()
-        step_input = tok[:, None]
-        seq = torch.cat([seq, step_input], dim=1)
-    return [_trim(tokens[i], logprobs[i], eos_id) for i in range(n)]
-
-
-def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int) -> Completion:
-    """Cut a row after its first EOS (tokens drawn after it are not part of it)."""
-    ids = tokens.tolist()
-    if eos_id in ids:
-        end = ids.index(eos_id) + 1
-        return Completion(ids[:end], logprobs[:end].cpu().clone(), True)
-    return Completion(ids, logprobs.cpu().clone(), False)
 
 
 def sequence_logprobs(

@@ -44,6 +44,14 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class SimulatesDecode(Protocol):
+    """A task that stands in for a slower model (benchmarks): it names the seconds each
+    real token step of a group should take (``Generator.simulated_decode``)."""
+
+    def step_latency_s(self, example: Example, max_steps: int) -> float: ...
+
+
 class UnknownTaskError(ValueError):
     """A task name that is neither registered nor a loadable ``module:Class``."""
 

@@ -61,8 +61,10 @@ def _parse_line(line: str, where: str) -> Example:
     if unknown:
         raise DatasetError(f"{where}: unknown keys {sorted(unknown)}")
     for key in ("prompt", "answer"):
-        if not isinstance(obj.get(key), str):
-            raise DatasetError(f"{where}: {key!r} must be a string")
+        if key not in obj:
+            raise DatasetError(f"{where}: {key!r} is missing")
+        if not isinstance(obj[key], str):
+            raise DatasetError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
     if not obj["prompt"]:
         raise DatasetError(f"{where}: 'prompt' is empty")
     metadata = obj.get("metadata", {})

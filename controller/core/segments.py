@@ -1,0 +1,158 @@
+"""Segments in the folded state: what an in-flight group has recorded, and per-token lag.
+
+``SegmentsRecorded`` events (``docs/segments.md``) make an in-flight group's tokens
+durable flush by flush. The state keeps, per group that has recorded any and is not
+committed yet, an :class:`InflightSegments`: the flushes themselves (a resumed attempt's
+generator is handed them), and per sample how many tokens are recorded and whether it
+stopped -- which is what the reducer checks each new flush against, so that a recorded
+token is never recorded twice and nothing follows a stopped sample.
+
+At the commit the record is folded into three numbers kept on the group
+(:func:`commit_summary`): the oldest and newest token version and the token-weighted
+version sum, from which every per-token lag is computed (:func:`token_lags`). The
+tokens after the last flush all carry the commit's ``weight_version_end``: a flush
+closes every version's window, so the unflushed tail has one version, the newest.
+
+Pure: no I/O, no clock, no randomness, no logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+import msgspec
+
+from events.schema import SegmentsRecorded
+
+#: which token's version the staleness window bounds (``[staleness] window_basis``)
+WindowBasis = Literal["oldest_token", "newest_token"]
+WINDOW_BASES: tuple[WindowBasis, ...] = ("oldest_token", "newest_token")
+
+_NONE = -1  # "no version": observation tokens, or a sample with nothing recorded
+
+
+class InflightSegments(msgspec.Struct, kw_only=True, gc=False):
+    """What an uncommitted group has recorded, over all its attempts."""
+
+    #: every recorded flush, in log order (a resumed attempt starts from these)
+    flushes: list[SegmentsRecorded] = []
+    #: per sample: recorded tokens, and whether its last segment ended it
+    recorded: list[int]
+    stopped: list[bool]
+    #: per sample: version of its first / last recorded model token (-1: none yet)
+    first_version: list[int]
+    last_version: list[int]
+    #: the attempt now admitted, and how many flushes it has recorded
+    attempt: int
+    attempt_flushes: int = 0
+    #: sum of version x tokens over the recorded model tokens, and their count
+    version_token_sum: int = 0
+    model_tokens: int = 0
+
+    @classmethod
+    def empty(cls, n_samples: int, attempt: int) -> InflightSegments:
+        return cls(
+            recorded=[0] * n_samples, stopped=[False] * n_samples,
+            first_version=[_NONE] * n_samples, last_version=[_NONE] * n_samples,
+            attempt=attempt,
+        )
+
+
+def segment_keys(inflight: Mapping[str, InflightSegments], group_ids: Iterable[str]) -> list[str]:
+    """Data-plane keys of every segment row these groups recorded (all attempts)."""
+    return [
+        seg.key for gid in group_ids if gid in inflight
+        for f in inflight[gid].flushes for seg in f.segments
+    ]
+
+
+def segments_problem(rec: InflightSegments, ev: SegmentsRecorded, trainer_version: int) -> str:
+    """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
+    if ev.index != rec.attempt_flushes:
+        return f"flush index {ev.index}, expected {rec.attempt_flushes} for attempt {ev.attempt}"
+    if (ev.kind == "model") != (ev.weight_version is not None):
+        return f"a {ev.kind} flush with weight_version {ev.weight_version}"
+    if ev.weight_version is not None and not 0 <= ev.weight_version <= trainer_version:
+        return (f"weight_version {ev.weight_version} is newer than trainer_version "
+                f"{trainer_version}: no such weights existed to sample these tokens")
+    if not ev.segments:
+        return "a flush with no segments"
+    seen: set[int] = set()
+    n = len(rec.recorded)
+    for seg in ev.segments:
+        i = seg.sample
+        if not 0 <= i < n or i in seen:
+            return f"sample {i} is outside the group of {n} or twice in one flush"
+        seen.add(i)
+        if seg.length < 1 or not seg.key:
+            return f"sample {i}: a segment needs length >= 1 and a payload key"
+        if rec.stopped[i]:
+            return f"sample {i} already stopped"
+        if seg.start != rec.recorded[i]:
+            return (f"sample {i}: segment starts at token {seg.start}, but {rec.recorded[i]} "
+                    f"are recorded (a recorded token is never produced again)")
+    return ""
+
+
+def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
+    """Fold a checked flush into ``rec``."""
+    rec.flushes.append(ev)
+    rec.attempt_flushes += 1
+    v = ev.weight_version
+    for seg in ev.segments:
+        i = seg.sample
+        rec.recorded[i] += seg.length
+        rec.stopped[i] = seg.stopped
+        if v is not None:
+            if rec.first_version[i] == _NONE:
+                rec.first_version[i] = v
+            rec.last_version[i] = v
+            rec.version_token_sum += v * seg.length
+            rec.model_tokens += seg.length
+
+
+def commit_problem(
+    rec: InflightSegments, lengths: Sequence[int], start: int, end: int
+) -> str:
+    """Why a commit with these lengths and versions disagrees with the recorded flushes."""
+    if len(lengths) != len(rec.recorded):
+        return f"{len(lengths)} samples committed, {len(rec.recorded)} recorded"
+    for i, (n, done) in enumerate(zip(lengths, rec.recorded)):
+        if n < done or (rec.stopped[i] and n != done):
+            return f"sample {i}: {n} tokens committed but {done} were recorded" + (
+                " and it had stopped" if rec.stopped[i] else "")
+        if rec.first_version[i] != _NONE and not start <= rec.first_version[i] <= rec.last_version[i] <= end:
+            return (f"sample {i}: recorded versions {rec.first_version[i]}..{rec.last_version[i]} "
+                    f"outside the commit's {start}..{end}")
+    return ""
+
+
+def commit_summary(
+    rec: InflightSegments | None, lengths: Sequence[int], start: int, end: int
+) -> tuple[int, int]:
+    """(token-weighted version sum, largest version span of one sample) of a commit.
+
+    Without recorded flushes (partial rollouts off, or a log written before them) each
+    sample's tokens are counted at ``start``, its oldest possible version, and the span
+    is ``end - start`` -- the bounds the event gives, no finer.
+    """
+    if rec is None:
+        return start * sum(lengths), end - start
+    tail = sum(lengths) - sum(rec.recorded)  # all at the newest version
+    span = 0
+    for i, n in enumerate(lengths):
+        first = rec.first_version[i]
+        if first == _NONE:
+            continue
+        last = end if n > rec.recorded[i] else rec.last_version[i]
+        span = max(span, last - first)
+    return rec.version_token_sum + end * tail, span
+
+
+def token_lags(
+    trainer_version: int, start: int, end: int, version_token_sum: int, tokens: int
+) -> tuple[int, int, float]:
+    """(oldest-token lag, newest-token lag, token-weighted mean lag) at ``trainer_version``."""
+    mean = trainer_version - version_token_sum / tokens if tokens else float(trainer_version - start)
+    return trainer_version - start, trainer_version - end, mean

@@ -1,0 +1,116 @@
+"""The controller's side of partial rollouts (``docs/segments.md``).
+
+A generator call with ``rollout.partial`` on returns at every flush point; the admission
+side records each flush as a ``SegmentsRecorded`` event (built here) before the call
+that lets the paused group go on, and a re-admitted group's first call carries what its
+earlier attempts recorded (:func:`resume_flushes`), read from the folded state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import structlog
+
+from controller.core.segments import InflightSegments, segment_keys
+from controller.core.state import RunState
+from controller.crashpoints import crash_point
+from controller.journal import Journal
+from events import schema as ev
+from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush
+
+log = structlog.get_logger("rl_controller.loop")
+
+
+def resume_flushes(rec: InflightSegments | None) -> list[SegmentFlush]:
+    """What a group recorded, as a generator resumes from it (``workers.api``)."""
+    if rec is None:
+        return []
+    return [
+        SegmentFlush(kind=f.kind, weight_version=f.weight_version, segments=list(f.segments))
+        for f in rec.flushes
+    ]
+
+
+def attempt_flushes(state: RunState, group_id: str) -> int:
+    """Flushes the group's current attempt has recorded (the next one's index)."""
+    rec = state.inflight.get(group_id)
+    return 0 if rec is None else rec.attempt_flushes
+
+
+def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutcome) -> ev.SegmentsRecorded:
+    """The event recording a generator's flush of ``req``'s group."""
+    flush = out.flush
+    assert flush is not None, "a flushed outcome carries its flush"
+    index = attempt_flushes(journal.state, req.group_id)
+    return journal.make(
+        ev.SegmentsRecorded,
+        event_id=ev.segments_event_id(req.group_id, req.attempt, index),
+        group_id=req.group_id,
+        attempt=req.attempt,
+        index=index,
+        kind=flush.kind,
+        weight_version=flush.weight_version,
+        segments=list(flush.segments),
+    )
+
+
+class PartialRecorder:
+    """Records a call's flushes, and deletes the segment rows of committed groups."""
+
+    #: segment rows deleted together (one data-plane call, not one per commit: deletes
+    #: go through the trainer worker's fence and would queue between its microbatches)
+    DELETE_BATCH = 512
+
+    def __init__(self, journal: Journal, payloads: PayloadStore | None) -> None:
+        self.journal = journal
+        #: where segment rows are deleted (None: left to recovery's orphan sweep)
+        self.payloads = payloads
+        self.deletes: set[asyncio.Task] = set()
+        self._scratch: list[str] = []
+
+    async def record(
+        self,
+        reqs: list[GenerationRequest],
+        outs: list[GenerationOutcome],
+        commits: list[ev.GroupCommitted],
+    ) -> list[GenerationRequest]:
+        """One append: a SegmentsRecorded per flushed group and the ``commits`` of the
+        finished ones. Returns the requests that let the paused groups go on."""
+        if not any(out.status == "flushed" for out in outs):
+            raise RuntimeError("a generator call returned unfinished groups without a flush")
+        state, journal = self.journal.state, self.journal
+        flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
+        for req, _ in flushed:
+            crash_point("before_segments_recorded", req.group_id)
+        for c in commits:
+            crash_point("before_group_committed", c.group_id)
+        scratch = segment_keys(state.inflight, [c.group_id for c in commits])
+        # the writer fires after_segments_recorded / after_group_committed once acknowledged
+        await journal.append(*(segments_event(journal, req, out) for req, out in flushed), *commits)
+        self.drop(scratch)
+        return [
+            msgspec.structs.replace(req, resume=[], flushes=attempt_flushes(state, req.group_id))
+            for req, out in zip(reqs, outs) if out.status != "done"
+        ]
+
+    def drop(self, keys: list[str], *, now: bool = False) -> None:
+        """Segment rows of committed groups are scratch (their final rows hold every
+        token): deleted in the background, a batch at a time; a crash first leaves
+        orphans that recovery deletes."""
+        if self.payloads is None:
+            return
+        self._scratch += keys
+        if not self._scratch or (len(self._scratch) < self.DELETE_BATCH and not now):
+            return
+        keys, self._scratch = self._scratch, []
+        task = asyncio.create_task(self._delete(self.payloads, keys))
+        self.deletes.add(task)
+        task.add_done_callback(self.deletes.discard)
+
+    async def _delete(self, payloads: PayloadStore, keys: list[str]) -> None:
+        try:
+            await payloads.delete(keys)
+        except Exception as err:  # not fatal: recovery's orphan sweep gets them
+            log.warning("segment_rows_not_deleted", rows=len(keys), reason=str(err)[:300])

@@ -1,0 +1,175 @@
+"""Simulated generators with partial rollouts: calls that return at every flush point.
+
+The same contract as ``workers.generator.inflight`` (``docs/segments.md``), in virtual
+time and without a model. A group's generation time T (the timings' draw) is spread
+evenly over its longest completion's L tokens, so a token takes T / L and sample i
+stops at its own length. A call returns at the first flush point of its groups:
+
+* ``segment_tokens`` more tokens since the last flush, or
+* a refit: the publisher moved the fleet's weight version while the group was
+  generating (the new weights apply from the next token on, as the real generator does
+  at a token boundary) -- the tokens since the last flush, all of the old version, are
+  flushed.
+
+A group pauses at its flush point until the controller's next call (which follows its
+``SegmentsRecorded`` append at once), so what the log records is exactly what a real
+run's would: one event per flush, one segment per sample with new tokens. Groups of a
+call run side by side; those not at a flush point come back ``pending`` with their
+progress kept. The final outcome has the oldest and the newest token versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from events.schema import Segment
+from sim.workers import Fleet
+from workers.api import GenerationOutcome, GenerationRequest, SegmentFlush
+
+
+@dataclass
+class _Group:
+    lengths: list[int]
+    #: virtual seconds per token step
+    token_s: float
+    #: token steps taken; tokens of each sample made durable so far; flushes so far;
+    #: token steps at the last flush
+    steps: int = 0
+    durable: list[int] = field(default_factory=list)
+    flushes: int = 0
+    flushed_at: int = 0
+    #: version of the tokens since the last flush, and the oldest token's version
+    version: int = 0
+    oldest: int | None = None
+
+    def tokens(self, i: int) -> int:
+        return min(self.lengths[i], self.steps)
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= max(self.lengths)
+
+    def fresh(self) -> bool:
+        return any(self.tokens(i) > d for i, d in enumerate(self.durable))
+
+
+class SimPartialGenerator:
+    """A generator whose calls end at their groups' next flush point."""
+
+    def __init__(self, name: str, fleet: Fleet, segment_tokens: int) -> None:
+        self.name = name
+        self.fleet = fleet
+        self.segment_tokens = segment_tokens
+        self.held: dict[str, _Group] = {}
+
+    def generate(self, requests: list[GenerationRequest]) -> asyncio.Future:
+        fleet = self.fleet
+        with fleet.loop.uncharged():
+            fut = fleet.loop.create_future()
+            fleet.calls += 1
+            self.held = {r.group_id: self._hold(r) for r in requests}
+            call = _Call(self, fut, requests)
+            call.schedule()
+        return fut
+
+    def _hold(self, req: GenerationRequest) -> _Group:
+        group = self.held.get(req.group_id)
+        if group is not None:
+            return group
+        fleet = self.fleet
+        lengths = fleet.timings.group_lengths(req.group_id, req.n_samples)
+        fleet.lengths_by_group[req.group_id] = lengths
+        duration = fleet.timings.generation_s(req.group_id, req.attempt)
+        fleet.generator_busy_s += duration
+        fleet.groups += 1
+        v = fleet.weight_version
+        return _Group(lengths, duration / max(1, max(lengths)), durable=[0] * len(lengths),
+                      version=v, oldest=v)
+
+    async def weight_version(self) -> int:
+        return self.fleet.weight_version
+
+
+class _Call:
+    """One call in flight: advances its groups to the first flush point in virtual time."""
+
+    def __init__(self, gen: SimPartialGenerator, fut: asyncio.Future, reqs: list[GenerationRequest]) -> None:
+        self.gen, self.fut, self.reqs = gen, fut, reqs
+        self.groups = [gen.held[r.group_id] for r in reqs]
+        self.timer: asyncio.TimerHandle | None = None
+        self.started = 0.0
+        #: token steps each group reaches at the timer (the first to flush reaches it exactly)
+        self.target: list[int] = []
+
+    def _until_flush(self, g: _Group) -> int:
+        """Token steps until this group's next flush point (or its end)."""
+        since = g.steps - g.flushed_at
+        return max(1, min(self.gen.segment_tokens - since, max(g.lengths) - g.steps))
+
+    def schedule(self) -> None:
+        loop = self.gen.fleet.loop
+        steps = [self._until_flush(g) for g in self.groups]
+        wait = min(n * g.token_s for n, g in zip(steps, self.groups))
+        self.target = [
+            g.steps + min(n, int(wait / g.token_s + 1e-9)) for n, g in zip(steps, self.groups)
+        ]
+        first = min(range(len(steps)), key=lambda k: steps[k] * self.groups[k].token_s)
+        self.target[first] = self.groups[first].steps + steps[first]
+        self.started = loop.time()
+        self.timer = loop.call_later(wait, self.resolve, False)
+        self.gen.fleet.on_refit.add(self._refit)
+
+    def _refit(self) -> None:
+        """The fleet's weights moved: groups flush the old version's tokens."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.resolve(True)
+
+    def resolve(self, refit: bool) -> None:
+        fleet = self.gen.fleet
+        fleet.on_refit.discard(self._refit)
+        if self.fut.done():
+            return  # cancelled (the run stopped)
+        with fleet.loop.uncharged():
+            elapsed = fleet.loop.time() - self.started
+            for g, target in zip(self.groups, self.target):
+                g.steps = target if not refit else min(target, g.steps + int(elapsed / g.token_s + 1e-9))
+            v = fleet.weight_version
+            if refit and not any(g.done or (g.fresh() and g.version != v) for g in self.groups):
+                for g in self.groups:  # nothing to flush: the next tokens are the new weights'
+                    g.version = fleet.weight_version
+                self.schedule()
+                return
+            self.fut.set_result([self._outcome(r, g, refit) for r, g in zip(self.reqs, self.groups)])
+
+    def _outcome(self, req: GenerationRequest, g: _Group, refit: bool) -> GenerationOutcome:
+        fleet, seg_tokens = self.gen.fleet, self.gen.segment_tokens
+        if g.done:
+            del self.gen.held[req.group_id]
+            return GenerationOutcome(
+                payload_keys=[f"{req.group_id}/{req.attempt}/{i}" for i in range(len(g.lengths))],
+                rewards=fleet.timings.group_rewards(req.group_id, len(g.lengths)),
+                lengths=list(g.lengths), weight_version_start=g.oldest or 0,
+                weight_version_end=g.version,
+            )
+        full = g.steps - g.flushed_at >= seg_tokens
+        if not g.fresh() or not (full or (refit and fleet.weight_version != g.version)):
+            if refit and not g.fresh():
+                g.version = fleet.weight_version
+            return GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
+                                     weight_version_end=0, status="pending")
+        segments = []
+        for i, durable in enumerate(g.durable):
+            n = g.tokens(i) - durable
+            if n > 0:
+                segments.append(Segment(
+                    sample=i, start=durable, length=n, stopped=g.tokens(i) >= g.lengths[i],
+                    key=f"seg:{req.group_id}/a{req.attempt}/s{i}/k{g.flushes}",
+                ))
+                g.durable[i] = g.tokens(i)
+        flush = SegmentFlush(weight_version=g.version, segments=segments)
+        g.flushes, g.flushed_at = g.flushes + 1, g.steps
+        g.version = fleet.weight_version  # the next tokens are the new weights'
+        return GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
+                                 weight_version_end=0, status="flushed", flush=flush)

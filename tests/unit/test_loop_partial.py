@@ -1,0 +1,80 @@
+"""Partial rollouts through the real controller loop (in-process workers, memory log).
+
+Every group is flushed several times (``segment_tokens = 1``); the log must fold and
+audit clean, each flush must precede its group's commit, committed groups' segment
+rows must be gone from the data plane, and a generator that loses a group mid-way must
+see it re-admitted and resumed from what was recorded -- never sampled again.
+"""
+
+from __future__ import annotations
+
+from events import schema as ev
+from tests.unit.test_loop_inprocess import RUN, Harness, make_config
+from workers.service import GeneratorWorker
+
+PARTIAL = ("rollout.partial.enabled=true", "rollout.partial.segment_tokens=1")
+
+
+class LosingGenerator(GeneratorWorker):
+    """Forgets a group (as a restarted process would) after its first recorded flush."""
+
+    lose: frozenset[str] = frozenset()
+
+    def generate_groups(self, reqs):
+        for req in reqs:
+            if req.group_id in self.lose and req.attempt == 1 and req.flushes == 1:
+                self.inflight.held.pop(req.group_id, None)
+        return super().generate_groups(reqs)
+
+
+def _run(h: Harness) -> str:
+    """Run, keeping the data plane readable afterwards (closing it empties it)."""
+    h.workers.dataplane.close = lambda: None  # type: ignore[method-assign]
+    return h.run()
+
+
+def _segment_rows(h: Harness) -> list[str]:
+    return [k for k in h.workers.dataplane.list(RUN) if "/k" in k.rsplit("/", 1)[-1]]
+
+
+def test_partial_rollouts_record_flushes_and_commit_them(tmp_path):
+    cfg = make_config("run.steps=3", "rollout.groups_per_call=2", *PARTIAL)
+    h = Harness(cfg, tmp_path)
+    assert _run(h) == "completed"
+    h.check_log()
+    flushes = h.events(ev.SegmentsRecorded)
+    assert flushes, "segment_tokens = 1 must flush"
+    log = h.events()
+    committed_at = {e.group_id: i for i, e in enumerate(log) if isinstance(e, ev.GroupCommitted)}
+    for f in flushes:
+        assert log.index(f) < committed_at.get(f.group_id, len(log))
+        assert f.kind == "model" and f.weight_version is not None
+    assert any(k.endswith("/s0") for k in h.workers.dataplane.list(RUN))  # final rows kept
+    assert not _segment_rows(h)  # committed groups' scratch rows were deleted
+    assert not h.writer.state.inflight or all(
+        g in h.writer.state.admitted or g in {x.group_id for x in h.writer.state.failed_groups()}
+        for g in h.writer.state.inflight
+    )
+
+
+def test_a_lost_group_is_resumed_from_its_recorded_tokens(tmp_path):
+    cfg = make_config("run.steps=2", *PARTIAL)
+    h = Harness(cfg, tmp_path, generator=LosingGenerator, lose=frozenset({"g000001"}))
+    assert _run(h) == "completed"
+    h.check_log()
+    failed = [e for e in h.events(ev.GroupFailed) if e.group_id == "g000001"]
+    assert failed and "does not hold it after 1 recorded flushes" in failed[0].reason
+    flushes = [e for e in h.events(ev.SegmentsRecorded) if e.group_id == "g000001"]
+    first, resumed = [f for f in flushes if f.attempt == 1], [f for f in flushes if f.attempt == 2]
+    assert len(first) == 1 and resumed
+    recorded = {s.sample: s.start + s.length for s in first[0].segments}
+    for seg in resumed[0].segments:  # attempt 2 starts where attempt 1's record ends
+        assert seg.start == recorded.get(seg.sample, 0)
+    (commit,) = [e for e in h.events(ev.GroupCommitted) if e.group_id == "g000001"]
+    assert commit.attempt == 2
+    rows = h.workers.dataplane.get(RUN, commit.payload_keys)
+    for seg in first[0].segments:  # the final rows hold the recorded tokens, versioned
+        row = rows[seg.sample]
+        p = int(row["prompt_len"])
+        assert row["token_versions"][p:p + seg.length].eq(first[0].weight_version).all()
+        assert commit.lengths[seg.sample] >= seg.length
