@@ -14,6 +14,7 @@ Single-turn tasks (``reverse``, ``reasoning-gym/...``) run as one-turn episodes.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import sys
@@ -67,6 +68,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--advantages", choices=("sample", "token"), default="sample",
                    help="GRPO per sample, or reward-to-go per token (needs per-token TrainBatch)")
+    p.add_argument("--stop-at", type=float, default=None, metavar="RETURN",
+                   help="stop once the mean return of the last 10 steps reaches this")
     p.add_argument("--show", type=int, default=0, help="print an episode every N steps")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per step")
     args = p.parse_args(argv)
@@ -164,7 +167,7 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     out = args.out.open("a") if args.out else None
     t0, c0 = time.perf_counter(), time.process_time()
-    step = 0
+    step, recent = 0, collections.deque(maxlen=10)
     while step < args.max_steps and time.perf_counter() - t0 < args.budget_s:
         trainer.model.eval()
         # every group of the step in one runner call: turns batch across groups
@@ -190,12 +193,15 @@ def main(argv: list[str]) -> int:
             "grad_norm": result.grad_norm,
         }
         print(json.dumps(line), flush=True)
+        recent.append(line["reward"])
         if args.show and step % args.show == 0:
             for t in trajs[:args.n]:
                 print(describe(t, tokenizer.decode), flush=True)
         if out:
             out.write(json.dumps(line) + "\n")
             out.flush()
+        if args.stop_at is not None and len(recent) == 10 and sum(recent) / 10 >= args.stop_at:
+            break
     return 0
 
 

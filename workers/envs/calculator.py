@@ -12,8 +12,8 @@ of two characters (``7*8`` -> ``56``, ``9+5`` -> ``14``, ``2-7`` -> ``-5``), 139
 questions. With the tool the model copies the question into the call and the result
 into the answer; without it (``calculator-notool``, the same questions answered in one
 turn) it must know the 139 results by heart. Copying is what the tiny model learns from
-random weights in a few hundred steps; a times table is not (docs/learning.md has the
-measurements). The fixed result length puts the answer's characters at fixed places
+random weights in a few hundred steps; the results by heart it learns far more slowly
+(docs/learning.md has the measurements). The fixed result length puts the answer's characters at fixed places
 after the result, which is what made copying them learnable.
 
 Rewards, per turn (the episode's return is their sum, in [0, 1]):
@@ -155,10 +155,11 @@ class _CalculatorTask:
     name = "calculator"
 
     #: what a run of this task uses unless its config says otherwise
-    #: (``workers.tasks.config.with_task_defaults``): the tokenizer knows only the
-    #: task's characters (with the default 48 the copy is learnt about 4x slower), and
-    #: an entropy bonus keeps a group's samples apart (without it most seeds collapsed
-    #: onto a constant answer); docs/learning.md has the measurements
+    #: (``workers.tasks.config.with_task_defaults``): a tokenizer that knows only the
+    #: task's characters (16 symbols to copy among, not 48), and an entropy bonus that
+    #: keeps a group's samples apart (the earlier probes collapsed onto one constant
+    #: answer, after which every sample scores alike and nothing is learnt); the
+    #: measurements with them are in docs/learning.md
     run_defaults: ClassVar[dict[str, Any]] = {
         "model": {"alphabet": CALCULATOR_ALPHABET},
         "train": {"loss": {"entropy_coef": 0.08}},
