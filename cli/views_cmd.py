@@ -49,8 +49,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         require_run(store, args.run)
         summary = trace_to_file(store, args.run, target, steps)
-    if summary["events"] == 0:
-        print(f"rl-controller: note: no events in the requested steps of {args.run}", file=sys.stderr)
+    if not summary["drawn"]:  # the window starts past the run's newest step
+        newest = summary["newest_step"]
+        has = f"its newest step is {newest}" if newest >= 0 else "it has begun no step yet"
+        raise CliError(f"--steps {args.steps!r}: run {args.run} has no step in that range "
+                       f"({has}); nothing written")
     print(f"wrote {target}: {summary['entries']} trace entries from {summary['events']} events "
           f"(positions {summary['first']}..{summary['last']})")
     return 0
