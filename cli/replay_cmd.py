@@ -19,6 +19,7 @@ from cli.common import (
     add_run_arg,
     open_store,
     orphan_run_dirs,
+    output_file,
     require_run,
     subcommand,
 )
@@ -228,7 +229,10 @@ def _register_staleness(subparsers: Any) -> None:
 def cmd_staleness(args: argparse.Namespace) -> int:
     from controller.projector import Projector
     from replay import staleness, whatif
+    from replay.plots import plot_formats
 
+    if args.plot:
+        output_file("--plot", args.plot, formats=plot_formats())
     with open_store(args) as store:
         require_run(store, args.run)
         trace = staleness.Trace()
@@ -285,6 +289,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from replay.chain_audit import audit_log
 
     key = load_chain_key(args.chain_key_file)
+    if args.csv:
+        output_file("--csv", args.csv, create_parents=False)
     with open_store(args) as store:
         require_run(store, args.run)
         result, chain = audit_log(store, args.run, key, render.progress("audit"))

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from cli.common import CliError, add_run_arg, open_store, require_run, subcommand
+from cli.common import CliError, add_run_arg, open_store, output_file, require_run, subcommand
 
 DASHBOARD_PORT = 8460
 
@@ -43,9 +42,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         steps = parse_steps(args.steps)
     except ValueError as err:
         raise CliError(f"--{err}") from None
-    target = Path(args.output)
-    if not target.parent.is_dir():
-        raise CliError(f"-o {str(target)!r}: directory {str(target.parent)!r} does not exist")
+    target = output_file("-o", args.output, create_parents=False)
     with open_store(args) as store:
         require_run(store, args.run)
         summary = trace_to_file(store, args.run, target, steps)
