@@ -49,8 +49,9 @@ class RewardFailsWhileMarked(ReverseTask):
 class RewardHeldWhileMarked(ReverseTask):
     """The reverse task whose run a test can hold at a known point: while the file named
     by ``HOLD_ENV`` exists, holding N, every reward after the first N of this process
-    waits (run with ``--local-workers``: every generator is in that process). Deleting
-    the file lets the run go on. A run held this way is alive by construction, so a test
+    waits (counted per process: with ``--local-workers`` every generator's, with Ray
+    each generator actor's own; a Ray run inherits the variable from the command's
+    environment). Deleting the file lets the run go on. A run held this way is alive by construction, so a test
     can watch it between two points without racing it."""
 
     name = "tests.plugin_tasks:RewardHeldWhileMarked"
