@@ -3,7 +3,10 @@
 A generator call with ``rollout.partial`` on returns at every flush point; the admission
 side records each flush as a ``SegmentsRecorded`` event (built here) before the call
 that lets the paused group go on, and a re-admitted group's first call carries what its
-earlier attempts recorded (:func:`resume_flushes`), read from the folded state.
+earlier attempts recorded (:func:`resume_flushes`), read from the folded state. A resume
+that finds recorded rows gone from the data plane fails its attempt, and
+:meth:`PartialRecorder.dropped` names the lost rows so that the next attempt restarts those
+samples from the prompt instead of failing the same way until the group is dropped.
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import asyncio
 import msgspec
 import structlog
 
-from controller.core.segments import InflightSegments, segment_keys
+from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
-from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush
+from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
+from workers.dataplane.api import MissingPayloadError
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -144,6 +148,41 @@ class PartialRecorder:
         for *_, done in waiting:
             if not done.done():
                 done.set_result(None)
+
+    def dropped(
+        self, reqs: list[GenerationRequest], err: BaseException | None
+    ) -> dict[str, list[ev.SegmentsDropped]]:
+        """Per group of a failed call: the ``SegmentsDropped`` its missing rows call for
+        (none, or one).
+
+        Only an attempt's first call (it carries ``resume``) reads recorded rows back;
+        when the data plane says some are missing, each group whose recorded segments
+        name a missing key drops them (appended right after its ``GroupFailed``). The
+        dropped samples' rows that are still there are deleted with the next batch of
+        scratch rows: deleting one before the event lands costs at most a second drop."""
+        if not isinstance(err, MissingPayloadError) or not err.keys:
+            return {}
+        journal, missing = self.journal, set(err.keys)
+        out: dict[str, list[ev.SegmentsDropped]] = {}
+        for req in reqs:
+            rec = journal.state.inflight.get(req.group_id) if req.resume else None
+            if rec is None:
+                continue
+            keys = [seg.key for f in rec.flushes for seg in f.segments if seg.key in missing]
+            if not keys:
+                continue
+            out[req.group_id] = [journal.make(
+                ev.SegmentsDropped,
+                event_id=ev.segments_dropped_id(req.group_id, req.attempt),
+                group_id=req.group_id, attempt=req.attempt, keys=keys,
+                reason=(f"{len(keys)} recorded segment row(s) gone from the data plane, "
+                        f"first {keys[0]}; those samples restart from the prompt "
+                        f"({error_line(err, 200)})"),
+            )]
+            samples, _ = lost_samples(rec, keys)
+            self.drop([seg.key for f in rec.flushes for seg in f.segments
+                       if seg.sample in samples and seg.key not in missing])
+        return out
 
     def drop(self, keys: list[str], *, now: bool = False) -> None:
         """Segment rows of committed groups are scratch (their final rows hold every

@@ -131,6 +131,21 @@ class SegmentsRecorded(Event, frozen=True):
     segments: list[Segment]
 
 
+class SegmentsDropped(Event, frozen=True):
+    """Fact: recorded segment rows of a failed attempt's group are gone from the data
+    plane (a resume could not read them). Every sample with a lost row loses all its
+    recorded segments and restarts from the prompt on the next attempt; the other
+    samples keep theirs (``docs/segments.md``, recovery rule 6)."""
+
+    group_id: GroupId
+    #: the attempt whose resume found the rows missing (it has failed)
+    attempt: int
+    #: the lost rows: data-plane keys of segments the group recorded
+    keys: list[str]
+    #: one line naming the missing key(s), as the data plane reported them
+    reason: str
+
+
 class GroupFailed(Event, frozen=True):
     """Generation of one attempt failed or was lost; the group may be re-admitted."""
 
@@ -254,6 +269,7 @@ AnyEvent = Union[
     RolloutAdmitted,
     GroupCommitted,
     SegmentsRecorded,
+    SegmentsDropped,
     GroupFailed,
     GroupEvicted,
     StepBegun,
@@ -300,6 +316,10 @@ def group_event_id(group_id: str, what: str, attempt: int | None = None) -> str:
 
 def segments_event_id(group_id: str, attempt: int, index: int) -> str:
     return f"group:{group_id}:segments:a{attempt}:k{index}"
+
+
+def segments_dropped_id(group_id: str, attempt: int) -> str:
+    return f"group:{group_id}:segments-dropped:a{attempt}"
 
 
 def step_event_id(step: int, what: str) -> str:

@@ -39,6 +39,7 @@ from controller.core.reducer_groups import (
     _on_group_failed,
     _on_payloads_released,
     _on_rollout_admitted,
+    _on_segments_dropped,
     _on_segments_recorded,
 )
 from controller.core.reducer_steps import (
@@ -72,6 +73,7 @@ from events.schema import (
     RunRewound,
     RunStarted,
     RunStopped,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -311,6 +313,7 @@ HANDLERS: dict[type, _Handler] = {
     RolloutAdmitted: _on_rollout_admitted,
     GroupCommitted: _on_group_committed,
     SegmentsRecorded: _on_segments_recorded,
+    SegmentsDropped: _on_segments_dropped,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,
     StepBegun: _on_step_begun,
