@@ -28,7 +28,14 @@ from events.store import EventStore
 from sim.clock import VirtualTimeLoop
 from sim.timings import Timings
 from sim.partial import SimPartialGenerator
-from sim.workers import Fleet, SimGenerator, SimPayloads, SimPublisher, SimTrainer
+from sim.workers import (
+    Fleet,
+    SimGenerator,
+    SimGroupBoundaryGenerator,
+    SimPayloads,
+    SimPublisher,
+    SimTrainer,
+)
 
 CODE_VERSION = "rl-controller simulate (virtual time)"
 
@@ -73,6 +80,15 @@ class SimOutcome:
         return self.writer.state.position
 
 
+def refits_between_calls(cfg: Config) -> bool:
+    """Whether the configured generators change weights only between calls: vLLM without
+    chunks or partial rollouts (``docs/backends.md``); the torch sampler lands a refit
+    between two tokens."""
+    rollout = cfg.rollout
+    vllm_whole_groups = rollout.backend == "vllm" and not rollout.vllm.chunk_tokens
+    return vllm_whole_groups and not rollout.partial.enabled
+
+
 def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     cfg = spec.config
     writer = create_run(
@@ -98,12 +114,15 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     fleet = Fleet(loop=loop, timings=spec.timings)
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
-    publisher = SimPublisher(fleet, names)
     partial = cfg.rollout.partial
-    generators = [
-        SimPartialGenerator(n, fleet, partial.segment_tokens) if partial.enabled else SimGenerator(n, fleet)
-        for n in names
-    ]
+    if partial.enabled:
+        generators: list = [SimPartialGenerator(n, fleet, partial.segment_tokens) for n in names]
+    elif refits_between_calls(cfg):
+        generators = [SimGroupBoundaryGenerator(n, fleet) for n in names]
+    else:
+        generators = [SimGenerator(n, fleet) for n in names]
+    waits_for = [g for g in generators if isinstance(g, SimGroupBoundaryGenerator)]
+    publisher = SimPublisher(fleet, names, waits_for)
     controller = Controller(
         writer, run_cfg, trainer, generators, publisher,  # type: ignore[arg-type]
         SimPayloads(fleet, trainer), checkpoint_dir=f"sim-checkpoints/{spec.run_id}",
