@@ -22,8 +22,8 @@ from workers.envs.sampler import TorchTurnSampler
 from workers.envs.task import EpisodeTask
 from workers.envs.trajectory import Trajectory
 from workers.dataplane.api import DataPlane
+from workers.models.config import SamplingSection
 from workers.models.factory import Tokenizer, context_len
-from workers.models.sampling import SamplingConfig
 from workers.tasks.base import Example
 from workers.weight_sync import VersionedWeights
 
@@ -51,7 +51,7 @@ def run_episodes(
     group_id: str,
     prompt: Example,
     n: int,
-    sampling: SamplingConfig,
+    sampling: SamplingSection,
     seed: int,
     recorder: TurnRecorder | None = None,
 ) -> list[Trajectory]:
@@ -76,7 +76,7 @@ def generate_episode_group(
     group_id: str,
     prompt: Example,
     n: int,
-    sampling: SamplingConfig,
+    sampling: SamplingSection,
     seed: int,
     attempt: int = 0,
 ) -> dict[str, Any]:
