@@ -102,7 +102,7 @@ class LatencyTask:
 
     def step_latency_s(self, example: Example, max_steps: int) -> float:
         """With ``decode_in_steps``: the group's decode time, spread over the real token
-        steps (the generator sleeps it after each; ``Generator.simulated_decode``)."""
+        steps (the generator sleeps it before each; ``Generator.simulated_decode``)."""
         if not self.decode_in_steps:
             return 0.0
         return self.prompt_tokens(example) * self.decode_s_per_token / max(1, max_steps)
