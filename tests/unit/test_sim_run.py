@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -11,7 +13,7 @@ from events.codec import encode
 from events.memory_store import MemoryEventStore
 from sim.harness import simulate, SimSpec
 from sim.timeline import timeline_of
-from sim.timings import Lognormal, SyntheticTimings
+from sim.timings import Lognormal, Pareto, SyntheticTimings
 
 #: fields that depend on the machine or the wall clock, not on the simulation
 WALL_CLOCK_FIELDS = ("ts", "host", "pid")
@@ -103,3 +105,15 @@ def test_generators_that_refit_only_between_calls_make_the_publish_wait():
     published = 2.0 * (1 + 6)  # the first weights, then one publish per version
     assert runs["torch"][1].refit_s == pytest.approx(published)
     assert runs["vllm"][1].refit_s > published + 10.0
+
+
+def test_pareto_has_its_median_and_its_capped_mean():
+    law = Pareto(20.0, alpha=1.2, cap_s=400.0)
+    assert law.scale_s * 0.5 ** (-1 / law.alpha) == pytest.approx(20.0, rel=1e-12)
+    # E[min(X, cap)] = integral of P(X > x) over [0, cap]: 1 below the scale, (x_m/x)^a above
+    n, xm = 200_000, law.scale_s
+    h = (law.cap_s - xm) / n
+    tail = sum((xm / (xm + (i + 0.5) * h)) ** law.alpha for i in range(n)) * h  # midpoint rule
+    assert law.mean_s == pytest.approx(xm + tail, rel=1e-6)
+    draws = [law.draw(random.Random(i)) for i in range(2000)]
+    assert max(draws) == 400.0 and min(draws) >= xm
