@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_startup import _timed  # noqa: E402
 from bench.learning_curve import moving_mean  # noqa: E402
+from events.embedded import stop_embedded_redis  # noqa: E402
 
 LEVELS = (0.5, 0.8, 0.9)
 
@@ -55,7 +56,12 @@ def one(command: str, extra: str, seed: int, data_dir: Path, timeout_s: float) -
     run_id = f"learn-s{seed}"
     argv = [*shlex.split(command), "run", "--no-progress", "--data-dir", str(data_dir),
             "--run-id", run_id, "--set", f"run.seed={seed}", *shlex.split(extra)]
-    wall, cpu, rc, err = _timed(argv, dict(os.environ), timeout_s)
+    try:
+        wall, cpu, rc, err = _timed(argv, dict(os.environ), timeout_s)
+    finally:
+        # ``run`` keeps its embedded redis-server for a later resume or audit; this data
+        # dir is about to be deleted, so nothing will come back to it
+        stop_embedded_redis(data_dir)
     if rc != 0:
         raise SystemExit(f"run failed (exit {rc}): {' '.join(argv)}\n{err}")
     got = reached(data_dir / "runs" / run_id / "metrics.jsonl")
