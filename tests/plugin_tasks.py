@@ -59,7 +59,7 @@ class RewardHeldWhileMarked(ReverseTask):
     def reward(self, example: Example, completion: str, stopped: bool) -> float:
         with _given_lock:
             index = next(_given)
-        marker = Path(os.environ[HOLD_ENV])
+        marker = Path(os.environ.get(HOLD_ENV) or "/nonexistent")  # unset: never held (a resume)
         while True:  # polls the file: what this waits on is the test changing it
             try:
                 allowed = int(marker.read_text())
