@@ -17,44 +17,26 @@ This module is pure data: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, NewType, Union
+from typing import Any, Final, Union
 
 import msgspec
 
-# Ids that mean something: the fields below are typed with them, so a step number is
-# not passed where a weight version belongs. On the wire they are the plain str / int.
-GroupId = NewType("GroupId", str)
-WeightVersion = NewType("WeightVersion", int)
-TrainerVersion = NewType("TrainerVersion", int)
-Epoch = NewType("Epoch", int)
-Position = NewType("Position", int)
+# The values events carry live in ``events.values``; re-exported here, where every
+# writer and reader has always imported them from.
+from events.values import (  # noqa: F401
+    Epoch,
+    EnvCall,
+    EnvResult,
+    GroupId,
+    Position,
+    Segment,
+    SegmentKind,
+    TrainerVersion,
+    WeightVersion,
+)
 
 #: The schema version written by this code for every event type.
 CURRENT_SCHEMA_VERSION: Final = 1
-
-
-SegmentKind = Literal["model", "observation"]
-
-
-class Segment(msgspec.Struct, frozen=True, kw_only=True):
-    """One sample's contiguous tokens of one flush (``docs/segments.md``).
-
-    Not an event: ``SegmentsRecorded`` carries a list of them, and generators hand the
-    controller the same values (``workers.api``), so one shape serves both.
-    """
-
-    #: sample index in the group
-    sample: int
-    #: offset of the first token in the sample's completion (tokens after the prompt)
-    start: int
-    #: tokens in this segment (>= 1)
-    length: int
-    #: data-plane key of the segment row (tokens, logprobs)
-    key: str
-    #: episode turn (0 for single-turn rollouts)
-    turn: int = 0
-    #: the sample ended with this segment (EOS, budget, or the episode is done)
-    stopped: bool = False
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
@@ -129,6 +111,52 @@ class SegmentsRecorded(Event, frozen=True):
     #: one per sample with new tokens, each starting where the sample's recorded
     #: tokens end (across attempts)
     segments: list[Segment]
+
+
+class EnvStepsRequested(Event, frozen=True):
+    """Intent: these environment/tool calls of a group's episodes are about to be made.
+
+    Written after the model turns they answer are recorded (``SegmentsRecorded``) and
+    before any of the calls runs; every call carries its idempotency key. A call whose
+    result never came is made again with the same key only if the environment declared
+    it deduplicates (``dedupes_by_key``); otherwise its episode is restarted instead."""
+
+    group_id: GroupId
+    attempt: int
+    #: 0, 1, 2, ... per (group, attempt) over this and ``EnvStepsCompleted``, gapless
+    index: int
+    #: the task that made the environment (``task.name``)
+    env: str
+    #: the environment's declaration: a call re-issued with the same key runs once
+    dedupes_by_key: bool
+    calls: list[EnvCall]
+
+
+class EnvStepsCompleted(Event, frozen=True):
+    """Fact: these environment/tool calls returned; their per-turn rewards. The
+    observations that follow them are the ``kind="observation"`` segments appended
+    right after this event."""
+
+    group_id: GroupId
+    attempt: int
+    #: shares the sequence of ``EnvStepsRequested.index``
+    index: int
+    results: list[EnvResult]
+
+
+class EpisodesRestarted(Event, frozen=True):
+    """Decision: these samples' episodes start again from the prompt, with new keys.
+
+    Each had a call whose outcome is unknown (intent, no result) to an environment that
+    cannot deduplicate: making it again could repeat its side effect, so it is never
+    made again. The samples' recorded tokens and calls are dropped; their next calls
+    carry ``restart + 1`` in their key."""
+
+    group_id: GroupId
+    #: the failed attempt the decision follows
+    attempt: int
+    samples: list[int]
+    reason: str
 
 
 class GroupFailed(Event, frozen=True):
@@ -254,6 +282,9 @@ AnyEvent = Union[
     RolloutAdmitted,
     GroupCommitted,
     SegmentsRecorded,
+    EnvStepsRequested,
+    EnvStepsCompleted,
+    EpisodesRestarted,
     GroupFailed,
     GroupEvicted,
     StepBegun,
@@ -300,6 +331,16 @@ def group_event_id(group_id: str, what: str, attempt: int | None = None) -> str:
 
 def segments_event_id(group_id: str, attempt: int, index: int) -> str:
     return f"group:{group_id}:segments:a{attempt}:k{index}"
+
+
+def env_steps_event_id(group_id: str, what: str, attempt: int, index: int) -> str:
+    """``what`` is "requested" or "completed"; ``index`` runs over both, per attempt."""
+    return f"group:{group_id}:env:{what}:a{attempt}:k{index}"
+
+
+def episodes_restarted_id(group_id: str, attempt: int) -> str:
+    # at most one per failed attempt: it is decided once, before the next admission
+    return f"group:{group_id}:restarted:a{attempt}"
 
 
 def step_event_id(step: int, what: str) -> str:
