@@ -15,6 +15,7 @@ import structlog
 
 from controller.core.segments import InflightSegments, segment_keys
 from controller.core.state import RunState
+from controller import episodes
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
@@ -34,16 +35,16 @@ def resume_flushes(rec: InflightSegments | None) -> list[SegmentFlush]:
 
 
 def attempt_flushes(state: RunState, group_id: str) -> int:
-    """Flushes the group's current attempt has recorded (the next one's index)."""
-    rec = state.inflight.get(group_id)
-    return 0 if rec is None else rec.attempt_flushes
+    """Flushes the group's current attempt has recorded (for an episode group, its env
+    events too: what ``GenerationRequest.flushes`` counts)."""
+    return episodes.segment_index(state, group_id) + episodes.env_index(state, group_id)
 
 
 def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutcome) -> ev.SegmentsRecorded:
     """The event recording a generator's flush of ``req``'s group."""
     flush = out.flush
     assert flush is not None, "a flushed outcome carries its flush"
-    index = attempt_flushes(journal.state, req.group_id)
+    index = episodes.segment_index(journal.state, req.group_id)
     return journal.make(
         ev.SegmentsRecorded,
         event_id=ev.segments_event_id(req.group_id, req.attempt, index),
@@ -82,13 +83,18 @@ class PartialRecorder:
             raise RuntimeError("a generator call returned unfinished groups without a flush")
         state, journal = self.journal.state, self.journal
         flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
-        for req, _ in flushed:
+        for req, out in flushed:
             crash_point("before_segments_recorded", req.group_id)
+            if out.episode is not None and out.episode.completed:  # the calls ran, unrecorded
+                crash_point("before_env_steps_completed", req.group_id)
         for c in commits:
             crash_point("before_group_committed", c.group_id)
         scratch = segment_keys(state.inflight, [c.group_id for c in commits])
         # the writer fires after_segments_recorded / after_group_committed once acknowledged
-        await journal.append(*(segments_event(journal, req, out) for req, out in flushed), *commits)
+        made = [e for req, out in flushed for e in (
+            episodes.flush_events(journal, req, out.episode) if out.episode is not None
+            else [segments_event(journal, req, out)])]
+        await journal.append(*made, *commits)
         self.drop(scratch)
         return [
             msgspec.structs.replace(req, resume=[], flushes=attempt_flushes(state, req.group_id))
