@@ -12,7 +12,7 @@ import string
 import pytest
 import torch
 
-from workers.envs.base import Action, EnvError, StepKey, UnknownEnvError
+from workers.envs.base import Action, EnvError, EnvStep, Observation, StepKey, UnknownEnvError
 from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
@@ -129,6 +129,24 @@ def test_textarena_step_is_answered_once_per_key():
     assert again is first
     nxt = env.step(Action("[10]", (), True), KEY.at(2))  # a new key is a new move
     assert "already guessed" in nxt.observation.text
+
+
+def test_a_resumed_textarena_game_is_rebuilt_by_restore_step_without_new_moves():
+    task = make_task("textarena/GuessTheNumber-v0", max_turns=8)
+    example = task.examples(1, seed=3)[0]
+    moves = [Action(f"[{g}]", (), True) for g in (10, 5, 15)]
+    played = task.make_env(example)
+    played.reset(KEY)
+    results = [played.step(m, KEY.at(t)) for t, m in enumerate(moves, start=1)]
+    fresh = task.make_env(example)  # after a crash: a new instance, the first two moves restored
+    fresh.reset(KEY)
+    for t, (move, result) in enumerate(zip(moves[:2], results[:2]), start=1):
+        fresh.restore_step(move, result, KEY.at(t))
+    assert fresh.step(moves[2], KEY.at(3)) == results[2]
+    with pytest.raises(EnvError, match="not deterministic on replay"):
+        other = task.make_env(example)
+        other.reset(KEY)
+        other.restore_step(moves[0], EnvStep(Observation(text=""), 1.0, True), KEY.at(1))
 
 
 def test_tiny_model_plays_a_textarena_game_with_exact_ids():
