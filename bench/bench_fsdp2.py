@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_trainer_split import make_batch, rows  # noqa: E402
-from workers.loss import LossConfig  # noqa: E402
+from workers.loss import StepLoss  # noqa: E402
 from workers.models.tiny import TinyConfig  # noqa: E402
 from workers.trainer import distributed as dd  # noqa: E402
-from workers.trainer.config import OptimizerConfig, TinyModelFactory, TrainerConfig  # noqa: E402
+from workers.trainer.config import TinyModelFactory, TrainerRuntime, TrainSection  # noqa: E402
 from workers.trainer.fsdp2_backend import Fsdp2Options, Fsdp2Trainer  # noqa: E402
 from workers.trainer.torch_backend import TorchTrainer  # noqa: E402
 
@@ -90,17 +90,18 @@ def build(name: str, args: argparse.Namespace):
         vocab_size=args.vocab, context_len=args.seq_len, d_model=args.d_model,
         n_layers=args.layers, n_heads=4,
     ))
-    config = TrainerConfig(optimizer=OptimizerConfig(lr=1e-4), digest_on_finish=False)
+    runtime = TrainerRuntime(digest_on_finish=False)
     if name == "torch":
-        return TorchTrainer(factory, config)
+        return TorchTrainer(factory, TrainSection(lr=1e-4), runtime)
     mode = name.split()[1]
-    return Fsdp2Trainer(factory, config, Fsdp2Options(grad_reduce=mode))  # type: ignore[arg-type]
+    train = TrainSection(backend="fsdp2", lr=1e-4, fsdp2_grad_reduce=mode)  # type: ignore[arg-type]
+    return Fsdp2Trainer(factory, train, runtime, Fsdp2Options())
 
 
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     torch.set_num_threads(args.threads)
     dd.init_process_group(rank, world, "127.0.0.1", port, "gloo")
-    loss = LossConfig()
+    loss = StepLoss()
     batch = rows(make_batch(args, 0), world)[rank]
     splits = {1: rows(batch, 1), args.microbatches: rows(batch, args.microbatches)}
     out: dict[str, dict] = {}

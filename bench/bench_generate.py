@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from workers.models.factory import ModelConfig, build_model
+from workers.models.config import ModelSection, SamplingSection
 from workers.models.decoder import sample
-from workers.models.sampling import SamplingConfig
+from workers.models.factory import build_model
 
 
 def tokens_per_s(model, prompt, n, cfg, use_cache: bool, repeats: int) -> float:
@@ -56,10 +56,10 @@ def main() -> None:
 
         run_vllm_bench(args.hidden, args.layers, args.max_new_tokens, args.repeats, tokens_per_s)
         return
-    model, tok = build_model(ModelConfig())  # the default tiny model
+    model, tok = build_model(ModelSection(context_len=64))  # the tiny model
     params = sum(p.numel() for p in model.parameters())
     prompt = tok.encode("abcd>dcba>")[:8]
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    cfg = SamplingSection(max_new_tokens=args.max_new_tokens)
     cached = tokens_per_s(model, prompt, args.n, cfg, True, args.repeats)
     full = tokens_per_s(model, prompt, args.n, cfg, False, args.repeats)
     print(f"tiny model: {params} params, n={args.n}, {args.max_new_tokens} new tokens, "

@@ -12,9 +12,9 @@ import torch
 from workers.dataplane import MemoryDataPlane
 from workers.generator.generator import Generator
 from workers.handles import LocalHandle
+from workers.models.config import SamplingSection
 from workers.models.hf import load_hf, load_hf_tokenizer
 from workers.models.hf_tiny import write_tiny_hf_model
-from workers.models.sampling import SamplingConfig
 from workers.tasks import make_task
 from workers.weight_sync import cpu_state_dict
 from workers.weight_transport import BucketTransport, RefitSource
@@ -53,7 +53,7 @@ def _refit_s_per_mb(trainer_model, generator, version: int, repeats: int) -> tup
 
 def run_vllm_bench(hidden: int, layers: int, max_new: int, repeats: int, torch_rate) -> None:
     from workers.generator.vllm_backend import VllmGenerator
-    from workers.generator.vllm_config import VllmOptions
+    from workers.generator.config import VllmSection
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_hf_model(tmp, hidden_size=hidden, num_layers=layers,
@@ -63,13 +63,12 @@ def run_vllm_bench(hidden: int, layers: int, max_new: int, repeats: int, torch_r
         prompt = tok.encode("abcd>")
         task, plane = make_task("reverse"), MemoryDataPlane()
         vgen = VllmGenerator(str(path), load_hf_tokenizer(path), task, plane, "bench",
-                             options=VllmOptions(max_num_seqs=max(BATCHES),
-                                                 kv_cache_bytes=256 * 1024 * 1024))
+                             options=VllmSection(max_num_seqs=max(BATCHES), kv_cache_mib=256))
         print(f"HF Llama: {params} params, hidden {hidden}, {layers} layers, {max_new} new "
               f"tokens, torch threads {torch.get_num_threads()}")
         print(f"{'batch':>5} {'torch tok/s':>12} {'vLLM tok/s':>12} {'vLLM/torch':>10}")
         for n in BATCHES:
-            cfg = SamplingConfig(max_new_tokens=max_new)
+            cfg = SamplingSection(max_new_tokens=max_new)
             t = torch_rate(model, prompt, n, cfg, True, repeats)
             v = _vllm_tokens_per_s(vgen, prompt, n, max_new, repeats)
             print(f"{n:>5} {t:>12.0f} {v:>12.0f} {v / t:>10.2f}")

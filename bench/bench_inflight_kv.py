@@ -28,7 +28,6 @@ Backends: the torch sampler (``--backend torch``, the tiny model or a wider one 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -39,9 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workers.models.config import ModelSection, SamplingSection  # noqa: E402
 from workers.models.decoder import Decoder  # noqa: E402
-from workers.models.factory import ModelConfig, build_model  # noqa: E402
-from workers.models.sampling import SamplingConfig, sequence_logprobs  # noqa: E402
+from workers.models.factory import build_model  # noqa: E402
+from workers.models.sampling import sequence_logprobs  # noqa: E402
 
 MODES = ("none", "keep", "recompute")
 
@@ -61,13 +61,12 @@ def deviation(rows, reference) -> tuple[float, float]:
 
 def torch_run(args, mode: str, seed: int):
     """One group; returns (seconds excluding loads, rows, prefills)."""
-    cfg = ModelConfig(context_len=args.tokens + 16, d_model=args.d_model, n_layers=args.layers,
-                      n_heads=max(2, args.d_model // 32), init_seed=1)
-    model, tok = build_model(cfg)
-    weights = [build_model(dataclasses.replace(cfg, init_seed=s))[0].state_dict()
-               for s in (1, 2)]
+    cfg = ModelSection(context_len=args.tokens + 16, d_model=args.d_model, n_layers=args.layers,
+                       n_heads=max(2, args.d_model // 32))
+    model, tok = build_model(cfg, 1)
+    weights = [build_model(cfg, s)[0].state_dict() for s in (1, 2)]
     prompt = tok.encode("abcd>dcba>")
-    sampling = SamplingConfig(max_new_tokens=args.tokens)
+    sampling = SamplingSection(max_new_tokens=args.tokens)
     dec = Decoder(model, prompt, args.n, sampling, torch.Generator().manual_seed(seed), eos_id=-1,
                   kv_on_refit="keep" if mode == "none" else mode)
     version, loading = 0, 0.0

@@ -10,12 +10,13 @@ import torch
 
 from workers.api import GenerationRequest
 from workers.dataplane import MemoryDataPlane
+from workers.generator.config import VllmSection
 from workers.generator.inflight import InflightRunner
 from workers.generator.vllm_backend import VllmGenerator
-from workers.generator.vllm_config import VllmOptions
+from workers.generator.vllm_config import VllmRuntime
+from workers.models.config import SamplingSection
 from workers.models.hf import load_hf, load_hf_tokenizer
 from workers.models.hf_tiny import write_tiny_hf_model
-from workers.models.sampling import SamplingConfig
 from workers.tasks import Example, make_task
 from workers.weight_sync import cpu_state_dict
 
@@ -46,7 +47,7 @@ def _group(gen: VllmGenerator, runner: InflightRunner, args: Any, seed: int, ref
             loading[0] += time.perf_counter() - l0
 
     runner.on_step = on_step
-    sampling = SamplingConfig(max_new_tokens=args.tokens)
+    sampling = SamplingSection(max_new_tokens=args.tokens)
     example = Example(prompt="abcd>dcba>", answer="")
     flushes = 0
     t0 = time.perf_counter()
@@ -66,8 +67,8 @@ def vllm_results(args: Any, tmp: Path, modes: tuple[str, ...], deviation: Callab
                                context_len=args.tokens + 16)
     gen = VllmGenerator(
         str(path), load_hf_tokenizer(path), make_task("reverse"), MemoryDataPlane(), "bench",
-        options=VllmOptions(kv_cache_bytes=64 * 1024 * 1024, max_num_seqs=max(16, args.n),
-                            prefix_caching=False),
+        options=VllmSection(kv_cache_mib=64, max_num_seqs=max(16, args.n)),
+        runtime=VllmRuntime(prefix_caching=False),
         num_threads=args.threads,
     )
     gen.refs = _two_versions(path)  # type: ignore[attr-defined]

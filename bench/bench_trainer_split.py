@@ -31,14 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.batch import TrainBatch  # noqa: E402
-from workers.loss import LossConfig  # noqa: E402
+from workers.loss import LossOptions, StepLoss  # noqa: E402
 from workers.models.tiny import TinyConfig  # noqa: E402
 from workers.trainer import distributed as dd  # noqa: E402
-from workers.trainer.config import (  # noqa: E402
-    OptimizerConfig,
-    TinyModelFactory,
-    TrainerConfig,
-)
+from workers.trainer.config import TinyModelFactory, TrainerRuntime, TrainSection  # noqa: E402
 from workers.trainer.torch_backend import TorchTrainer  # noqa: E402
 
 
@@ -55,11 +51,11 @@ LOSSES: dict[str, dict[str, object]] = {
 }
 
 
-def loss_config(name: str, args: argparse.Namespace) -> LossConfig:
+def loss_config(name: str, args: argparse.Namespace) -> StepLoss:
     opts = dict(LOSSES[name])
     if opts.get("norm_length") == -1:
         opts["norm_length"] = args.seq_len
-    return LossConfig(**opts)
+    return StepLoss(LossOptions(**opts))
 
 
 def make_batch(args: argparse.Namespace, seed: int) -> TrainBatch:
@@ -92,9 +88,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out_dir
     )
     trainer = TorchTrainer(
         TinyModelFactory(cfg),
-        TrainerConfig(
-            optimizer=OptimizerConfig(lr=1e-4), device=args.device, digest_on_finish=False
-        ),
+        TrainSection(lr=1e-4),
+        TrainerRuntime(device=args.device, digest_on_finish=False),
     )
     batch = rows(make_batch(args, 0), world)[rank]
     modes = {

@@ -30,12 +30,12 @@ from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.task import as_episode_task
 from workers.envs.trajectory import describe, per_token_advantages
-from workers.loss import LossConfig
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig
+from workers.loss import StepLoss
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
 from workers.models.tokenizer import EOS_ID
 from workers.tasks import make_task
-from workers.trainer.config import BuiltModelFactory, OptimizerConfig, TrainerConfig
+from workers.trainer.config import BuiltModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.torch_backend import TorchTrainer
 
 
@@ -81,13 +81,13 @@ def task_options(pairs: list[str]) -> dict[str, object]:
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     extra = {} if args.alphabet is None else {"alphabet": args.alphabet}
-    mcfg = ModelConfig(context_len=args.context_len, d_model=args.d_model,
-                       n_layers=args.layers, init_seed=args.seed, **extra)
-    _, tokenizer = build_model(mcfg)
+    mcfg = ModelSection(context_len=args.context_len, d_model=args.d_model,
+                        n_layers=args.layers, **extra)
+    _, tokenizer = build_model(mcfg, args.seed)
     trainer = TorchTrainer(
-        BuiltModelFactory(mcfg),
-        TrainerConfig(optimizer=OptimizerConfig(lr=args.lr), max_grad_norm=1.0,
-                      seed=args.seed, digest_on_finish=False),
+        BuiltModelFactory(mcfg, args.seed),
+        TrainSection(lr=args.lr, grad_clip=1.0),
+        TrainerRuntime(seed=args.seed, digest_on_finish=False),
     )
     return trainer, tokenizer
 
@@ -136,8 +136,8 @@ def main(argv: list[str]) -> int:
     task = as_episode_task(make_task(args.task, **task_options(args.task_option)))
     trainer, tokenizer = build(args)
     prompts = task.examples(args.prompts, args.seed)
-    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    loss = LossConfig(temperature=args.temperature)
+    sampling = SamplingSection(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    loss = StepLoss(sampling=sampling)
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     out = args.out.open("a") if args.out else None

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from controller import crashpoints
 from controller.config import Config
-from workers.dataplane import DataPlane, make_dataplane
+from workers.dataplane import DataPlane, DataPlaneRuntime, make_dataplane
 from workers.fencing import EpochToken
 from workers.handles import (
     GeneratorClientImpl,
@@ -122,8 +122,8 @@ class Workers:
 
 def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
     """The workers' part of ``cfg``: the tables they own are handed over as they are
-    (each worker derives its runtime config from its own table); only the data plane
-    is placed here, under ``run_dir`` on this run's Ray cluster."""
+    (each component takes its own table), with the run's values beside them: its id,
+    seed, and where the data plane lives (under ``run_dir``, on this run's Ray)."""
     return WorkerSpec(
         run_id=run_id,
         seed=cfg.run.seed,
@@ -131,8 +131,9 @@ def worker_spec(cfg: Config, run_id: str, run_dir: Path) -> WorkerSpec:
         task=cfg.task,
         sampling=cfg.sampling,
         train=cfg.train,
-        dataplane=cfg.dataplane.dataplane_config(
-            run_dir=run_dir, ray_address=cfg.ray.address, ray_num_cpus=cfg.ray.num_cpus
+        dataplane=cfg.dataplane,
+        dataplane_runtime=DataPlaneRuntime(
+            run_dir=str(run_dir), ray_address=cfg.ray.address, ray_num_cpus=cfg.ray.num_cpus
         ),
         generator_backend=cfg.rollout.backend,
         vllm=cfg.rollout.vllm,
@@ -170,7 +171,7 @@ def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
             "rollout.backend = \"vllm\" with --local-workers runs one generator "
             f"(rollout.num_generators = {cfg.rollout.num_generators}); use Ray workers for more"
         )
-    plane = make_dataplane(spec.dataplane)
+    plane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
 
     def factory(role: str, name: str) -> LocalHandle:
         if role == "trainer":
@@ -186,7 +187,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
 
     # The actors join the data plane this process starts: created before it, their
     # processes start (and import torch, TransferQueue, the models) while it starts.
-    joining = replace(spec, dataplane=replace(spec.dataplane, join=True))
+    joining = replace(spec, dataplane_runtime=replace(spec.dataplane_runtime, join=True))
     offered = ray.cluster_resources()
     for key, label in (("train", cfg.train.node_resource), ("rollout", cfg.rollout.node_resource)):
         if label and offered.get(label, 0) <= 0:  # the actor would pend forever
@@ -244,7 +245,7 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     plane = None
     try:
         try:
-            plane = make_dataplane(spec.dataplane)
+            plane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
         except Exception as err:
             raise WorkerStartError(
                 f"data plane ({spec.dataplane.kind}) failed to start: {err}"

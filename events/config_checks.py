@@ -32,3 +32,9 @@ def non_negative(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         require(value >= 0, f"{section}.{name}", ">= 0", value)
+
+
+def one_of(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    """``value`` (of the dotted ``key``) is one of ``choices`` (a Literal's arguments):
+    msgspec checks that when it loads a table, this when Python builds one."""
+    require(value in choices, key, f"one of {list(choices)}", value)

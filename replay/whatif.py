@@ -44,16 +44,17 @@ exactly (the result's ``baseline_identical`` says so for a given log).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from controller.config import Config
-from controller.core import policies
 from controller.core.fold import Callback
+from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus, RunState, StepStatus
 from events.schema import AnyEvent, RunStarted
 from replay.settings import WhatIfError, apply_changes, parse_changes, recorded_config
 from replay.whatif_sim import FED_EVENTS, SimResult, SimStep, Simulation, simulate
+from workers.trainer.config import TrainSection
 
 __all__ = [
     "ASSUMPTIONS", "SimResult", "SimStep", "Simulation", "WhatIf", "WhatIfError",
@@ -84,22 +85,23 @@ POLICY_KEYS = (
 
 @dataclass(frozen=True)
 class WhatIfSettings:
-    window: int
-    policy: policies.SelectionPolicy
-    groups_per_step: int
-    groups_per_microbatch: int
-    #: which token's version the window bounds (``staleness.window_basis``)
-    window_basis: str = "oldest_token"
+    """The tables the policies read, as recorded or changed: ``[staleness]`` (window,
+    selection) and ``[train]`` (groups per step and per microbatch), not copies."""
+
+    staleness: StalenessSection
+    train: TrainSection
 
     @classmethod
     def of(cls, cfg: Config) -> WhatIfSettings:
-        return cls(
-            window=cfg.staleness.window_versions,
-            policy=cfg.staleness.selection,
-            groups_per_step=cfg.train.groups_per_step,
-            groups_per_microbatch=cfg.train.groups_per_microbatch,
-            window_basis=cfg.staleness.window_basis,
-        )
+        return cls(staleness=cfg.staleness, train=cfg.train)
+
+    def summary(self) -> dict[str, Any]:
+        """The values the policies ran with, by config key (the what-if vocabulary)."""
+        out: dict[str, Any] = {}
+        for key in (*POLICY_KEYS, "train.groups_per_step"):
+            table, name = key.split(".")
+            out[key] = getattr(getattr(self, table), name)
+        return out
 
 
 def recorded_settings(state: RunState) -> WhatIfSettings:
@@ -202,7 +204,7 @@ def compare(state: RunState, result: SimResult) -> dict[str, Any]:
     )
     rec_groups = sum(len(v) for mbs in recorded.values() for v in mbs)
     return {
-        "settings": asdict(result.settings),
+        "settings": result.settings.summary(),
         "assumptions": list(ASSUMPTIONS),
         "stopped": result.stopped,
         "steps": {

@@ -89,9 +89,9 @@ class Simulation:
         self.state = initial_state()
         self._apply(RunStarted(
             event_id=run_started_id("what-if"), epoch=_EPOCH, ts=0.0, run_id="what-if",
-            config={"staleness": {"window_basis": settings.window_basis}},
-            seed=0, code_version="what-if", window_versions=settings.window,
-            groups_per_step=settings.groups_per_step, samples_per_group=1,
+            config={"staleness": {"window_basis": settings.staleness.window_basis}},
+            seed=0, code_version="what-if", window_versions=settings.staleness.window_versions,
+            groups_per_step=settings.train.groups_per_step, samples_per_group=1,
         ))
         self.queue: deque[AnyEvent] = deque()
         self.lateness = 0.0
@@ -254,7 +254,7 @@ class Simulation:
         self._next_selection()
 
     def _next_selection(self) -> None:
-        self.pending = policies.claimed_count(self.state) < self.s.groups_per_step
+        self.pending = policies.claimed_count(self.state) < self.s.train.groups_per_step
         if self.pending:
             self._try_select()
 
@@ -263,10 +263,10 @@ class Simulation:
 
     def _try_select(self) -> bool:
         """Evict, then select a microbatch; claim it when the policy can (the loop's plan)."""
-        state, s = self.state, self.s
+        state, s, train = self.state, self.s.staleness, self.s.train
         plan = policies.plan_microbatch(
-            state, window=s.window, selection=s.policy, groups_per_step=s.groups_per_step,
-            groups_per_microbatch=s.groups_per_microbatch,
+            state, window=s.window_versions, selection=s.selection,
+            groups_per_step=train.groups_per_step, groups_per_microbatch=train.groups_per_microbatch,
             at=decisions.Stamp(epoch=_EPOCH, ts=0.0, position=state.position),
         )
         for evicted in plan.evictions:

@@ -17,10 +17,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tests.trainer_helpers import ADAMW, DP_SCENARIOS, FACTORY, SEQUENCE, SGD, TOKEN, make_batch, split
-from workers.loss import Aggregation, LossConfig
+from tests.trainer_helpers import (
+    ADAMW, DP_SCENARIOS, FACTORY, SEQUENCE, SGD, TOKEN, Setup, make_batch, split,
+)
+from workers.loss import Aggregation, LossOptions, StepLoss
 from workers.trainer import distributed as dd
-from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp2_backend import Fsdp2Options, Fsdp2Trainer
 from workers.trainer.torch_backend import TorchTrainer
 
@@ -32,10 +33,15 @@ F64 = Fsdp2Options(param_dtype="float64")
 #: divided by the global N again -- what the split API must not do
 WRONG_NORMALISER = replace(F64, gradient_divide_factor=None)
 
-CONFIGS: dict[str, TrainerConfig] = {"sgd": SGD, "adamw": ADAMW}
-TOKEN_KL = LossConfig(aggregation=Aggregation.TOKEN, kl_coef=0.1, is_cap=1.5)
+CONFIGS: dict[str, Setup] = {"sgd": SGD, "adamw": ADAMW}
+TOKEN_KL = StepLoss(LossOptions(aggregation=Aggregation.TOKEN, kl_coef=0.1, is_cap=1.5))
 #: token without KL, sequence with KL, token with KL (the reference model's forward)
-LOSSES: dict[str, LossConfig] = {"token": TOKEN, "sequence_kl": SEQUENCE, "token_kl": TOKEN_KL}
+LOSSES: dict[str, StepLoss] = {"token": TOKEN, "sequence_kl": SEQUENCE, "token_kl": TOKEN_KL}
+
+
+def fsdp2(config: Setup, **train: Any) -> Setup:
+    """``config`` with ``[train]`` keys of the fsdp2 backend (mesh, gradient reduction)."""
+    return config.with_train(backend="fsdp2", **train)
 
 
 @dataclass(frozen=True)
@@ -52,20 +58,20 @@ def batches() -> list:
     return [make_batch(100 + s) for s in range(2)]
 
 
-def torch_oneshot(config: TrainerConfig, loss: LossConfig) -> tuple[dict, list, dict]:
+def torch_oneshot(config: Setup, loss: StepLoss) -> tuple[dict, list, dict]:
     """World-size-1 torch backend, one-shot train() per global batch, float64."""
-    t = TorchTrainer(DoubleFactory(FACTORY), config)
+    t = TorchTrainer(DoubleFactory(FACTORY), *config)
     initial = t.export_weights()
     results = [t.train(b, loss) for b in batches()]
     return t.export_weights(), results, initial
 
 
-def run_scenario(name: str, config: TrainerConfig, loss: LossConfig,
+def run_scenario(name: str, config: Setup, loss: StepLoss,
                  options: Fsdp2Options = F64) -> tuple[dict, list, str]:
     """One DP_SCENARIOS entry on this rank; returns (weights on rank 0, results, digest)."""
     rank, world = dd.rank_and_world()
     sizes = DP_SCENARIOS[name] if world > 1 else [[3, 1, 4]] if name != "oneshot" else [[8]]
-    trainer = Fsdp2Trainer(FACTORY, config, options)
+    trainer = Fsdp2Trainer(FACTORY, *config, options)
     results = []
     for step, batch in enumerate(batches()):
         mine = split(batch, [sum(s) for s in sizes])[rank]
@@ -115,13 +121,13 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 def abort_scenario() -> dict[str, Any]:
     """Per ``grad_reduce`` mode: train, open a step with uneven microbatches (rank 1 a
     dummy), abort; compare."""
-    return {mode: _abort_in(replace(F64, grad_reduce=mode))
+    return {mode: _abort_in(fsdp2(ADAMW, fsdp2_grad_reduce=mode))
             for mode in ("per_microbatch", "gathered")}
 
 
-def _abort_in(options: Fsdp2Options) -> dict[str, Any]:
+def _abort_in(config: Setup) -> dict[str, Any]:
     rank, _ = dd.rank_and_world()
-    t = Fsdp2Trainer(FACTORY, ADAMW, options)
+    t = Fsdp2Trainer(FACTORY, *config, F64)
     b0, b1 = batches()
     t.train(split(b0, [4, 4])[rank], TOKEN)  # optimizer state exists
     before = local_state(t)
@@ -135,7 +141,7 @@ def _abort_in(options: Fsdp2Options) -> dict[str, Any]:
     t.abort_train_step()
     unchanged = bitwise_equal(local_state(t), before)
     after_abort = t.train(split(b1, [4, 4])[rank], TOKEN).weights_digest
-    fresh = Fsdp2Trainer(FACTORY, ADAMW, options)
+    fresh = Fsdp2Trainer(FACTORY, *config, F64)
     fresh.train(split(b0, [4, 4])[rank], TOKEN)
     no_abort = fresh.train(split(b1, [4, 4])[rank], TOKEN).weights_digest
     return {"unchanged": unchanged, "next_step_equal": after_abort == no_abort}
@@ -144,7 +150,7 @@ def _abort_in(options: Fsdp2Options) -> dict[str, Any]:
 def checkpoint_scenario(ckpt_dir: str) -> dict[str, Any]:
     """Two AdamW steps, save (sharded) at v2, one more step; digests for the parent."""
     rank, _ = dd.rank_and_world()
-    t = Fsdp2Trainer(FACTORY, ADAMW, F64)
+    t = Fsdp2Trainer(FACTORY, *ADAMW, F64)
     for step, b in enumerate(batches()):
         t.train(split(b, [4, 4])[rank], SEQUENCE, step=step)
     info = t.save_checkpoint(Path(ckpt_dir) / "v2")
@@ -154,10 +160,10 @@ def checkpoint_scenario(ckpt_dir: str) -> dict[str, Any]:
 
 
 def hf_factory(path: str):
-    from workers.models.factory import ModelConfig
+    from workers.models.config import ModelSection
     from workers.trainer.config import BuiltModelFactory
 
-    return BuiltModelFactory(ModelConfig(kind="hf", path=path))
+    return BuiltModelFactory(ModelSection(kind="hf", path=path))
 
 
 def hf_tp_scenario(path: str, tp: int) -> dict[str, Any]:
@@ -166,7 +172,8 @@ def hf_tp_scenario(path: str, tp: int) -> dict[str, Any]:
     dp_index = rank // tp
     out: dict[str, Any] = {}
     for cfg_name, loss_name in (("sgd", "token"), ("adamw", "sequence_kl")):
-        t = Fsdp2Trainer(hf_factory(path), CONFIGS[cfg_name], replace(F64, tensor_parallel=tp))
+        config = fsdp2(CONFIGS[cfg_name], tensor_parallel=tp)
+        t = Fsdp2Trainer(hf_factory(path), *config, F64)
         for step, batch in enumerate(batches()):
             mine = split(batch, [8 // (world // tp)] * (world // tp))[dp_index]
             t.begin_train_step(step, LOSSES[loss_name])
@@ -191,7 +198,7 @@ def residency_scenario() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for mode in ("gathered", "per_microbatch"):
-        t = Fsdp2Trainer(FACTORY, ADAMW, replace(F64, grad_reduce=mode))
+        t = Fsdp2Trainer(FACTORY, *fsdp2(ADAMW, fsdp2_grad_reduce=mode), F64)
         mine = split(batches()[0], [4, 4])[rank]
         seen = {"before": sharded(t)}
         for end in ("finish", "abort"):
@@ -223,7 +230,7 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str, jobs: list[st
                 out[job] = run_scenario("split_uneven", SGD, TOKEN, WRONG_NORMALISER)
             elif job == "gathered":  # the non-default gradient reduction stays exact
                 out[job] = run_scenario(
-                    "split_uneven", ADAMW, TOKEN_KL, replace(F64, grad_reduce="gathered")
+                    "split_uneven", fsdp2(ADAMW, fsdp2_grad_reduce="gathered"), TOKEN_KL
                 )
             elif job == "residency":
                 out[job] = residency_scenario()

@@ -11,33 +11,34 @@ from pathlib import Path
 import torch
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig
+from workers.loss import LossOptions, StepLoss
+from workers.models.config import SamplingSection
 from workers.trainer import distributed as dd
 from workers.trainer.torch_backend import TorchTrainer
 from tests.trainer_helpers import ADAMW64, FACTORY, SGD64, make_batch, split
 
 #: one config per option family; together they switch on every [train.loss] choice
-FAMILIES: dict[str, LossConfig] = {
-    "gspo_seq_tis": LossConfig(
+FAMILIES: dict[str, StepLoss] = {
+    "gspo_seq_tis": StepLoss(LossOptions(
         policy_loss="gspo", old_policy="generator", is_correction="seq-tis", is_cap=5.0,
         aggregation="sequence", clip_low=0.3, clip_high=0.4,
-    ),
-    "cispo_icepop_sum_norm": LossConfig(
+    )),
+    "cispo_icepop_sum_norm": StepLoss(LossOptions(
         policy_loss="cispo", old_policy="generator", is_correction="icepop", is_min=0.2,
         is_cap=3.0, aggregation="seq-mean-token-sum-norm", norm_length=8,
-    ),
-    "dual_clip_seq_mask_kl_score": LossConfig(
+    )),
+    "dual_clip_seq_mask_kl_score": StepLoss(LossOptions(
         dual_clip=3.0, old_policy="generator", is_correction="seq-mask-tis", is_min=0.3,
         is_cap=3.0, aggregation="seq-mean-token-sum", kl_coef=0.1, kl_gradient="score",
-    ),
-    "kl_reward_k1_entropy_tis_min": LossConfig(
+    )),
+    "kl_reward_k1_entropy_tis_min": StepLoss(LossOptions(
         kl_coef=0.2, kl_estimator="k1", kl_placement="reward", entropy_coef=0.05,
-        is_min=0.5, is_cap=1.5, temperature=0.8,
-    ),
-    "kl_k2_clamped_direct": LossConfig(
+        is_min=0.5, is_cap=1.5,
+    ), SamplingSection(temperature=0.8)),
+    "kl_k2_clamped_direct": StepLoss(LossOptions(
         kl_coef=0.3, kl_estimator="k2", kl_input_clamp=0.5, kl_output_clamp=0.05,
         aggregation="sequence",
-    ),
+    )),
 }
 
 
@@ -65,7 +66,7 @@ DP_CONFIGS = {"sgd64": SGD64, "adamw64": ADAMW64}
 
 def _run(name, config, loss, batches, rank):
     sizes = DP_SCENARIOS[name]
-    trainer = TorchTrainer(FACTORY, config)
+    trainer = TorchTrainer(FACTORY, *config)
     results = []
     for step, batch in enumerate(batches):
         mine = split(batch, [sum(s) for s in sizes])[rank]

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from workers.loss import LossConfig
+from workers.loss import LossOptions
 
 
 def _clamp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -29,7 +29,7 @@ def _kl(d: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def _weights(ls: list[torch.Tensor], ok: list[bool], cfg: LossConfig) -> list[torch.Tensor]:
+def _weights(ls: list[torch.Tensor], ok: list[bool], cfg: LossOptions) -> list[torch.Tensor]:
     """Importance weights of one sequence's valid tokens (l_t = old_t - g_t)."""
     a, b, kind = cfg.is_min, cfg.is_cap, cfg.is_correction.value
     one = torch.ones((), dtype=torch.float64)
@@ -48,7 +48,7 @@ def _weights(ls: list[torch.Tensor], ok: list[bool], cfg: LossConfig) -> list[to
     return [wi.detach() if o else 0 * one for wi, o in zip(w, ok)]
 
 
-def _surrogate(lps, olds, advs, cfg: LossConfig, sequence_form: bool) -> list[torch.Tensor]:
+def _surrogate(lps, olds, advs, cfg: LossOptions, sequence_form: bool) -> list[torch.Tensor]:
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
     kind = cfg.policy_loss.value
     out = []
@@ -71,7 +71,7 @@ def _surrogate(lps, olds, advs, cfg: LossConfig, sequence_form: bool) -> list[to
     return out
 
 
-def _kl_term(lp, old, ref, cfg: LossConfig) -> torch.Tensor:
+def _kl_term(lp, old, ref, cfg: LossOptions) -> torch.Tensor:
     d = ref - lp
     clamped = False
     if cfg.kl_input_clamp and abs(float(d.detach())) > cfg.kl_input_clamp:
@@ -86,7 +86,7 @@ def _kl_term(lp, old, ref, cfg: LossConfig) -> torch.Tensor:
 
 
 def reference_loss(
-    lp: torch.Tensor, batch, cfg: LossConfig, *, ref=None, old=None, entropy=None,
+    lp: torch.Tensor, batch, cfg: LossOptions, *, ref=None, old=None, entropy=None,
     gspo_sequence: bool = False,
 ) -> torch.Tensor:
     """The step's loss L (already divided by its normaliser) of one batch."""
@@ -112,7 +112,7 @@ def reference_loss(
         advs = [batch.advantages[b, t] if per_token_adv else batch.advantages[b] for t in ts]
         advs = [a.double() for a in advs]
         if beta > 0 and cfg.kl_placement.value == "reward":
-            rcfg = LossConfig(**{**_fields(cfg), "kl_gradient": "direct"})
+            rcfg = LossOptions(**{**_fields(cfg), "kl_gradient": "direct"})
             advs = [
                 a - beta * _kl_term(o.detach(), o.detach(), ref[b, t].double(), rcfg).detach()
                 for a, o, t in zip(advs, olds, ts)
@@ -138,7 +138,7 @@ def reference_loss(
     return sum(sum(ts) / cfg.norm_length for ts in seq_terms) / n_seqs
 
 
-def _fields(cfg: LossConfig) -> dict:
+def _fields(cfg: LossOptions) -> dict:
     import msgspec
 
     return msgspec.structs.asdict(cfg)

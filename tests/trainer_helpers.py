@@ -10,14 +10,17 @@ import pickle
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import msgspec
 import torch
 
 from workers.batch import TrainBatch
-from workers.loss import Aggregation, LossConfig
+from workers.loss import Aggregation, LossOptions, StepLoss
+from workers.models.config import SamplingSection
 from workers.models.tiny import TinyConfig
 from workers.trainer import distributed as dd
-from workers.trainer.config import OptimizerConfig, TinyModelFactory, TrainerConfig
+from workers.trainer.config import OptimizerConfig, TinyModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.torch_backend import TorchTrainer
 
 VOCAB = 16
@@ -26,18 +29,31 @@ FACTORY = TinyModelFactory(
     TinyConfig(vocab_size=VOCAB, context_len=16, d_model=32, n_layers=2, n_heads=2)
 )
 
+
+
+class Setup(NamedTuple):
+    """A trainer's two inputs, passed around the tests as one: the user's ``[train]``
+    table and the run's runtime (``TorchTrainer(FACTORY, *setup)``)."""
+
+    train: TrainSection
+    runtime: TrainerRuntime
+
+    def with_train(self, **changes: Any) -> Setup:
+        return self._replace(train=msgspec.structs.replace(self.train, **changes))
+
+    def with_runtime(self, **changes: Any) -> Setup:
+        return self._replace(runtime=replace(self.runtime, **changes))
+
+
 #: SGD without clipping: a one-step update is linear in the gradient, so a gradient that
 #: is off by any factor (reduced twice, divided by the wrong N) shows up in the weights.
-SGD = TrainerConfig(
-    optimizer=OptimizerConfig(kind="sgd", lr=0.5),
-    max_grad_norm=None,
-    keep_reference=True,
-    digest_on_finish=False,
+SGD = Setup(
+    TrainSection(lr=0.5, grad_clip=0.0),
+    TrainerRuntime(optimizer=OptimizerConfig(kind="sgd"), keep_reference=True, digest_on_finish=False),
 )
-ADAMW = TrainerConfig(
-    optimizer=OptimizerConfig(kind="adamw", lr=1e-3, weight_decay=0.01),
-    max_grad_norm=1.0,
-    keep_reference=True,
+ADAMW = Setup(
+    TrainSection(lr=1e-3, weight_decay=0.01, grad_clip=1.0),
+    TrainerRuntime(optimizer=OptimizerConfig(kind="adamw"), keep_reference=True),
 )
 
 # -- how close "equal" is ------------------------------------------------------------
@@ -62,35 +78,37 @@ ADAMW = TrainerConfig(
 #   trainer that skips, repeats or mis-orders a step fails it.
 
 #: float64 twins of the two configs: the exactness checks run on these
-SGD64 = replace(SGD, dtype="float64")
-ADAMW64 = replace(ADAMW, dtype="float64")
+SGD64 = SGD.with_runtime(dtype="float64")
+ADAMW64 = ADAMW.with_runtime(dtype="float64")
 #: max weight difference for float64 runs (any optimizer)
 EXACT_F64 = 1e-12
 #: max weight difference for float32 SGD runs: 4 float32 ulps at 1.0 (2**-21)
 SGD_F32 = 4 * 2.0**-23
 
 
-def adamw_f32_tolerance(config: TrainerConfig, steps: int) -> float:
+def adamw_f32_tolerance(config: Setup, steps: int) -> float:
     """Max weight difference for float32 AdamW runs after ``steps`` steps (see above)."""
-    assert config.optimizer.kind == "adamw" and config.dtype != "float64"
-    return 1e-2 * config.optimizer.lr * steps
+    assert config.runtime.optimizer.kind == "adamw" and config.runtime.dtype != "float64"
+    return 1e-2 * config.train.lr * steps
 
 
-def metric_tolerance(config: TrainerConfig) -> tuple[float, float]:
+def metric_tolerance(config: Setup) -> tuple[float, float]:
     """(rel, abs) for grad norms and metrics: sums of many terms, rounding only."""
-    return (1e-9, 1e-12) if config.dtype == "float64" else (1e-5, 1e-6)
+    return (1e-9, 1e-12) if config.runtime.dtype == "float64" else (1e-5, 1e-6)
 
 
-def weight_tolerance(config: TrainerConfig, steps: int) -> float:
+def weight_tolerance(config: Setup, steps: int) -> float:
     """The tolerance that fits ``config``'s optimizer and dtype (see above)."""
-    if config.dtype == "float64":
+    if config.runtime.dtype == "float64":
         return EXACT_F64
-    if config.optimizer.kind == "sgd":
+    if config.runtime.optimizer.kind == "sgd":
         return SGD_F32
     return adamw_f32_tolerance(config, steps)
 
-TOKEN = LossConfig(aggregation=Aggregation.TOKEN, is_cap=1.5)
-SEQUENCE = LossConfig(aggregation=Aggregation.SEQUENCE, kl_coef=0.05, temperature=0.8)
+TOKEN = StepLoss(LossOptions(aggregation=Aggregation.TOKEN, is_cap=1.5))
+SEQUENCE = StepLoss(
+    LossOptions(aggregation=Aggregation.SEQUENCE, kl_coef=0.05), SamplingSection(temperature=0.8)
+)
 
 
 def make_batch(seed: int, batch_size: int = 8, max_len: int = MAX_LEN) -> TrainBatch:
@@ -129,13 +147,13 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def oneshot_reference(
-    config: TrainerConfig, loss: LossConfig, batches: list[TrainBatch]
+    config: Setup, loss: StepLoss, batches: list[TrainBatch]
 ) -> tuple[dict[str, torch.Tensor], list, dict[str, torch.Tensor]]:
     """World-size-1 one-shot train() on each full global batch: the ground truth.
 
     Returns (final weights, step results, initial weights).
     """
-    t = TorchTrainer(FACTORY, config)
+    t = TorchTrainer(FACTORY, *config)
     initial = t.export_weights()
     results = [t.train(b, loss) for b in batches]
     return t.export_weights(), results, initial
@@ -167,18 +185,18 @@ def _use_rank_local_normaliser(trainer: TorchTrainer) -> None:
 
     def wrong(open_):
         total, _ = right(open_)
-        token = open_.loss_config.aggregation is Aggregation.TOKEN
+        token = open_.loss_config.options.aggregation is Aggregation.TOKEN
         return total, max(1, open_.num_tokens if token else open_.num_sequences)
 
     trainer._global_normaliser = wrong  # type: ignore[method-assign]
 
 
 def run_dp_scenario(
-    name: str, config: TrainerConfig, loss: LossConfig, batches: list[TrainBatch]
+    name: str, config: Setup, loss: StepLoss, batches: list[TrainBatch]
 ) -> tuple[dict[str, torch.Tensor], list, str]:
     rank, world = dd.rank_and_world()
     sizes = {**DP_SCENARIOS, **DP_NEGATIVE}[name]
-    trainer = TorchTrainer(FACTORY, config)
+    trainer = TorchTrainer(FACTORY, *config)
     if name == WRONG_NORMALISER:
         _use_rank_local_normaliser(trainer)
     results = []
@@ -239,8 +257,8 @@ def run_dp(world_size: int, out_dir: Path) -> list[dict]:
 
 def determinism_run() -> None:
     """Print the weights digest after a fixed sequence of split-API calls (subprocess)."""
-    config = replace(ADAMW, num_threads=2)
-    t = TorchTrainer(FACTORY, config)
+    config = ADAMW.with_runtime(num_threads=2)
+    t = TorchTrainer(FACTORY, *config)
     for step in range(3):
         batch = make_batch(200 + step)
         t.begin_train_step(step, SEQUENCE if step % 2 else TOKEN)

@@ -38,11 +38,10 @@ from workers.availability import (
     cuda_available,
     package_available,
 )
-from workers.trainer.config import ModelFactory, TrainerBackend, TrainerConfig
+from workers.trainer.config import ModelFactory, TrainerBackend, TrainerRuntime, TrainSection
 from workers.trainer.options import BackendOptions, Fsdp2Options, MegatronOptions
 
 if TYPE_CHECKING:
-    from workers.trainer.config import TrainSection
     from workers.trainer.rank import RankTrainer
 
 GeneratorBackend = Literal["torch", "vllm"]
@@ -51,7 +50,7 @@ _T = TypeVar("_T")
 __all__ = [
     "MEGATRON_INSTALL_HINT", "VLLM_INSTALL_HINT", "BackendUnavailableError", "GeneratorBackend",
     "TrainerBackend", "check_megatron", "check_vllm", "cuda_available", "make_generator",
-    "make_trainer", "package_available", "trainer_options",
+    "make_trainer", "package_available",
 ]
 
 
@@ -73,34 +72,28 @@ def _checked(backend: str, options: object, kind: type[_T] | None) -> _T | None:
 def make_trainer(
     backend: TrainerBackend,
     model_factory: ModelFactory,
-    config: TrainerConfig | None = None,
+    train: TrainSection | None = None,
+    runtime: TrainerRuntime | None = None,
     options: BackendOptions | None = None,
 ) -> RankTrainer:
-    """One trainer rank of the selected backend (call inside the rank's process)."""
+    """One trainer rank of the selected backend (call inside the rank's process): the
+    ``[train]`` table as it is, the run's ``runtime`` beside it, and the backend's
+    ``options`` (knobs no config key sets; None: its defaults)."""
     _check_choice("train.backend", backend, get_args(TrainerBackend))
     if backend == "torch":
         _checked(backend, options, None)
         from workers.trainer.torch_backend import TorchTrainer
 
-        return TorchTrainer(model_factory, config)
+        return TorchTrainer(model_factory, train, runtime)
     if backend == "fsdp2":  # torch.distributed only: nothing extra to install
         from workers.trainer.fsdp2_backend import Fsdp2Trainer
 
-        return Fsdp2Trainer(model_factory, config, _checked(backend, options, Fsdp2Options))
+        return Fsdp2Trainer(model_factory, train, runtime, _checked(backend, options, Fsdp2Options))
     megatron = _checked(backend, options, MegatronOptions)
     check_megatron(installed=package_available("megatron.core"), cuda=cuda_available())
     from workers.trainer.megatron_backend import MegatronTrainer
 
-    return MegatronTrainer(model_factory, config, megatron)
-
-
-def trainer_options(train: TrainSection) -> BackendOptions | None:
-    """The selected backend's options, from the ``[train]`` table."""
-    if train.backend == "fsdp2":
-        return Fsdp2Options(
-            tensor_parallel=train.tensor_parallel, grad_reduce=train.fsdp2_grad_reduce
-        )
-    return None
+    return MegatronTrainer(model_factory, train, runtime, megatron)
 
 
 def make_generator(backend: GeneratorBackend, **kwargs: Any) -> Any:

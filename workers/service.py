@@ -29,16 +29,17 @@ from workers.api import (
     MicrobatchRef,
     StepOutcome,
 )
-from workers.backends import GeneratorBackend, make_trainer, trainer_options
+from workers.backends import GeneratorBackend, make_trainer
 from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
-from workers.dataplane import DataPlane, DataPlaneConfig, make_dataplane
+from workers.dataplane import DataPlane, DataPlaneRuntime, DataPlaneSection, make_dataplane
 from workers.dataplane.api import MissingPayloadError
 from workers.fencing import EpochFence, Fenced
-from workers.generator.config import PartialSection, VllmSection
+from workers.generator.config import MIB, PartialSection, VllmSection
 from workers.generator.generator import Generator
 from workers.generator.episodes import EpisodeGroups
 from workers.generator.inflight import InflightRunner
-from workers.generator.vllm_config import MIB
+from workers.generator.vllm_config import VllmRuntime
+from workers.loss import StepLoss
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
 from workers.envs.task import EpisodeTask
@@ -57,8 +58,8 @@ class WorkerSpec:
     """Everything a worker needs to build itself in any process (picklable).
 
     It carries the config tables the workers own -- the same Structs the run's
-    ``Config`` composes, not copies -- and each worker derives its runtime config from
-    its own table (``ModelSection.model_config``, ``TrainSection.trainer_config``, ...).
+    ``Config`` composes, not copies, which the components take as they are -- and the
+    run's own values beside them (run id, seed, where the data plane lives).
     """
 
     run_id: str
@@ -68,7 +69,9 @@ class WorkerSpec:
     task: TaskSection
     sampling: SamplingSection
     train: TrainSection
-    dataplane: DataPlaneConfig
+    dataplane: DataPlaneSection
+    #: the run's directory and Ray cluster, for the data plane
+    dataplane_runtime: DataPlaneRuntime
     generator_backend: GeneratorBackend = "torch"
     vllm: VllmSection = field(default_factory=VllmSection)
     partial: PartialSection = field(default_factory=PartialSection)
@@ -94,11 +97,11 @@ class TrainerWorker(Fenced):
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.fence = EpochFence(spec.run_id, "trainer")
-        self.dataplane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
+        if dataplane is None:
+            dataplane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
+        self.dataplane = dataplane
         #: the loss compares logprobs under the generators' sampling temperature
-        self.loss = spec.train.loss.loss_config(
-            spec.sampling.temperature, spec.sampling.max_new_tokens
-        )
+        self.loss = StepLoss(spec.train.loss, spec.sampling)
         self.trainer: Trainer = self._build()
         # any backend's export_weights feeds the refit (torch, megatron, FSDP2)
         self._refit = RefitSource(lambda: self.trainer.export_weights())
@@ -107,18 +110,14 @@ class TrainerWorker(Fenced):
     def _build(self) -> Trainer:
         """One rank in this process, or a ``TrainerGroup`` of rank actors (any backend)."""
         spec, train = self.spec, self.spec.train
-        factory = BuiltModelFactory(spec.model.model_config(spec.seed))
-        config = train.trainer_config(spec.seed)
-        options = trainer_options(train)
+        factory = BuiltModelFactory(spec.model, spec.seed)
+        runtime = train.runtime(spec.seed)
         world = train.data_parallel * train.tensor_parallel
         if world == 1:
-            return make_trainer(train.backend, factory, config, options)
+            return make_trainer(train.backend, factory, train, runtime)
         from workers.trainer.actor import TrainerGroup
 
-        return TrainerGroup(
-            world, factory, config, trainer_backend=train.backend,
-            options=options, tensor_parallel=train.tensor_parallel,
-        )
+        return TrainerGroup(world, factory, train, runtime, trainer_backend=train.backend)
 
     def reset(self) -> None:
         """Back to the initial weights (seeded init, version 0), as if just started."""
@@ -234,9 +233,10 @@ class GeneratorWorker(Fenced):
         self.fence = EpochFence(spec.run_id, name)
         task = make_task(spec.task.name, **{**spec.task.options, **spec.task_options})
         self.prompts = prompt_set(task, spec.task.num_prompts, spec.seed, spec.task.dataset or None)
-        self.sampling = spec.sampling.sampling_config()
-        plane = dataplane if dataplane is not None else make_dataplane(spec.dataplane)
-        fenced_plane: Any = _FencedWrites(plane, self.fence)
+        self.sampling = spec.sampling
+        if dataplane is None:
+            dataplane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
+        fenced_plane: Any = _FencedWrites(dataplane, self.fence)
         self.generator: Any
         if spec.generator_backend == "vllm" and isinstance(task, EpisodeTask):
             raise ValueError(
@@ -251,11 +251,12 @@ class GeneratorWorker(Fenced):
             self.generator = make_generator(
                 "vllm", model_path=spec.model.path, tokenizer=load_hf_tokenizer(spec.model.path),
                 task=task, dataplane=fenced_plane, run_id=spec.run_id, name=name,
-                options=spec.vllm.options(spec.seed, prefix_caching=not spec.partial.enabled),
+                options=spec.vllm,
+                runtime=VllmRuntime(seed=spec.seed, prefix_caching=not spec.partial.enabled),
                 num_threads=spec.torch_threads, kv_on_refit=spec.partial.kv_on_refit,
             )
         else:
-            model, tokenizer = build_model(spec.model.model_config(spec.seed))
+            model, tokenizer = build_model(spec.model, spec.seed)
             self.generator = Generator(
                 model, tokenizer, task, fenced_plane, spec.run_id, name=name,
                 kv_on_refit=spec.partial.kv_on_refit,

@@ -77,7 +77,10 @@ class RedisEventStore:
         page_reads: PageReads = "auto",
         chain_key: bytes | None = None,
     ) -> None:
-        check_url(url)  # one line for a malformed URL, not redis-py's traceback
+        if client is None:
+            # One line for a malformed URL, not redis-py's traceback. A client handed in
+            # (Sentinel, fakeredis) was built elsewhere; ``url`` then only names it.
+            check_url(url)
         self.url = url
         #: appends wait for this many replicas (``events.redis_store.replication``)
         self.replication = replication or StoreConfig()

@@ -12,7 +12,8 @@ from tests.dataplane_fixtures import grpo_rows, partition, plane, tq_plane  # no
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import (
     DataPlane,
-    DataPlaneConfig,
+    DataPlaneRuntime,
+    DataPlaneSection,
     DataPlaneError,
     MemoryDataPlane,
     MissingPayloadError,
@@ -293,14 +294,20 @@ def test_spill_refuses_the_old_safetensors_format(tmp_path):
 
 
 def test_factory_builds_memory_and_spill(tmp_path):
-    assert isinstance(make_dataplane(DataPlaneConfig(kind="memory")), MemoryDataPlane)
-    spill = make_dataplane(DataPlaneConfig(kind="memory", spill_dir=str(tmp_path)))
+    memory = DataPlaneSection(kind="memory", spill=False)
+    assert isinstance(make_dataplane(memory, DataPlaneRuntime()), MemoryDataPlane)
+    spilled = DataPlaneSection(kind="memory", spill=True)
+    spill = make_dataplane(spilled, DataPlaneRuntime(run_dir=str(tmp_path)))
     assert isinstance(spill, SpillDataPlane) and isinstance(spill.inner, MemoryDataPlane)
+    assert (tmp_path / "spill").is_dir()
+    # a spill without a run directory is refused, never silently dropped
+    with pytest.raises(ValueError, match="dataplane.spill"):
+        make_dataplane(spilled, DataPlaneRuntime())
 
 
 def test_factory_rejects_unknown_kind():
-    with pytest.raises(ValueError, match="kind"):
-        DataPlaneConfig(kind="redis")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dataplane.kind"):
+        DataPlaneSection(kind="redis")  # type: ignore[arg-type]
 
 
 def test_only_a_plane_that_keeps_rows_declares_reload(plane):

@@ -101,7 +101,7 @@ class LocalRun:
 
 def start_local(cfg: Config, run_id: str, run_dir: Path) -> LocalRun:
     spec = worker_spec(cfg, run_id, run_dir)
-    plane = make_dataplane(spec.dataplane)
+    plane = make_dataplane(spec.dataplane, spec.dataplane_runtime)
     calls = CallLog()
     hooks: dict[str, dict] = {}
 

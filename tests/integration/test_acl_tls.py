@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
 
@@ -104,25 +105,32 @@ def test_read_only_commands_work_under_the_reader(capsys, trained) -> None:
 
 
 def test_tail_follow_under_the_reader_sees_new_events(acl_server, trained) -> None:
+    # ``tail --follow`` ends at RunFinished, so follow a copy of the trained run that
+    # stops just before it: the live end of a run that is still going.
+    live = "acl-live"
+    writer = RedisEventStore(url_for(acl_server, "rlc-controller"))
+    events = [s.event for s in writer.read(RUN)]
+    assert type(events[-1]).__name__ == "RunFinished"
+    epoch = writer.claim_epoch(live)
+    writer.append(live, [msgspec.structs.replace(e, epoch=epoch) for e in events[:-1]],
+                  expected_position=0, epoch=epoch)
+    last = writer.last_position(live)
     follower = popen_foreground(
-        [sys.executable, "-m", "cli.main", "tail", "--redis-url", trained, "--run", RUN,
+        [sys.executable, "-m", "cli.main", "tail", "--redis-url", trained, "--run", live,
          "--follow", "--json"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         assert follower.stdout is not None
-        writer = RedisEventStore(url_for(acl_server, "rlc-controller"))
-        last = writer.last_position(RUN)
         lines = [json.loads(follower.stdout.readline()) for _ in range(last)]
         assert lines[-1]["position"] == last
-        epoch = writer.claim_epoch(RUN)
         event = GroupFailed(event_id="late", epoch=epoch, ts=time.time(), group_id="g-late",
                             attempt=0, reason="lost")
-        writer.append(RUN, [event], expected_position=last, epoch=epoch)
-        writer.close()
+        writer.append(live, [event], expected_position=last, epoch=epoch)
         # XREAD BLOCK under the reader wakes up for the new entry
         assert json.loads(follower.stdout.readline())["position"] == last + 1
     finally:
+        writer.close()
         follower.send_signal(signal.SIGINT)
         _, err = follower.communicate(timeout=30)
     assert "NOPERM" not in err and "Traceback" not in err

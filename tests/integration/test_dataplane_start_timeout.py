@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 ray = pytest.importorskip("ray")
 
 from workers.dataplane.api import DataPlaneUnavailable  # noqa: E402
-from workers.dataplane.config import DataPlaneConfig  # noqa: E402
+from workers.dataplane.config import DataPlaneRuntime, DataPlaneSection  # noqa: E402
 from workers.dataplane.transferqueue import TransferQueueDataPlane  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def test_unplaceable_transferqueue_is_refused_with_what_is_pending(small_ray):
     hog = _Hog.remote()
     assert ray.get(hog.ping.remote(), timeout=120)  # every CPU is held from here on
     with pytest.raises(DataPlaneUnavailable) as caught:
-        TransferQueueDataPlane(DataPlaneConfig(num_storage_units=2, start_timeout_s=2))
+        TransferQueueDataPlane(DataPlaneSection(storage_units=2, start_timeout_s=2))
     message = str(caught.value)
     assert "dataplane.start_timeout_s = 2 s" in message, message
     assert "its controller" in message, message
@@ -52,7 +52,7 @@ def test_unplaceable_transferqueue_is_refused_with_what_is_pending(small_ray):
     # The killed actors are gone and the adapter forgot them: with the CPUs back,
     # TransferQueue starts in this process and works.
     ray.kill(hog)
-    plane = TransferQueueDataPlane(DataPlaneConfig(num_storage_units=1, start_timeout_s=300))
+    plane = TransferQueueDataPlane(DataPlaneSection(storage_units=1, start_timeout_s=300))
     try:
         plane.put("p", ["k"], {"x": [torch.arange(3, dtype=torch.float64)]})
         (row,) = plane.get("p", ["k"])
@@ -66,7 +66,9 @@ class _Joiner:
     """A worker's side: joins the TransferQueue the driver starts (created before it)."""
 
     def __init__(self, timeout_s: float) -> None:
-        self.plane = TransferQueueDataPlane(DataPlaneConfig(join=True, start_timeout_s=timeout_s))
+        self.plane = TransferQueueDataPlane(
+            DataPlaneSection(start_timeout_s=timeout_s), DataPlaneRuntime(join=True)
+        )
 
     def get(self, partition: str, key: str) -> list[float]:
         (row,) = self.plane.get(partition, [key])
@@ -75,7 +77,7 @@ class _Joiner:
 
 def test_a_joiner_created_first_waits_for_transferqueue_then_joins_it(small_ray):
     joiner = _Joiner.remote(300)  # its process starts (and waits) while TQ starts below
-    plane = TransferQueueDataPlane(DataPlaneConfig(num_storage_units=1, start_timeout_s=300))
+    plane = TransferQueueDataPlane(DataPlaneSection(storage_units=1, start_timeout_s=300))
     try:
         plane.put("p", ["k"], {"x": [torch.arange(3, dtype=torch.float64)]})
         assert ray.get(joiner.get.remote("p", "k"), timeout=300) == [0.0, 1.0, 2.0]
@@ -86,7 +88,7 @@ def test_a_joiner_created_first_waits_for_transferqueue_then_joins_it(small_ray)
 
 def test_a_joiner_never_starts_transferqueue_and_says_what_it_waited_for(small_ray):
     with pytest.raises(DataPlaneUnavailable) as caught:
-        TransferQueueDataPlane(DataPlaneConfig(join=True, start_timeout_s=1))
+        TransferQueueDataPlane(DataPlaneSection(start_timeout_s=1), DataPlaneRuntime(join=True))
     assert str(caught.value) == (
         "no TransferQueue to join within dataplane.start_timeout_s = 1 s "
         "(waiting for its controller)"

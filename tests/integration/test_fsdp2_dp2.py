@@ -124,7 +124,7 @@ def test_checkpoint_saved_at_dp2_loads_at_dp1_and_continues(dp2, world1):
     saved = dp2[0]["checkpoint"]
     assert dp2[1]["checkpoint"]["info"] == saved["info"]
     info = saved["info"]
-    t = Fsdp2Trainer(FACTORY, ADAMW, F64)
+    t = Fsdp2Trainer(FACTORY, *ADAMW, F64)
     assert t.weights_digest() != saved["saved_digest"]
     loaded = t.load_checkpoint(info.path)
     assert (loaded.sha256, loaded.trainer_version) == (info.sha256, 2)

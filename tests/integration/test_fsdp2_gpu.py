@@ -26,7 +26,6 @@ NCCL needs two devices.
 from __future__ import annotations
 
 import pickle
-from dataclasses import replace
 
 import pytest
 import torch
@@ -41,6 +40,7 @@ from tests.fsdp2_helpers import (
     DoubleFactory,
     abort_scenario,
     batches,
+    fsdp2,
     checkpoint_scenario,
     leave_rank,
     max_diff,
@@ -82,7 +82,7 @@ def _split_with_dummies(config, loss) -> tuple[dict, list, str]:
     built on the trainer's device (here, the GPU) and must add exactly nothing."""
     from workers.trainer.fsdp2_backend import Fsdp2Trainer
 
-    t = Fsdp2Trainer(FACTORY, config, F64)
+    t = Fsdp2Trainer(FACTORY, *config, F64)
     results = []
     for step, batch in enumerate(batches()):
         t.begin_train_step(step, loss)
@@ -98,8 +98,8 @@ def _placement() -> dict:
 
     from workers.trainer.fsdp2_backend import Fsdp2Trainer
 
-    f = Fsdp2Trainer(FACTORY, SGD, F64)
-    t = TorchTrainer(DoubleFactory(FACTORY), SGD)
+    f = Fsdp2Trainer(FACTORY, *SGD, F64)
+    t = TorchTrainer(DoubleFactory(FACTORY), *SGD)
     return {
         "backend": dist.get_backend(),
         "mesh_device": f.parallel.placement.mesh.device_type,
@@ -117,7 +117,7 @@ def _checkpoint(out_dir: str) -> dict:
     from workers.trainer.fsdp2_backend import Fsdp2Trainer
 
     saved = checkpoint_scenario(out_dir)
-    t = Fsdp2Trainer(FACTORY, ADAMW, F64)
+    t = Fsdp2Trainer(FACTORY, *ADAMW, F64)
     before = t.weights_digest()
     loaded = t.load_checkpoint(saved["info"].path)
     digest = t.weights_digest()
@@ -141,9 +141,7 @@ def gpu_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 for scenario in SCENARIOS:
                     out[(scenario, cfg_name, loss_name)] = run_scenario(scenario, config, loss)
                 out[("split_dummies", cfg_name, loss_name)] = _split_with_dummies(config, loss)
-        out["gathered"] = run_scenario(
-            "split", ADAMW, TOKEN_KL, replace(F64, grad_reduce="gathered")
-        )
+        out["gathered"] = run_scenario("split", fsdp2(ADAMW, fsdp2_grad_reduce="gathered"), TOKEN_KL)
         out["abort"] = abort_scenario()
         out["checkpoint"] = _checkpoint(out_dir)
         write_results(out, out_dir, rank)
@@ -169,7 +167,7 @@ def cpu_truth() -> dict:
     out = {}
     for cfg_name, config in CONFIGS.items():
         for loss_name, loss in LOSSES.items():
-            t = TorchTrainer(DoubleFactory(FACTORY), replace(config, device="cpu"))
+            t = TorchTrainer(DoubleFactory(FACTORY), *config.with_runtime(device="cpu"))
             initial_digest = t.weights_digest()
             results = [t.train(b, loss) for b in batches()]
             out[(cfg_name, loss_name)] = (t.export_weights(), results, initial_digest)
@@ -222,7 +220,7 @@ def test_weights_digest_equals_torch_backend_digest_of_the_same_weights(gpu, cpu
     assert p["fsdp2_digest"] == p["torch_digest"] == initial_cpu
     for scenario in (*SCENARIOS, "split_dummies"):
         weights, _, digest = gpu[(scenario, "adamw", "token_kl")]
-        t = TorchTrainer(DoubleFactory(FACTORY), replace(SGD, device="cpu"))
+        t = TorchTrainer(DoubleFactory(FACTORY), *SGD.with_runtime(device="cpu"))
         t.model.load_state_dict(weights)
         assert t.weights_digest() == digest, scenario
 

@@ -43,7 +43,7 @@ def world1():
 def torch_truth(path: str, cfg_name: str, loss_name: str):
     from workers.trainer.torch_backend import TorchTrainer
 
-    t = TorchTrainer(DoubleFactory(hf_factory(path)), CONFIGS[cfg_name])
+    t = TorchTrainer(DoubleFactory(hf_factory(path)), *CONFIGS[cfg_name])
     for b in batches():
         t.train(b, LOSSES[loss_name])
     return t
@@ -53,10 +53,10 @@ def test_tied_embeddings_stay_tied_and_match_the_torch_backend(llama_dir, world1
     from workers.trainer.fsdp2_backend import Fsdp2Trainer
     from workers.trainer.torch_backend import TorchTrainer
 
-    t = Fsdp2Trainer(hf_factory(llama_dir), SGD, F64)
+    t = Fsdp2Trainer(hf_factory(llama_dir), *SGD, F64)
     lm = t.model.model
     assert lm.lm_head.weight is lm.model.embed_tokens.weight
-    ref = TorchTrainer(DoubleFactory(hf_factory(llama_dir)), SGD)
+    ref = TorchTrainer(DoubleFactory(hf_factory(llama_dir)), *SGD)
     assert t.weights_digest() == ref.weights_digest()  # meta ranks + broadcast, buffers too
     batch = batches()[0]
     t.begin_train_step(0, TOKEN)

@@ -24,7 +24,7 @@ def dp2(tmp_path_factory):
 def test_dp2_matches_world_size_1_one_shot(dp2, cfg_name, family, scenario):
     config, loss = DP_CONFIGS[cfg_name], FAMILIES[family]
     batches = [family_batch(300 + s, per_token=bool(s % 2)) for s in range(2)]
-    truth = TorchTrainer(FACTORY, config)
+    truth = TorchTrainer(FACTORY, *config)
     initial = truth.export_weights()
     want = [truth.train(b, loss) for b in batches]
     (w0, res0), (w1, res1) = (r[(cfg_name, family, scenario)] for r in dp2)

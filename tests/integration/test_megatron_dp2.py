@@ -69,10 +69,8 @@ def _run(variant: str, scenario: str, cfg_name: str, loss_name: str, gpu: bool):
     options = MegatronOptions(use_distributed_optimizer=gpu, **opts)
     config = CONFIGS[cfg_name]
     if gpu:
-        from dataclasses import replace
-
-        config = replace(config, device="cuda")
-    trainer = MegatronTrainer(_factory(model), config, options)
+        config = config.with_runtime(device="cuda")
+    trainer = MegatronTrainer(_factory(model), *config, options)
     initial = trainer.export_weights()
     loss = LOSSES[loss_name]
     rank, world = dd.rank_and_world()

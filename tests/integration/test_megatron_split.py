@@ -11,7 +11,7 @@ restored after it (a finish, an abort, an exception).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ from tests.trainer_helpers import (  # noqa: E402
     weight_tolerance,
 )
 from workers.backends import BackendUnavailableError  # noqa: E402
-from workers.trainer import OptimizerConfig, StepPhase, TorchTrainer  # noqa: E402
+from workers.trainer import StepPhase, TorchTrainer  # noqa: E402
 from workers.trainer.megatron_backend import (  # noqa: E402
     McoreGPTFactory,
     MegatronOptions,
@@ -50,7 +50,7 @@ OVERLAP = [False, True]
 # This module is the gloo (CPU) suite: pin its trainers to the CPU, or a machine with a
 # GPU would put them on CUDA under a gloo group ("unsupported device type cuda"). The
 # GPU runs are test_megatron_dp2.py's ``gpu`` tests.
-SGD, ADAMW, SGD64, ADAMW64 = (replace(c, device="cpu") for c in (SGD, ADAMW, SGD64, ADAMW64))
+SGD, ADAMW, SGD64, ADAMW64 = (c.with_runtime(device="cpu") for c in (SGD, ADAMW, SGD64, ADAMW64))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -91,7 +91,7 @@ CONFIGS = {"sgd64": SGD64, "adamw64": ADAMW64, "sgd32": SGD, "adamw32": ADAMW}
 def test_split_matches_torch_backend_oneshot(config, loss, overlap):
     batches = [make_batch(10), make_batch(11)]
     want, want_results, initial = oneshot_reference(config, loss, batches)
-    t = MegatronTrainer(FACTORY, config, MegatronOptions(overlap_grad_reduce=overlap))
+    t = MegatronTrainer(FACTORY, *config, MegatronOptions(overlap_grad_reduce=overlap))
     assert max_param_diff(t.export_weights(), initial) == 0  # same init as the torch backend
     results = []
     for step, batch in enumerate(batches):
@@ -115,7 +115,7 @@ def test_mcore_gpt_model_split_matches_oneshot():
     factory = McoreGPTFactory(
         vocab_size=16, context_len=16, hidden_size=32, num_layers=2, num_attention_heads=2
     )
-    a, b = MegatronTrainer(factory, SGD64), MegatronTrainer(factory, SGD64)
+    a, b = MegatronTrainer(factory, *SGD64), MegatronTrainer(factory, *SGD64)
     initial = a.export_weights()
     batch = make_batch(12)
     ra = a.train(batch, SEQUENCE)
@@ -155,7 +155,7 @@ def count_grad_reductions(trainer):
 
 @pytest.mark.parametrize("overlap", OVERLAP)
 def test_finish_reduces_gradients_exactly_once(overlap):
-    t = MegatronTrainer(FACTORY, SGD, MegatronOptions(overlap_grad_reduce=overlap))
+    t = MegatronTrainer(FACTORY, *SGD, MegatronOptions(overlap_grad_reduce=overlap))
     for step in range(2):
         t.begin_train_step(step, TOKEN)
         with count_grad_reductions(t) as calls:
@@ -198,7 +198,7 @@ def _sentinel_hooks(t):
 
 @pytest.mark.parametrize("ending", ["finish", "abort", "exception", "failed_finish"])
 def test_sync_hooks_are_null_during_a_step_and_restored_after(ending):
-    t = MegatronTrainer(FACTORY, SGD, MegatronOptions(overlap_grad_reduce=True))
+    t = MegatronTrainer(FACTORY, *SGD, MegatronOptions(overlap_grad_reduce=True))
     no_sync, grad_sync = _sentinel_hooks(t)
     probe = _install_probe(t)
     t.begin_train_step(0, TOKEN)
@@ -227,7 +227,7 @@ def test_no_grad_ready_counts_leak_into_later_steps_with_overlap():
     # A microbatch run outside no_sync with overlap on would count "grad ready" events;
     # zero_grad_buffer would keep them as the golden set, and later steps would dispatch
     # a reduction mid-step (then assert on the second dispatch).
-    t = MegatronTrainer(FACTORY, ADAMW, MegatronOptions(overlap_grad_reduce=True))
+    t = MegatronTrainer(FACTORY, *ADAMW, MegatronOptions(overlap_grad_reduce=True))
     for step in range(3):
         train_split(t, make_batch(16 + step), TOKEN, [2, 6], step)
         assert ddp(t).bucket_groups, "overlap_grad_reduce builds bucket groups; none to check"
@@ -241,7 +241,7 @@ def test_no_grad_ready_counts_leak_into_later_steps_with_overlap():
 
 
 def test_abort_leaves_weights_optimizer_and_buffers_unchanged():
-    t, fresh = MegatronTrainer(FACTORY, ADAMW), MegatronTrainer(FACTORY, ADAMW)
+    t, fresh = MegatronTrainer(FACTORY, *ADAMW), MegatronTrainer(FACTORY, *ADAMW)
     t.train(make_batch(30), TOKEN)
     fresh.train(make_batch(30), TOKEN)
     digest, version = t.weights_digest(), t.trainer_version
@@ -261,7 +261,7 @@ def test_distributed_optimizer_without_gpu_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(BackendUnavailableError, match="distributed optimizer needs a CUDA GPU"):
-        MegatronTrainer(FACTORY, ADAMW, MegatronOptions(use_distributed_optimizer=True))
+        MegatronTrainer(FACTORY, *ADAMW, MegatronOptions(use_distributed_optimizer=True))
 
 
 # -- MoE auxiliary losses ----------------------------------------------------------------
@@ -293,8 +293,8 @@ def test_moe_aux_loss_is_scaled_by_the_global_microbatch_count():
     from workers.loss import grpo_loss, token_logprobs
     from workers.trainer.tensors import _trim
 
-    sgd = replace(SGD64, optimizer=OptimizerConfig(kind="sgd", lr=1.0), keep_reference=False)
-    t = MegatronTrainer(AuxLossFactory(), sgd)
+    sgd = SGD64.with_train(lr=1.0).with_runtime(keep_reference=False)
+    t = MegatronTrainer(AuxLossFactory(), *sgd)
     model = AuxLossFactory()().double()
     model.load_state_dict(t.model.state_dict())
     batch, sizes = make_batch(40), [3, 2, 3]
@@ -312,8 +312,9 @@ def test_moe_aux_loss_is_scaled_by_the_global_microbatch_count():
             logits = model(mb.input_ids)
         finally:
             MoEAuxLossAutoScaler.apply = original
-        lp = token_logprobs(logits, mb.input_ids, TOKEN.temperature)
-        total = total + grpo_loss(lp, mb, TOKEN).loss_sum / res.num_tokens + aux[0] / len(sizes)
+        lp = token_logprobs(logits, mb.input_ids, TOKEN.sampling.temperature)
+        pg = grpo_loss(lp, mb, TOKEN.options).loss_sum
+        total = total + pg / res.num_tokens + aux[0] / len(sizes)
     total.backward()
     want = {k: (p - p.grad).detach() for k, p in model.named_parameters()}
     got = t.export_weights()
@@ -325,10 +326,10 @@ def test_moe_aux_loss_is_scaled_by_the_global_microbatch_count():
 
 
 def test_checkpoint_layout_is_the_torch_backends(tmp_path):
-    torch_trainer = TorchTrainer(FACTORY, ADAMW64)
+    torch_trainer = TorchTrainer(FACTORY, *ADAMW64)
     torch_trainer.train(make_batch(50), TOKEN)
     torch_trainer.save_checkpoint(tmp_path / "from-torch")
-    m = MegatronTrainer(FACTORY, ADAMW64)
+    m = MegatronTrainer(FACTORY, *ADAMW64)
     info = m.load_checkpoint(tmp_path / "from-torch")
     assert info.trainer_version == 1 and m.weights_digest() == torch_trainer.weights_digest()
     rm, rt = m.train(make_batch(51), TOKEN), torch_trainer.train(make_batch(51), TOKEN)
@@ -336,7 +337,7 @@ def test_checkpoint_layout_is_the_torch_backends(tmp_path):
     assert max_param_diff(m.export_weights(), torch_trainer.export_weights()) <= tolerance
     assert rm.trainer_version == rt.trainer_version == 2
     m.save_checkpoint(tmp_path / "from-megatron")
-    again = MegatronTrainer(FACTORY, ADAMW64)
+    again = MegatronTrainer(FACTORY, *ADAMW64)
     again.load_checkpoint(tmp_path / "from-megatron")
     assert again.weights_digest() == m.weights_digest()
 
@@ -351,11 +352,11 @@ def test_distributed_optimizer_only_where_megatron_builds_it():
     from workers.trainer.megatron_backend import _distributed_optimizer
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _distributed_optimizer(None, cuda, ADAMW) is True
-    assert _distributed_optimizer(None, cuda, SGD) is False
-    assert _distributed_optimizer(None, cuda, ADAMW64) is False
-    assert _distributed_optimizer(None, cpu, ADAMW) is False
-    assert _distributed_optimizer(False, cuda, ADAMW) is False
+    assert _distributed_optimizer(None, cuda, ADAMW.runtime) is True
+    assert _distributed_optimizer(None, cuda, SGD.runtime) is False
+    assert _distributed_optimizer(None, cuda, ADAMW64.runtime) is False
+    assert _distributed_optimizer(None, cpu, ADAMW.runtime) is False
+    assert _distributed_optimizer(False, cuda, ADAMW.runtime) is False
     for cfg, named in ((SGD, "optimizer 'sgd'"), (ADAMW64, "float64 parameters")):
         with pytest.raises(BackendUnavailableError, match=named):
-            MegatronTrainer(FACTORY, cfg, MegatronOptions(use_distributed_optimizer=True))
+            MegatronTrainer(FACTORY, *cfg, MegatronOptions(use_distributed_optimizer=True))

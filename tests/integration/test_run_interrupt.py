@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -29,6 +30,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RUN_ID = "ctrl-c"
 STEPS = 6
 PROMPT = "interrupted; the log is consistent, continue with: "
+
+
+def _same_program(printed: str, expected: str) -> bool:
+    """The printed command is the bare name when that name on PATH is this program."""
+    return os.path.realpath(shutil.which(printed) or printed) == os.path.realpath(expected)
 
 
 def _wait_for_first_step(proc: subprocess.Popen, log_file: Path, limit_s: float) -> None:
@@ -63,7 +69,7 @@ def test_ctrl_c_leaves_a_consistent_log_and_a_resume_command_that_finishes(tmp_p
         assert errors == [err.strip().splitlines()[-1]], err[-3000:]
         assert errors[0].startswith("rl-controller: error: " + PROMPT), errors
         resume = shlex.split(errors[0].split(PROMPT, 1)[1])
-        assert resume[0] == _command()[0] and resume[1:5] == ["run", "--resume", "--run-id", RUN_ID]
+        assert _same_program(resume[0], _command()[0]) and resume[1:5] == ["run", "--resume", "--run-id", RUN_ID]
 
         stopped = runs(data_dir)[RUN_ID]
         assert not stopped["finished"] and 1 <= stopped["trainer_version"] < STEPS, stopped

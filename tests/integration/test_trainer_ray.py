@@ -43,7 +43,7 @@ def test_two_rank_actors_match_in_process_oneshot(ray_cluster, tmp_path):
 
     batch = make_batch(100)
     want, want_results, initial = oneshot_reference(SGD64, TOKEN, [batch])
-    group = TrainerGroup(2, FACTORY, SGD64)
+    group = TrainerGroup(2, FACTORY, *SGD64)
     try:
         with pytest.raises(TrainStepStateError):
             group.finish_train_step()  # rejected by the driver before any fan-out
@@ -96,7 +96,7 @@ def test_trainer_worker_reset_stops_its_rank_actors(ray_cluster, tmp_path):
         "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
     ])
     spec = worker_spec(cfg, "reset-test", tmp_path)
-    worker = TrainerWorker(spec, make_dataplane(spec.dataplane))
+    worker = TrainerWorker(spec, make_dataplane(spec.dataplane, spec.dataplane_runtime))
     try:
         old = list(worker.trainer._ranks)
         assert _live(old) == 2
@@ -119,7 +119,7 @@ def test_rank_actors_run_every_backend(ray_cluster, trainer_backend):
 
     batch = make_batch(101)
     want, want_results, _ = oneshot_reference(SGD64, TOKEN, [batch])
-    group = TrainerGroup(2, FACTORY, SGD64, trainer_backend=trainer_backend)
+    group = TrainerGroup(2, FACTORY, *SGD64, trainer_backend=trainer_backend)
     try:
         group.begin_train_step(0, TOKEN)
         rank0, rank1 = split(batch, [5, 3])

@@ -28,19 +28,20 @@ if _why is not None:
     pytest.skip(_why, allow_module_level=True)
 
 from workers.dataplane import MemoryDataPlane  # noqa: E402
+from workers.generator.config import VllmSection  # noqa: E402
 from workers.generator.vllm_backend import GeneratorClosedError, VllmGenerator  # noqa: E402
-from workers.generator.vllm_config import VllmOptions  # noqa: E402
 from workers.handles import LocalHandle  # noqa: E402
+from workers.models.config import SamplingSection  # noqa: E402
 from workers.models.hf import HFCausalLM, load_hf, load_hf_tokenizer  # noqa: E402
 from workers.models.hf_tiny import write_tiny_hf_model  # noqa: E402
-from workers.models.sampling import SamplingConfig, sequence_logprobs  # noqa: E402
+from workers.models.sampling import sequence_logprobs  # noqa: E402
 from workers.tasks import Example, make_task  # noqa: E402
 from workers.weight_sync import StaleWeightsError  # noqa: E402
 from workers.weight_transport import BucketTransport  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
-SAMPLING = SamplingConfig(temperature=0.8, max_new_tokens=8)
+SAMPLING = SamplingSection(temperature=0.8, max_new_tokens=8)
 ATOL = 2e-3
 PROMPT = Example(prompt="abcd>", answer="dcba")
 
@@ -53,7 +54,7 @@ def hf_dir(tmp_path_factory):
 def _make(hf_dir, mode="inprocess", num_threads=None, **kw) -> VllmGenerator:
     return VllmGenerator(
         str(hf_dir), load_hf_tokenizer(hf_dir), make_task("reverse"), MemoryDataPlane(), "run-1",
-        options=VllmOptions(engine_mode=mode, kv_cache_bytes=32 * 1024 * 1024, max_num_seqs=16, **kw),
+        options=VllmSection(engine_mode=mode, kv_cache_mib=32, max_num_seqs=16, **kw),
         num_threads=num_threads,
     )
 

@@ -19,18 +19,20 @@ if _why is not None:
 
 from workers.api import GenerationRequest  # noqa: E402
 from workers.dataplane import MemoryDataPlane  # noqa: E402
+from workers.generator.config import VllmSection  # noqa: E402
 from workers.generator.inflight import InflightRunner  # noqa: E402
 from workers.generator.vllm_backend import VllmGenerator  # noqa: E402
-from workers.generator.vllm_config import VllmOptions  # noqa: E402
+from workers.generator.vllm_config import VllmRuntime  # noqa: E402
+from workers.models.config import SamplingSection  # noqa: E402
 from workers.models.hf import load_hf, load_hf_tokenizer  # noqa: E402
 from workers.models.hf_tiny import write_tiny_hf_model  # noqa: E402
-from workers.models.sampling import SamplingConfig, sequence_logprobs  # noqa: E402
+from workers.models.sampling import sequence_logprobs  # noqa: E402
 from workers.tasks import Example, make_task  # noqa: E402
 from workers.weight_sync import cpu_state_dict  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
-SAMPLING = SamplingConfig(temperature=0.8, max_new_tokens=10)
+SAMPLING = SamplingSection(temperature=0.8, max_new_tokens=10)
 EXAMPLE = Example(prompt="abcd>", answer="dcba")
 ATOL = 2e-3
 
@@ -44,7 +46,8 @@ def hf_dir(tmp_path_factory):
 def gen(hf_dir):
     g = VllmGenerator(
         str(hf_dir), load_hf_tokenizer(hf_dir), make_task("reverse"), MemoryDataPlane(), "run-1",
-        options=VllmOptions(kv_cache_bytes=32 * 1024 * 1024, max_num_seqs=16, prefix_caching=False),
+        options=VllmSection(kv_cache_mib=32, max_num_seqs=16),
+        runtime=VllmRuntime(prefix_caching=False),
         num_threads=1,
     )
     yield g

@@ -18,7 +18,8 @@ from workers.backends import (
 )
 from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
-from workers.models.factory import ModelConfig, build_model
+from workers.models.config import ModelSection
+from workers.models.factory import build_model
 from workers.tasks import make_task
 from workers.trainer import RankTrainer
 from workers.trainer.options import Fsdp2Options, MegatronOptions
@@ -26,18 +27,18 @@ from tests.trainer_helpers import FACTORY, SGD
 
 
 def test_torch_trainer_is_the_default_choice():
-    t = make_trainer("torch", FACTORY, SGD)
+    t = make_trainer("torch", FACTORY, *SGD)
     assert isinstance(t, RankTrainer) and t.parallel.backend == "torch"
 
 
 def test_torch_trainer_rejects_backend_options():
     with pytest.raises(TypeError, match="'torch' takes no options.*overlap_grad_reduce=True"):
-        make_trainer("torch", FACTORY, SGD, MegatronOptions(overlap_grad_reduce=True))
+        make_trainer("torch", FACTORY, *SGD, MegatronOptions(overlap_grad_reduce=True))
 
 
 def test_a_backend_refuses_another_backends_options():
     with pytest.raises(TypeError, match="'megatron' takes MegatronOptions, got Fsdp2Options"):
-        make_trainer("megatron", FACTORY, SGD, Fsdp2Options())
+        make_trainer("megatron", FACTORY, *SGD, Fsdp2Options())
 
 
 @pytest.mark.parametrize(
@@ -59,7 +60,7 @@ def test_unknown_backend_names_the_key_and_the_choices(call, message):
 
 
 def test_torch_generator_by_config():
-    model, tok = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
+    model, tok = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
     gen = make_generator(
         "torch", model=model, tokenizer=tok, task=make_task("reverse"),
         dataplane=MemoryDataPlane(), run_id="run-1",
@@ -89,7 +90,7 @@ def test_make_trainer_megatron_without_the_package():
     if package_available("megatron.core"):
         pytest.skip("megatron-core is installed here (its trainer is tested in integration)")
     with pytest.raises(BackendUnavailableError, match="needs megatron-core"):
-        make_trainer("megatron", FACTORY, SGD)
+        make_trainer("megatron", FACTORY, *SGD)
 
 
 # -- vLLM -------------------------------------------------------------------------------

@@ -5,19 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.models.config import ModelSection, SamplingSection
 from workers.models.decoder import Decoder, RowPrefix
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sequence_logprobs
+from workers.models.factory import build_model
+from workers.models.sampling import sequence_logprobs
 from workers.models.tokenizer import EOS_ID
 
-CFG = ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=1)
-SAMPLING = SamplingConfig(max_new_tokens=14)
+CFG = ModelSection(context_len=48, d_model=32, n_heads=2)
+SEED = 1
+SAMPLING = SamplingSection(max_new_tokens=14)
 
 
 @pytest.fixture(scope="module")
 def models():
-    old, tok = build_model(CFG)
-    new, _ = build_model(ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=7))
+    old, tok = build_model(CFG, SEED)
+    new, _ = build_model(CFG, 7)
     return old, new, tok
 
 
@@ -33,7 +35,7 @@ def _full_forward(model, prompt, tokens):
 def _run_with_refit(models, kv_on_refit, refit_after=4):
     """Steps with ``old`` weights, loads ``new`` into the same module, steps on."""
     old, new, tok = models
-    model, _ = build_model(CFG)
+    model, _ = build_model(CFG, SEED)
     prompt = tok.encode("abcd>")
     dec = _decoder(model, prompt, kv_on_refit=kv_on_refit)
     while not dec.done:

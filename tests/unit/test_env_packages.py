@@ -17,7 +17,7 @@ from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.task import EpisodeTask, as_episode_task
-from workers.models.sampling import SamplingConfig
+from workers.models.config import SamplingSection
 from workers.models.tiny import TinyCausalLM, TinyConfig
 from workers.models.tokenizer import EOS_ID, CharTokenizer
 from workers.tasks import UnknownTaskError, make_task
@@ -152,7 +152,7 @@ def test_a_resumed_textarena_game_is_rebuilt_by_restore_step_without_new_moves()
 def test_tiny_model_plays_a_textarena_game_with_exact_ids():
     task = make_task("textarena/GuessTheNumber-v0", max_turns=3)
     model = TinyCausalLM(TinyConfig(vocab_size=WIDE.vocab_size, context_len=1024, d_model=32, n_heads=2))
-    sampler = TorchTurnSampler(model, EOS_ID, SamplingConfig(max_new_tokens=6), torch.Generator().manual_seed(0))
+    sampler = TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=6), torch.Generator().manual_seed(0))
     recorder = InMemoryTurnRecorder()
     runner = EpisodeRunner(sampler, WIDE, recorder, 1024, 6, task.max_turns, task.name)
     (traj,) = runner.run([KEY], [task.make_env(task.examples(1, seed=2)[0])])

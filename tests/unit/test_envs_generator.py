@@ -10,8 +10,9 @@ from tests.unit.test_envs_runner import OracleLM, planned
 from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
 from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sequence_logprobs
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
+from workers.models.sampling import sequence_logprobs
 from workers.models.tokenizer import CharTokenizer
 from workers.tasks import Example, make_task
 
@@ -22,7 +23,7 @@ def test_calculator_group_rows_hold_the_episodes_with_per_turn_rewards():
     model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
     plane = MemoryDataPlane()
     gen = Generator(model, TOK, make_task("calculator"), plane, "run-1")
-    result = gen.generate_group("g3", Example("47*38=", "1786"), 2, SamplingConfig(max_new_tokens=8),
+    result = gen.generate_group("g3", Example("47*38=", "1786"), 2, SamplingSection(max_new_tokens=8),
                                 seed=0, attempt=1)
     assert result.keys == ["run-1/g3/a1/s0", "run-1/g3/a1/s1"]
     assert result.rewards == pytest.approx([1.0, 1.0])
@@ -40,11 +41,11 @@ def test_calculator_group_rows_hold_the_episodes_with_per_turn_rewards():
 
 
 def test_episode_rows_from_the_tiny_model_carry_the_trainers_logprobs():
-    model, tok = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=4))
+    model, tok = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 4)
     plane = MemoryDataPlane()
     gen = Generator(model, tok, make_task("calculator"), plane, "run-1")
     result = gen.generate_group("g1", make_task("calculator").examples(1, 0)[0], 4,
-                                SamplingConfig(max_new_tokens=8), seed=5)
+                                SamplingSection(max_new_tokens=8), seed=5)
     rows = plane.get("run-1", result.keys)
     for row in rows:
         mask = row["loss_mask"]
@@ -54,7 +55,7 @@ def test_episode_rows_from_the_tiny_model_carry_the_trainers_logprobs():
     assert batch.loss_mask.sum() == sum(int(r["loss_mask"].sum()) for r in rows)
     # the group is deterministic given the weights and the seed
     again = gen.generate_group("g2", make_task("calculator").examples(1, 0)[0], 4,
-                               SamplingConfig(max_new_tokens=8), seed=5)
+                               SamplingSection(max_new_tokens=8), seed=5)
     assert [r["input_ids"].tolist() for r in plane.get("run-1", again.keys)] == [
         r["input_ids"].tolist() for r in rows]
 

@@ -21,8 +21,9 @@ from workers.envs.recorder import (
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.trajectory import per_token_advantages
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sequence_logprobs
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
+from workers.models.sampling import sequence_logprobs
 from workers.models.tokenizer import EOS_ID, CharTokenizer
 from workers.tasks import Example, make_task
 
@@ -59,7 +60,7 @@ def planned(*parts: str) -> list[int]:
 
 
 def runner(model: nn.Module, recorder=None, *, max_turns=2, context_len=32, seed=0):  # type: ignore[no-untyped-def]
-    sampler = TorchTurnSampler(model, EOS_ID, SamplingConfig(max_new_tokens=8),
+    sampler = TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
                                torch.Generator().manual_seed(seed))
     return EpisodeRunner(sampler, TOK, recorder or InMemoryTurnRecorder(), context_len, 8,
                          max_turns, "calculator")
@@ -84,7 +85,7 @@ def test_a_tool_episode_appends_exact_ids_and_masks_only_model_tokens():
 
 
 def test_generator_logprobs_are_the_trainers_on_every_model_token():
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=1))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 1)
     trajs = runner(model).run(KEYS, [calc_env() for _ in KEYS])
     for traj in trajs:
         ids = torch.tensor(traj.input_ids)
@@ -107,7 +108,7 @@ def test_observation_token_ids_are_appended_as_given():
             # ids no text encodes to: a PAD, then an EOS inside the observation
             return EnvStep(Observation(token_ids=(0, 1, 9)), 0.5, key.turn >= 2)
 
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
     (traj,) = runner(model).run(KEYS[:1], [IdsEnv()])
     first = traj.turns[0]
     assert traj.input_ids[:3] == [5, 6, 7]
@@ -116,7 +117,7 @@ def test_observation_token_ids_are_appended_as_given():
 
 
 def test_replay_through_the_recorder_makes_no_call_and_gives_the_same_trajectory():
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=2))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 2)
     recorder = InMemoryTurnRecorder()
     first = runner(model, recorder, seed=0).run(KEYS, [calc_env() for _ in KEYS])
     calls = dict(recorder.calls)
@@ -132,8 +133,8 @@ def test_replay_through_the_recorder_makes_no_call_and_gives_the_same_trajectory
 def test_a_replayed_request_that_differs_from_the_record_is_refused():
     recorder = InMemoryTurnRecorder()
     key = KEYS[0].at(1)
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
-    sampler = TorchTurnSampler(model, EOS_ID, SamplingConfig(max_new_tokens=4), torch.Generator())
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
+    sampler = TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=4), torch.Generator())
     recorder.model_turns([TurnRequest(key, (5, 6), 4)], sampler.generate)
     with pytest.raises(ReplayMismatchError, match="run/g0/s0/t1"):
         recorder.model_turns([TurnRequest(key, (5, 7), 4)], sampler.generate)
@@ -154,7 +155,7 @@ def test_an_env_that_raises_fails_the_group_naming_env_and_step():
         def step(self, action, key):  # type: ignore[no-untyped-def]
             raise ConnectionError("tool server unreachable")
 
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
     with pytest.raises(EnvError, match=r"calculator raised at run/g0/s0/t1: ConnectionError"):
         runner(model).run(KEYS[:1], [Broken()])
 
@@ -169,7 +170,7 @@ def test_an_observation_the_tokenizer_cannot_encode_is_named():
         def step(self, action, key):  # type: ignore[no-untyped-def]
             raise AssertionError("never reached")
 
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
     with pytest.raises(EnvError, match=r"observation at run/g0/s0/t0 cannot be encoded.*'H'"):
         runner(model).run(KEYS[:1], [Shouting()])
 
@@ -244,9 +245,9 @@ def test_calculator_answer_after_a_call_that_computed_something_else_earns_nothi
 def test_sample_takes_one_prompt_per_row_when_they_share_a_length():
     from workers.models.decoder import sample
 
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=6))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 6)
     rows = [TOK.encode("12+3="), TOK.encode("45*6="), TOK.encode("78-9=")]
-    cfg = SamplingConfig(max_new_tokens=5)
+    cfg = SamplingSection(max_new_tokens=5)
     out = sample(model, rows, 3, cfg, torch.Generator().manual_seed(0), EOS_ID)
     for prompt, c in zip(rows, out):
         ids = torch.tensor(prompt + c.tokens)
@@ -294,7 +295,7 @@ class _Restoring(_Counting):
 
 
 def _replay_twice(first_env, second_env):  # type: ignore[no-untyped-def]
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
     recorder = InMemoryTurnRecorder()
     first = runner(model, recorder).run(KEYS[:1], [first_env])
     return first, runner(model, recorder, seed=5).run(KEYS[:1], [second_env])
@@ -314,6 +315,6 @@ def test_a_deduping_env_without_restore_step_is_re_issued_its_keys_and_checked()
 
 
 def test_an_env_that_can_neither_dedupe_nor_restore_is_refused_naming_why():
-    model, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2))
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
     with pytest.raises(EnvError, match="dedupes_by_key = False and has no restore_step"):
         runner(model).run(KEYS[:1], [_Counting(dedupes=False)])

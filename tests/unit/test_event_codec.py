@@ -5,6 +5,11 @@ populated. The file is written once and then only read: a schema change that bre
 old logs fails here. To add a fixture for a *new* type, add its value to ``GOLDEN`` and
 run ``python -m tests.unit.test_event_codec --regenerate`` deliberately (it only
 appends types missing from the file; existing lines are never rewritten).
+
+When a type gains an optional field, its golden line is superseded by one that sets the
+field, and the old line moves, byte for byte, to ``tests/fixtures/golden_history.jsonl``.
+That file is only appended to: every line in it must still decode, to the current
+golden value with the fields it lacks at their defaults.
 """
 
 from __future__ import annotations
@@ -244,17 +249,28 @@ def test_missing_schema_version_reads_as_current() -> None:
 
 #: RolloutAdmitted as written before the admission recorded its generator (the golden
 #: line's bytes until then): an old log's admissions still decode, with generator "".
-OLD_ROLLOUT_ADMITTED = (
-    b'{"type":"RolloutAdmitted","group_id":"g0042","attempt":2,"prompt_index":42,'
-    b'"prompt_ref":"gsm8k/train.jsonl#42","weight_version":3,"n_samples":4,'
-    b'"sample_seed":987654321,"event_id":"group:g0042:admitted:a2","epoch":1,'
-    b'"ts":1717171719.125,"schema_version":1}'
-)
+HISTORY = FIXTURE.with_name("golden_history.jsonl")
 
 
-def test_an_admission_without_its_generator_still_decodes() -> None:
-    event = codec.decode(OLD_ROLLOUT_ADMITTED, position=3)
-    assert event == msgspec.structs.replace(GOLDEN["RolloutAdmitted"], generator="")
+def _history() -> list[bytes]:
+    return [line for line in HISTORY.read_bytes().splitlines() if line.strip()]
+
+
+def test_history_holds_the_superseded_lines() -> None:
+    # RolloutAdmitted gained ``generator``: its first golden line is kept here
+    assert "RolloutAdmitted" in [msgspec.json.decode(line)["type"] for line in _history()]
+
+
+@pytest.mark.parametrize("line", _history(), ids=lambda b: msgspec.json.decode(b)["type"])
+def test_a_superseded_golden_line_still_decodes(line: bytes) -> None:
+    raw = msgspec.json.decode(line)
+    want = GOLDEN[raw["type"]]
+    lacking = {
+        f.name: (f.default if f.default is not msgspec.NODEFAULT else f.default_factory())
+        for f in msgspec.structs.fields(type(want)) if f.encode_name not in raw
+    }
+    assert lacking, "a history line must lack a field the current golden line sets"
+    assert codec.decode(line, position=3) == msgspec.structs.replace(want, **lacking)
 
 
 # -- upcasters: a log written before a schema change still decodes ----------------------

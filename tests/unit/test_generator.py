@@ -9,13 +9,15 @@ from torch import nn
 from workers.batch import ROW_FIELDS, collate
 from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sequence_logprobs
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
+from workers.models.sampling import sequence_logprobs
 from workers.models.tokenizer import EOS_ID, CharTokenizer
 from workers.tasks import Example, PromptTooLongError, make_task
 from workers.weight_sync import StaleWeightsError, cpu_state_dict
 
-CFG = ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=3)
+CFG = ModelSection(context_len=32, d_model=32, n_heads=2)
+SEED = 3
 
 
 class ScriptedLM(nn.Module):
@@ -41,7 +43,7 @@ class ScriptedLM(nn.Module):
 def make_generator(model=None, task="reverse", **kw):
     tok = CharTokenizer()
     if model is None:
-        model, tok = build_model(CFG)
+        model, tok = build_model(CFG, SEED)
     plane = MemoryDataPlane()
     return Generator(model, tok, make_task(task), plane, "run-1", **kw), plane
 
@@ -54,7 +56,7 @@ def test_rewards_for_known_completions(completion, eos, want):
     script = tok.encode(completion) + ([EOS_ID] if eos else [])
     model = ScriptedLM(script, prompt_len=4, vocab=tok.vocab_size)
     gen, plane = make_generator(model)
-    sampling = SamplingConfig(max_new_tokens=len(completion) + (1 if eos else 0))
+    sampling = SamplingSection(max_new_tokens=len(completion) + (1 if eos else 0))
     result = gen.generate_group("g1", Example("abc>", "cba"), 3, sampling, seed=0)
     assert result.rewards == pytest.approx([want] * 3)
     rows = plane.get("run-1", result.keys)
@@ -64,7 +66,7 @@ def test_rewards_for_known_completions(completion, eos, want):
 
 def test_rows_match_row_fields_and_alignment_convention():
     gen, plane = make_generator()
-    sampling = SamplingConfig(temperature=0.8, max_new_tokens=10)
+    sampling = SamplingSection(temperature=0.8, max_new_tokens=10)
     ex = Example("abd>", "dba")
     result = gen.generate_group("g7", ex, 8, sampling, seed=11, attempt=2)
     assert result.keys == [f"run-1/g7/a2/s{i}" for i in range(8)]
@@ -91,7 +93,7 @@ def test_rows_match_row_fields_and_alignment_convention():
 def test_same_weights_and_seed_give_identical_rows():
     gen_a, plane_a = make_generator()
     gen_b, plane_b = make_generator()
-    sampling = SamplingConfig(max_new_tokens=8)
+    sampling = SamplingSection(max_new_tokens=8)
     ex = Example("cab>", "bac")
     ra = gen_a.generate_group("g", ex, 6, sampling, seed=42)
     rb = gen_b.generate_group("g", ex, 6, sampling, seed=42)
@@ -105,7 +107,7 @@ def test_same_weights_and_seed_give_identical_rows():
 
 
 def test_update_landing_mid_group_is_recorded():
-    other, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=99))
+    other, _ = build_model(CFG, 99)
     updates: dict = {}
 
     def hook(step: int) -> None:
@@ -113,7 +115,7 @@ def test_update_landing_mid_group_is_recorded():
             gen.update_weights(5, updates.pop(step))
 
     gen, plane = make_generator(on_step=hook)
-    sampling = SamplingConfig(max_new_tokens=12)
+    sampling = SamplingSection(max_new_tokens=12)
     before = gen.generate_group("g0", Example("abc>", "cba"), 16, sampling, seed=0)
     assert (before.weight_version_start, before.weight_version_end) == (0, 0)
     updates[1] = cpu_state_dict(other)  # applied at the boundary after token step 1
@@ -138,5 +140,5 @@ def test_generator_refuses_older_weights():
 def test_too_long_prompt_is_rejected_before_sampling():
     gen, plane = make_generator(task="copy")
     with pytest.raises(PromptTooLongError, match="context of 32"):
-        gen.generate_group("g", Example("a" * 30 + ">", "x"), 2, SamplingConfig(max_new_tokens=4), 0)
+        gen.generate_group("g", Example("a" * 30 + ">", "x"), 2, SamplingSection(max_new_tokens=4), 0)
     assert plane.list("run-1") == []

@@ -11,13 +11,14 @@ from workers.batch import TrainBatch
 from workers.loss import (
     LOG_RATIO_MAX,
     Aggregation,
-    LossConfig,
+    LossOptions,
     MetricKind,
     OldPolicy,
     grpo_loss,
     token_logprobs,
     valid_counts,
 )
+from workers.models.config import SamplingSection
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
@@ -60,7 +61,7 @@ ADV = [1.0, -2.0]
 
 
 def test_truncated_is_weight_token_level():
-    cfg = LossConfig(aggregation=Aggregation.TOKEN, is_cap=2.0)
+    cfg = LossOptions(aggregation=Aggregation.TOKEN, is_cap=2.0)
     out, grad = run(LP, batch_of(MASK, GEN, ADV), cfg)
     # w = min(3, 2) = 2, min(0.5, 2) = 0.5, 1; ratio = 1 so pg_t = -w * A
     assert float(out.loss_sum) == pytest.approx(-(2 * 1 + 0.5 * 1) - (1 * -2.0))
@@ -76,7 +77,7 @@ def test_truncated_is_weight_token_level():
 
 
 def test_no_is_correction_when_cap_is_none():
-    cfg = LossConfig(aggregation=Aggregation.TOKEN, is_correction="none")
+    cfg = LossOptions(aggregation=Aggregation.TOKEN, is_correction="none")
     out, grad = run(LP, batch_of(MASK, GEN, ADV), cfg)
     assert float(out.loss_sum) == pytest.approx(-(1 + 1) + 2.0)
     close(grad, [[0.0, -1.0, -1.0], [0.0, 2.0, 0.0]])
@@ -85,7 +86,7 @@ def test_no_is_correction_when_cap_is_none():
 def test_sequence_level_aggregation_means_within_each_sequence():
     mask = MASK + [[False, False, False]]  # a sequence without loss tokens is not counted
     gen, adv = GEN + [[0.0, 0.0, 0.0]], ADV + [5.0]
-    cfg = LossConfig(aggregation=Aggregation.SEQUENCE, is_correction="none")
+    cfg = LossOptions(aggregation=Aggregation.SEQUENCE, is_correction="none")
     out, grad = run(LP + [[0.0, 0.0, 0.0]], batch_of(mask, gen, adv), cfg)
     # row 0: mean(-1, -1) = -1; row 1: +2; raw sum over sequences = 1
     assert float(out.loss_sum) == pytest.approx(1.0)
@@ -120,21 +121,21 @@ def check_clipping(out, grad):
 
 
 def test_asymmetric_clipping_both_sides_with_explicit_old_logprobs():
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_cap=2.0)
+    cfg = LossOptions(clip_low=0.2, clip_high=0.28, is_cap=2.0)
     batch = batch_of(CLIP_MASK, CLIP_OLD, CLIP_ADV)  # gen == old: IS weight 1
     out, grad = run(CLIP_LP, batch, cfg, old_logprobs=torch.tensor(CLIP_OLD))
     check_clipping(out, grad)
 
 
 def test_generator_as_old_policy_clips_the_behaviour_ratio():
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, old_policy=OldPolicy.GENERATOR)
+    cfg = LossOptions(clip_low=0.2, clip_high=0.28, old_policy=OldPolicy.GENERATOR)
     out, grad = run(CLIP_LP, batch_of(CLIP_MASK, CLIP_OLD, CLIP_ADV), cfg)
     check_clipping(out, grad)
     assert metric(out, "is_weight_mean") == pytest.approx(4.0)  # w = 1 on every token
 
 
 def test_trainer_old_policy_makes_clipping_inert():
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_correction="none")
+    cfg = LossOptions(clip_low=0.2, clip_high=0.28, is_correction="none")
     out, grad = run(CLIP_LP, batch_of(CLIP_MASK, CLIP_OLD, CLIP_ADV), cfg)
     # ratio = exp(lp - sg(lp)) = 1: plain -A * grad(lp) on every token
     close(grad, [[0.0, -a] for a in CLIP_ADV])
@@ -146,7 +147,7 @@ def test_trainer_old_policy_makes_clipping_inert():
 def test_overflowing_importance_ratio_keeps_gradients_finite(adv):
     # lp - old = 100 > 88: exp overflows float32. For A > 0 the token is clipped high
     # (value -1.28 * A, true gradient 0); for A < 0 the ratio is bounded at e^LOG_RATIO_MAX.
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_cap=2.0)
+    cfg = LossOptions(clip_low=0.2, clip_high=0.28, is_cap=2.0)
     batch = batch_of([[False, True]], [[0.0, -1.0]], [adv])
     out, grad = run([[0.0, 99.0]], batch, cfg, old_logprobs=torch.tensor([[0.0, -1.0]]))
     assert torch.isfinite(grad).all()
@@ -161,7 +162,7 @@ def test_overflowing_importance_ratio_keeps_gradients_finite(adv):
 
 def test_kl_k3_penalty():
     # ref - lp = ln 2 at the only token: k3 = 2 - ln 2 - 1; d k3 / d lp = 1 - e^{ln 2} = -1
-    cfg = LossConfig(kl_coef=0.1, is_correction="none")
+    cfg = LossOptions(kl_coef=0.1, is_correction="none")
     batch = batch_of([[False, True]], [[0.0, -1.0]], [0.0], ref=[[0.0, -1.0 + LN2]])
     out, grad = run([[0.0, -1.0]], batch, cfg)
     assert float(out.loss_sum) == pytest.approx(0.1 * (1 - LN2))
@@ -177,13 +178,13 @@ def test_kl_k3_penalty():
 def test_kl_without_reference_is_an_error():
     batch = batch_of([[False, True]], [[0.0, -1.0]], [1.0])
     with pytest.raises(ValueError, match="reference logprobs"):
-        grpo_loss(torch.zeros(1, 2), batch, LossConfig(kl_coef=0.1))
+        grpo_loss(torch.zeros(1, 2), batch, LossOptions(kl_coef=0.1))
 
 
 def test_masked_positions_cannot_leak_nan_or_inf():
     mask = [[False, True, False]]
     batch = batch_of(mask, [[-1e9, -1.0, float("nan")]], [1.0], ref=[[1e9, -1.0, -1e9]])
-    cfg = LossConfig(kl_coef=0.5)
+    cfg = LossOptions(kl_coef=0.5)
     out, grad = run([[float("nan"), -1.0, float("inf")]], batch, cfg)
     assert math.isfinite(float(out.loss_sum))
     close(grad, [[0.0, -1.0, 0.0]])
@@ -203,14 +204,14 @@ def test_token_logprobs_alignment_and_temperature():
 
 
 def test_loss_config_validation_names_the_field():
-    assert LossConfig(aggregation="sequence").aggregation is Aggregation.SEQUENCE
+    assert LossOptions(aggregation="sequence").aggregation is Aggregation.SEQUENCE
     with pytest.raises(ValueError, match="aggregation"):
-        LossConfig(aggregation="mean")
+        LossOptions(aggregation="mean")
     with pytest.raises(ValueError, match="clip_low"):
-        LossConfig(clip_low=-0.1)
+        LossOptions(clip_low=-0.1)
     with pytest.raises(ValueError, match="is_cap"):
-        LossConfig(is_cap=0.0)
+        LossOptions(is_cap=0.0)
     with pytest.raises(ValueError, match="temperature"):
-        LossConfig(temperature=0.0)
+        SamplingSection(temperature=0.0)  # the loss's temperature is the generators'
     with pytest.raises(ValueError, match="old_policy"):
-        LossConfig(old_policy="behaviour")
+        LossOptions(old_policy="behaviour")

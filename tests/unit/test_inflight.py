@@ -11,18 +11,20 @@ from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
 from workers.generator.inflight import InflightRunner, InflightStateLost
 from workers.generator.segments import expand_runs, segment_key, version_runs
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig, sequence_logprobs
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
+from workers.models.sampling import sequence_logprobs
 from workers.tasks import Example, make_task
 from workers.weight_sync import cpu_state_dict
 
-CFG = ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=3)
-SAMPLING = SamplingConfig(max_new_tokens=13)
+CFG = ModelSection(context_len=48, d_model=32, n_heads=2)
+SEED = 3
+SAMPLING = SamplingSection(max_new_tokens=13)
 EXAMPLE = Example("abc>", "cba")
 
 
 def _runner(plane=None, kv_on_refit="recompute", segment_tokens=4):
-    model, tok = build_model(CFG)
+    model, tok = build_model(CFG, SEED)
     plane = plane if plane is not None else MemoryDataPlane()
     gen = Generator(model, tok, make_task("reverse"), plane, "run-1", kv_on_refit=kv_on_refit)
     return InflightRunner(gen, segment_tokens), plane
@@ -81,7 +83,7 @@ def test_a_group_flushes_every_segment_tokens_and_commits_what_it_flushed():
 def test_a_refit_between_calls_starts_a_new_version_and_each_token_keeps_its_logprob():
     runner, plane = _runner(segment_tokens=100)
     gen = runner.gen
-    other, _ = build_model(ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=9))
+    other, _ = build_model(CFG, 9)
     old = cpu_state_dict(gen.model)
 
     def refit_at(step_group: str) -> None:
@@ -94,7 +96,7 @@ def test_a_refit_between_calls_starts_a_new_version_and_each_token_keeps_its_log
     assert flushes[0].segments[0].length == 3
     assert done.weight_version_start == 0 and done.weight_version_end == 1
     rows = plane.get("run-1", done.payload_keys)
-    model_old, _ = build_model(CFG)
+    model_old, _ = build_model(CFG, SEED)
     model_old.load_state_dict(old)
     for row, runs in zip(rows, done.version_runs):
         p = int(row["prompt_len"])
@@ -182,13 +184,13 @@ def test_the_loss_weighs_each_token_by_its_own_versions_behaviour_logprob():
     """A sample generated across a refit: the IS weight of a token sampled by v1 (the
     trainer's weights) is exactly 1, and that of a token sampled by v0 is the true
     ratio pi_v1 / pi_v0 -- each uses its own behaviour logprob, not the group's."""
-    from workers.loss import LossConfig, grpo_loss, token_logprobs
+    from workers.loss import LossOptions, grpo_loss, token_logprobs
 
     runner, plane = _runner(segment_tokens=100)
     gen = runner.gen
     v0 = cpu_state_dict(gen.model)
-    v1_model, _ = build_model(ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=9))
-    v0_model, _ = build_model(CFG)
+    v1_model, _ = build_model(CFG, 9)
+    v0_model, _ = build_model(CFG, SEED)
     v0_model.load_state_dict(v0)
 
     def refit(_gid: str) -> None:
@@ -201,7 +203,7 @@ def test_the_loss_weighs_each_token_by_its_own_versions_behaviour_logprob():
     with torch.no_grad():
         lp = token_logprobs(v1_model(batch.input_ids), batch.input_ids)  # the trainer at v1
         lp_v0 = token_logprobs(v0_model(batch.input_ids), batch.input_ids)
-    cfg = LossConfig(is_cap=1e9)
+    cfg = LossOptions(is_cap=1e9)
     by_version = {}
     for v in (0, 1):
         mask = batch.loss_mask & (batch.token_versions == v)

@@ -50,7 +50,7 @@ def _loss_and_grad(batch, cfg, lp0, ref, parts):
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_seq_adv", "per_token_adv"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_loss_sums_split_like_one_shot(family, per_token):
-    cfg = FAMILIES[family]
+    cfg = FAMILIES[family].options
     batch = family_batch(11, per_token=per_token)
     g = torch.Generator().manual_seed(5)
     lp0 = torch.where(batch.loss_mask, -torch.rand(batch.loss_mask.shape, generator=g,
@@ -71,10 +71,10 @@ def test_loss_sums_split_like_one_shot(family, per_token):
 def test_trainer_split_matches_one_shot(config, family, partition):
     loss = FAMILIES[family]
     batches = [family_batch(40 + s, per_token=bool(s % 2)) for s in range(2)]
-    one = TorchTrainer(FACTORY, config)
+    one = TorchTrainer(FACTORY, *config)
     initial = one.export_weights()
     want = [one.train(b, loss) for b in batches]
-    two = TorchTrainer(FACTORY, config)
+    two = TorchTrainer(FACTORY, *config)
     got = []
     for step, b in enumerate(batches):
         two.begin_train_step(step, loss)
@@ -96,7 +96,7 @@ def test_mismatch_metrics_cover_the_trainers_own_version():
     """Step 0 (trainer version 0) compares the even rows (version 0), step 1 the odd
     rows; the -inf token of row 1 is never compared."""
     loss = FAMILIES["kl_k2_clamped_direct"]
-    t = TorchTrainer(FACTORY, SGD64)
+    t = TorchTrainer(FACTORY, *SGD64)
     batch = family_batch(50)
     counts = []
     for step in range(2):

@@ -12,7 +12,7 @@ import torch
 
 from tests.loss_reference import reference_loss
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, grpo_loss, token_logprobs_and_entropy
+from workers.loss import LossOptions, grpo_loss, token_logprobs_and_entropy
 
 B, T, V = 6, 7, 5
 
@@ -73,7 +73,7 @@ CASES: dict[str, dict] = {
 }
 
 
-def _normaliser(batch: TrainBatch, cfg: LossConfig) -> int:
+def _normaliser(batch: TrainBatch, cfg: LossOptions) -> int:
     mask = batch.loss_mask
     return int(mask.sum()) if cfg.aggregation.value == "token" else int(mask.any(1).sum())
 
@@ -81,7 +81,7 @@ def _normaliser(batch: TrainBatch, cfg: LossConfig) -> int:
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_seq_adv", "per_token_adv"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_value_and_gradient_match_the_formula(case, per_token):
-    cfg = LossConfig(**CASES[case])
+    cfg = LossOptions(**CASES[case])
     for seed in range(3):
         batch, lp0, ref = random_batch(seed, per_token=per_token)
         entropy = (torch.rand(B, T, dtype=torch.float64) + 0.5).requires_grad_()
@@ -101,7 +101,7 @@ def test_value_and_gradient_match_the_formula(case, per_token):
 
 
 def test_explicit_old_logprobs_override_the_old_policy():
-    cfg = LossConfig(policy_loss="gspo", is_correction="seq-tis", is_cap=4.0)
+    cfg = LossOptions(policy_loss="gspo", is_correction="seq-tis", is_cap=4.0)
     batch, lp0, ref = random_batch(7, per_token=False)
     old = lp0 + 0.3 * torch.sin(torch.arange(B * T, dtype=torch.float64).view(B, T))
     lp = lp0.clone().requires_grad_()
@@ -117,7 +117,7 @@ def test_explicit_old_logprobs_override_the_old_policy():
 def test_gspo_token_form_has_the_sequence_level_gradient():
     """With one advantage and one weight per sequence (seq-tis, no unusable token) the
     per-token form has exactly the gradient of GSPO's sequence-level objective."""
-    cfg = LossConfig(policy_loss="gspo", old_policy="generator", is_correction="seq-tis",
+    cfg = LossOptions(policy_loss="gspo", old_policy="generator", is_correction="seq-tis",
                      is_cap=9.0, aggregation="sequence", clip_low=0.25, clip_high=0.3)
     for seed in range(3):
         batch, lp0, _ = random_batch(seed, per_token=False)
@@ -150,7 +150,7 @@ def test_entropy_is_the_vocabulary_entropy_and_its_gradient():
 def test_a_neg_inf_generator_logprob_gets_weight_zero_and_is_counted():
     batch, lp0, _ = random_batch(1, per_token=False)
     b, t = 3, int(batch.loss_mask[3].nonzero()[0, 0])
-    for cfg in (LossConfig(), LossConfig(old_policy="generator", is_correction="none")):
+    for cfg in (LossOptions(), LossOptions(old_policy="generator", is_correction="none")):
         lp = lp0.clone().requires_grad_()
         out = grpo_loss(lp, batch, cfg)
         out.loss_sum.backward()
@@ -168,7 +168,7 @@ def test_nan_generator_logprob_is_treated_like_neg_inf():
     gen[b, t] = math.nan
     bad = TrainBatch(**{**_fields(batch), "generator_logprobs": gen})
     lp = lp0.clone().requires_grad_()
-    out = grpo_loss(lp, bad, LossConfig(policy_loss="gspo", old_policy="generator"))
+    out = grpo_loss(lp, bad, LossOptions(policy_loss="gspo", old_policy="generator"))
     out.loss_sum.backward()
     assert torch.isfinite(lp.grad).all() and lp.grad[b, t] == 0.0
     assert float(out.metrics["gen_logprob_invalid"].value) == 2.0  # with row 3's -inf
@@ -201,22 +201,26 @@ def _fields(batch: TrainBatch) -> dict:
         ({"entropy_coef": -0.1}, "entropy_coef"),
         ({"mismatch_kl_warn": -1.0}, "mismatch_kl_warn"),
         ({"norm_length": -3}, "norm_length"),
-        ({"aggregation": "seq-mean-token-sum-norm"}, "norm_length"),
     ],
 )
 def test_a_bad_value_names_its_key(kwargs, key):
     with pytest.raises(ValueError, match=rf"^train\.loss\.{key} = "):
-        LossConfig(**kwargs)
+        LossOptions(**kwargs)
 
 
 def test_options_resolve_norm_length_from_the_generation_budget():
-    from workers.loss import LossOptions
+    from workers.loss.config import norm_length
 
     opts = msgspec.convert({"aggregation": "seq-mean-token-sum-norm"}, LossOptions)
-    assert opts.loss_config(0.7, max_new_tokens=6).norm_length == 6
-    assert opts.loss_config(0.7, max_new_tokens=6).temperature == 0.7
+    assert norm_length(opts, max_new_tokens=6) == 6
     pinned = msgspec.convert({"aggregation": "seq-mean-token-sum-norm", "norm_length": 32}, LossOptions)
-    assert pinned.loss_config(1.0, max_new_tokens=6).norm_length == 32
+    assert norm_length(pinned, max_new_tokens=6) == 32
+    # no constant and no generation budget: the loss names the key instead of dividing by 0
+    batch, lp, _ = random_batch(0, per_token=False)
+    with pytest.raises(ValueError, match=r"^train\.loss\.norm_length = 0: "):
+        grpo_loss(lp, batch, opts)
+    sums = [grpo_loss(lp, batch, o, max_new_tokens=6).loss_sum for o in (opts, pinned)]
+    torch.testing.assert_close(sums[0] * 6, sums[1] * 32, rtol=1e-12, atol=1e-14)
 
 
 def test_token_versions_decide_which_tokens_the_mismatch_covers():

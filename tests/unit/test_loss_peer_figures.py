@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, grpo_loss
+from workers.loss import LossOptions, grpo_loss
 from workers.loss import kl as klmod
 from workers.loss.aggregation import Reducer
 
@@ -48,7 +48,7 @@ def t2(rows) -> torch.Tensor:
     return torch.tensor([[0.0, *r] for r in rows], dtype=torch.float64)
 
 
-def mean_loss(cfg: LossConfig, batch: TrainBatch, curr, prev=None, **kw) -> torch.Tensor:
+def mean_loss(cfg: LossOptions, batch: TrainBatch, curr, prev=None, **kw) -> torch.Tensor:
     lp = t2(curr).requires_grad_()
     out = grpo_loss(lp, batch, cfg, old_logprobs=None if prev is None else t2(prev), **kw)
     n = batch.num_tokens if cfg.aggregation.value == "token" else int(batch.loss_mask.any(1).sum())
@@ -56,12 +56,12 @@ def mean_loss(cfg: LossConfig, batch: TrainBatch, curr, prev=None, **kw) -> torc
 
 
 def test_nemo_ppo_clipping():
-    loss, _, _ = mean_loss(LossConfig(**NEMO), nemo_batch(ADV), [CURR], [PREV])
+    loss, _, _ = mean_loss(LossOptions(**NEMO), nemo_batch(ADV), [CURR], [PREV])
     assert float(loss) == pytest.approx(-0.6333, rel=1e-3)  # (-0.5 + 1.0 - 2.4) / 3
 
 
 def test_nemo_dual_clip():
-    cfg = LossConfig(**NEMO, dual_clip=3.0)
+    cfg = LossOptions(**NEMO, dual_clip=3.0)
     curr, prev = [-1.69315, -1.0, -0.69741], [-1.0, -1.0, -3.0]  # ratios 0.5, 1, 10
     loss, out, _ = mean_loss(cfg, nemo_batch([1.0, -1.0, -4.0]), [curr], [prev])
     assert float(loss) == pytest.approx(4.1667, rel=1e-3)  # (-0.5 + 1.0 + 12.0) / 3
@@ -71,17 +71,17 @@ def test_nemo_dual_clip():
 def test_nemo_cispo_and_with_importance_weights():
     r = torch.tensor([math.exp(c - p) for c, p in zip(CURR, PREV)]).clamp(0.8, 1.2)
     per_token = [-a * float(ri) * c for a, ri, c in zip(ADV, r, CURR)]
-    cfg = LossConfig(**{**NEMO, "policy_loss": "cispo"})
+    cfg = LossOptions(**{**NEMO, "policy_loss": "cispo"})
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV), [CURR], [PREV])
     assert float(loss) == pytest.approx(sum(per_token) / 3, rel=1e-3)
     w = [math.exp(p - g) for p, g in zip(PREV, GEN)]
-    cfg = LossConfig(**{**NEMO, **RAW_IS, "policy_loss": "cispo"})
+    cfg = LossOptions(**{**NEMO, **RAW_IS, "policy_loss": "cispo"})
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV, GEN), [CURR], [PREV])
     assert float(loss) == pytest.approx(sum(x * y for x, y in zip(w, per_token)) / 3, rel=1e-3)
 
 
 def test_nemo_importance_weighted_ppo():
-    cfg = LossConfig(**{**NEMO, **RAW_IS})
+    cfg = LossOptions(**{**NEMO, **RAW_IS})
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV, GEN), [CURR], [PREV])
     assert float(loss) == pytest.approx(-0.2065, rel=1e-3)
 
@@ -93,13 +93,13 @@ def test_nemo_truncated_importance_sampling(seq_level, figure):
         if seq_level
         else {"is_correction": "tis"}
     )
-    cfg = LossConfig(**{**NEMO, **extra, "is_cap": 0.8})
+    cfg = LossOptions(**{**NEMO, **extra, "is_cap": 0.8})
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV, GEN), [CURR], [PREV])
     assert float(loss) == pytest.approx(figure, rel=1e-3)
 
 
 def test_nemo_icepop_drops_the_stale_token():
-    cfg = LossConfig(**{**NEMO, "is_correction": "icepop", "is_min": 0.5, "is_cap": 5.0})
+    cfg = LossOptions(**{**NEMO, "is_correction": "icepop", "is_min": 0.5, "is_cap": 5.0})
     gen = [-0.5, -3.5, -0.8]  # weights 0.6065, 12.18 (dropped), 0.8187
     loss, out, _ = mean_loss(cfg, nemo_batch(ADV, gen), [PREV], [PREV])
     want = (-math.exp(-0.5) * 1.0 + 0.0 - math.exp(-0.2) * 2.0) / 3
@@ -108,7 +108,7 @@ def test_nemo_icepop_drops_the_stale_token():
 
 
 def test_nemo_tis_reports_out_of_bounds_tokens():
-    cfg = LossConfig(**{**NEMO, "is_correction": "tis", "is_cap": 2.0})
+    cfg = LossOptions(**{**NEMO, "is_correction": "tis", "is_cap": 2.0})
     prev = [math.log(1.0), math.log(3.0), math.log(0.5)]
     _, out, _ = mean_loss(cfg, nemo_batch([1.0] * 3, [0.0] * 3), [[0.0] * 3], [prev])
     assert float(out.metrics["is_oob_frac"].value) / 3 == pytest.approx(1 / 3)
@@ -117,7 +117,7 @@ def test_nemo_tis_reports_out_of_bounds_tokens():
 @pytest.mark.parametrize("tis_min, weights, oob", [(0.0, [0.1, 1.0, 2.0], 1), (0.5, [0.5, 1.0, 2.0], 2)])
 def test_nemo_tis_lower_bound(tis_min, weights, oob):
     # force_on_policy_ratio is our default old_policy = "trainer" (ratio 1)
-    cfg = LossConfig(clip_low=0.2, clip_high=0.2, is_min=tis_min, is_cap=2.0)
+    cfg = LossOptions(clip_low=0.2, clip_high=0.2, is_min=tis_min, is_cap=2.0)
     curr = [math.log(0.1), 0.0, math.log(3.0)]
     loss, out, _ = mean_loss(cfg, nemo_batch([1.0] * 3, [0.0] * 3), [curr])
     assert float(loss) == pytest.approx(-sum(weights) / 3, rel=1e-12)
@@ -125,7 +125,7 @@ def test_nemo_tis_lower_bound(tis_min, weights, oob):
 
 
 def test_nemo_seq_mask_tis_and_a_neg_inf_generator_logprob():
-    cfg = LossConfig(**{**NEMO, "is_correction": "seq-mask-tis", "is_min": 0.999, "is_cap": 1.002})
+    cfg = LossOptions(**{**NEMO, "is_correction": "seq-mask-tis", "is_min": 0.999, "is_cap": 1.002})
     gen = [-1.0005] * 3
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV, gen), [PREV], [PREV])
     assert float(loss) == pytest.approx(math.exp(0.0005) * -2.0 / 3, rel=1e-3)
@@ -135,7 +135,7 @@ def test_nemo_seq_mask_tis_and_a_neg_inf_generator_logprob():
 
 
 def test_nemo_gspo_batch_of_one_and_two():
-    cfg = LossConfig(**{**NEMO, "policy_loss": "gspo", "aggregation": "sequence"})
+    cfg = LossOptions(**{**NEMO, "policy_loss": "gspo", "aggregation": "sequence"})
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV), [CURR], [PREV])
     assert float(loss) == pytest.approx(-0.6057, rel=1e-3)
     loss, _, _ = mean_loss(cfg, nemo_batch([ADV, ADV], rows=2), [CURR, CURR], [PREV, [-2.0] * 3])
@@ -143,14 +143,14 @@ def test_nemo_gspo_batch_of_one_and_two():
 
 
 def test_nemo_gspo_with_sequence_importance_weight():
-    cfg = LossConfig(**{**NEMO, **RAW_IS, "policy_loss": "gspo", "is_correction": "seq-tis",
+    cfg = LossOptions(**{**NEMO, **RAW_IS, "policy_loss": "gspo", "is_correction": "seq-tis",
                         "aggregation": "sequence"})
     loss, _, _ = mean_loss(cfg, nemo_batch(ADV, GEN), [CURR], [PREV])
     assert float(loss) == pytest.approx(-0.4959, rel=1e-3)
 
 
 def test_nemo_kl_penalty_value():
-    cfg = LossConfig(**NEMO, kl_coef=0.1)
+    cfg = LossOptions(**NEMO, kl_coef=0.1)
     ref = t2([[-1.0, -1.0, -1.0]])
     loss, out, _ = mean_loss(cfg, nemo_batch([0.0] * 3), [[0.0, -1.0, -2.0]], [[0.0] * 3],
                              reference_logprobs=ref)
@@ -173,7 +173,7 @@ def test_nemo_kl_gradient_includes_the_sampling_term(on_policy_approx):
     old_policy = "generator" if on_policy_approx else "trainer"
 
     def grad(beta: float) -> torch.Tensor:
-        cfg = LossConfig(kl_coef=beta, kl_gradient="score", old_policy=old_policy)
+        cfg = LossOptions(kl_coef=beta, kl_gradient="score", old_policy=old_policy)
         lp = t2([curr]).requires_grad_()
         (grpo_loss(lp, batch, cfg, reference_logprobs=t2([ref])).loss_sum / 2).backward()
         return lp.grad[0, 1:]
@@ -192,7 +192,7 @@ def test_nemo_kl_estimators_and_clamps(estimator):
     unclamped = {"k1": [-1.0, 14.0, 29.0], "k2": [0.5, 98.0, 420.5], "k3": [0.7183, 13.0, 28.0]}
     clamped = {"k1": [-1.0, 10.0, 10.0], "k2": [0.5, 10.0, 10.0], "k3": [0.7183, 10.0, 10.0]}
     for clamps, want in (((0.0, 0.0), unclamped), ((20.0, 10.0), clamped)):
-        cfg = LossConfig(kl_coef=1.0, kl_estimator=estimator, kl_input_clamp=clamps[0],
+        cfg = LossOptions(kl_coef=1.0, kl_estimator=estimator, kl_input_clamp=clamps[0],
                          kl_output_clamp=clamps[1])
         got = klmod.loss_term(lp, lp, ref, cfg)
         torch.testing.assert_close(got, torch.tensor([want[estimator]], dtype=torch.float64),
@@ -201,7 +201,7 @@ def test_nemo_kl_estimators_and_clamps(estimator):
 
 def test_nemo_input_clamp_detaches_the_score_weight():
     lp = torch.tensor([[-3.0, -1.0]], dtype=torch.float64, requires_grad=True)
-    cfg = LossConfig(kl_coef=1.0, kl_gradient="score", kl_input_clamp=2.0, kl_output_clamp=0.0)
+    cfg = LossOptions(kl_coef=1.0, kl_gradient="score", kl_input_clamp=2.0, kl_output_clamp=0.0)
     kl = klmod.loss_term(lp, lp.detach(), torch.zeros_like(lp), cfg)
     torch.testing.assert_close(kl.detach(), torch.tensor([[4.389056, 0.7182818]], dtype=torch.float64))
     kl.sum().backward()
@@ -210,7 +210,7 @@ def test_nemo_input_clamp_detaches_the_score_weight():
 
 def test_nemo_output_clamp_includes_the_score_weight():
     lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
-    cfg = LossConfig(kl_coef=1.0, kl_gradient="score", kl_input_clamp=0.0, kl_output_clamp=1.0)
+    cfg = LossOptions(kl_coef=1.0, kl_gradient="score", kl_input_clamp=0.0, kl_output_clamp=1.0)
     old = lp.detach() - math.log(100.0)  # score weight pi / pi_old = 100 in value
     kl = klmod.loss_term(lp, old, torch.zeros_like(lp), cfg)
     assert float(kl.detach()) == 1.0
@@ -232,7 +232,7 @@ def test_verl_standard_and_dual_clip_ppo():
     lp = torch.tensor([[0.0, math.log(10.0)]], dtype=torch.float64)
     old = torch.zeros(1, 2, dtype=torch.float64)
     for dual, figure in ((0.0, 10.0), (3.0, 3.0)):
-        cfg = LossConfig(clip_low=0.2, clip_high=0.2, dual_clip=dual, is_correction="none")
+        cfg = LossOptions(clip_low=0.2, clip_high=0.2, dual_clip=dual, is_correction="none")
         assert float(grpo_loss(lp, batch, cfg, old_logprobs=old).loss_sum) == pytest.approx(figure)
 
 
@@ -270,10 +270,10 @@ def test_verl_rollout_correction_mask_mode():
         generator_logprobs=gen,
         advantages=torch.ones(2, dtype=torch.float64),
     )
-    tis = LossConfig(is_cap=1e6)
+    tis = LossOptions(is_cap=1e6)
     w = grpo_loss(old, batch, tis, old_logprobs=old).metrics["is_weight_mean"].value / 10
     assert float(w) == pytest.approx((0.368 + 1.649) / 2, abs=0.01)
-    pop = LossConfig(is_correction="icepop", is_min=0.5, is_cap=2.0)
+    pop = LossOptions(is_correction="icepop", is_min=0.5, is_cap=2.0)
     out = grpo_loss(old, batch, pop, old_logprobs=old)
     assert float(out.metrics["is_oob_frac"].value) / 10 == pytest.approx(0.5)
     assert float(out.metrics["is_weight_mean"].value) / 5 == pytest.approx(math.exp(0.5))

@@ -20,7 +20,7 @@ from workers.envs.recorder import InMemoryTurnRecorder
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.generator.openai_server import OpenAIServer
-from workers.models.sampling import SamplingConfig
+from workers.models.config import SamplingSection
 from workers.models.tiny import TinyCausalLM, TinyConfig
 from workers.models.tokenizer import EOS_ID, CharTokenizer
 
@@ -30,7 +30,7 @@ TOK = CharTokenizer()
 
 
 def serve(model, tokenizer, *, tools=CALCULATOR_FORMAT, seed=0, context_len=32):  # type: ignore[no-untyped-def]
-    sampler = TorchTurnSampler(model, tokenizer.eos_id, SamplingConfig(max_new_tokens=8),
+    sampler = TorchTurnSampler(model, tokenizer.eos_id, SamplingSection(max_new_tokens=8),
                                torch.Generator().manual_seed(seed))
     return OpenAIServer(sampler, PlainTemplate(tokenizer, tools), context_len, max_tokens=8).start()
 
@@ -63,7 +63,7 @@ def test_openai_agent_code_trains_on_the_ids_the_episode_runner_would_produce():
     finally:
         server.close()
     assert answer == "1786"
-    runner = EpisodeRunner(TorchTurnSampler(model, EOS_ID, SamplingConfig(max_new_tokens=8),
+    runner = EpisodeRunner(TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
                                             torch.Generator()),
                            TOK, InMemoryTurnRecorder(), 32, 8, 2, "calculator")
     (ran,) = runner.run([StepKey("run", "ep-1", 0, 0)], [calc_env()])
@@ -173,14 +173,15 @@ def test_the_session_may_come_in_the_body_on_the_plain_path():
 def test_a_generator_serves_its_model_and_the_turn_records_the_weight_version():
     from workers.dataplane import MemoryDataPlane
     from workers.generator import Generator
-    from workers.models.factory import ModelConfig, build_model
+    from workers.models.config import ModelSection
+    from workers.models.factory import build_model
     from workers.tasks import make_task
     from workers.weight_sync import cpu_state_dict
 
-    model, tok = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=1))
+    model, tok = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 1)
     gen = Generator(model, tok, make_task("calculator"), MemoryDataPlane(), "run-9")
-    newer, _ = build_model(ModelConfig(context_len=32, d_model=32, n_heads=2, init_seed=2))
-    sampling = SamplingConfig(max_new_tokens=8)
+    newer, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 2)
+    sampling = SamplingSection(max_new_tokens=8)
     with OpenAIServer.for_generator(gen, sampling, CALCULATOR_FORMAT) as server:
         llm = client(server, "ep-7")
         messages = [{"role": "user", "content": "12+34="}]

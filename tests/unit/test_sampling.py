@@ -5,20 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.models.factory import ModelConfig, build_model
+from workers.models.config import ModelSection, SamplingSection
 from workers.models.decoder import sample
-from workers.models.sampling import SamplingConfig, sequence_logprobs
+from workers.models.factory import build_model
+from workers.models.sampling import sequence_logprobs
 from workers.models.tokenizer import EOS_ID
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return build_model(ModelConfig(context_len=48, d_model=32, n_heads=2, init_seed=1))
+    return build_model(ModelSection(context_len=48, d_model=32, n_heads=2), 1)
 
 
 def _draw(model, prompt, n=8, seed=0, **kw):
     use_cache = kw.pop("use_cache", True)
-    cfg = SamplingConfig(**{"max_new_tokens": 12, **kw})
+    cfg = SamplingSection(**{"max_new_tokens": 12, **kw})
     return sample(model, prompt, n, cfg, torch.Generator().manual_seed(seed), EOS_ID, use_cache=use_cache)
 
 
@@ -76,11 +77,13 @@ def test_tiny_top_p_is_greedy(tiny):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0}]
+    "kwargs",
+    [{"temperature": 0.0}, {"temperature": float("inf")}, {"top_p": 0.0}, {"top_p": 1.5},
+     {"max_new_tokens": 0}],
 )
 def test_sampling_config_is_validated(kwargs):
-    with pytest.raises(ValueError, match="SamplingConfig"):
-        SamplingConfig(**kwargs)
+    with pytest.raises(ValueError, match=f"sampling.{next(iter(kwargs))} must be"):
+        SamplingSection(**kwargs)
 
 
 def _save_tiny_hf(directory) -> None:
@@ -107,7 +110,7 @@ def test_hf_model_from_local_dir_samples_with_cache(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _save_tiny_hf(tmp_path)
-    model, tok = build_model(ModelConfig(kind="hf", path=str(tmp_path)))
+    model, tok = build_model(ModelSection(kind="hf", path=str(tmp_path)))
     prompt = tok.encode("ab>")
     assert tok.decode(prompt + [tok.eos_id, 3]) == "ab>" and tok.eos_id == 1
     logits = model(torch.tensor([prompt]))  # the shared model(input_ids) -> logits interface
@@ -124,4 +127,4 @@ def test_hf_model_from_local_dir_samples_with_cache(tmp_path, monkeypatch):
 
 def test_hf_missing_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        build_model(ModelConfig(kind="hf", path=str(tmp_path / "nope")))
+        build_model(ModelSection(kind="hf", path=str(tmp_path / "nope")))

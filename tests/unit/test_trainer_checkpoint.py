@@ -6,7 +6,6 @@ import hashlib
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ def split_step(t: TorchTrainer, step: int, seed: int) -> str:
 
 
 def trained(steps: int) -> TorchTrainer:
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     for s in range(steps):
         split_step(t, s, 50 + s)
     return t
@@ -45,7 +44,7 @@ def test_load_then_step_equals_step_without_save_load(tmp_path):
     assert info.trainer_version == 2 and info.step == 1
     want = split_step(a, 2, 52)
 
-    b = TorchTrainer(FACTORY, replace(ADAMW, seed=ADAMW.seed))
+    b = TorchTrainer(FACTORY, *ADAMW.with_runtime(seed=ADAMW.runtime.seed))
     b.train(make_batch(99), TOKEN)  # diverge first: load must overwrite everything
     loaded = b.load_checkpoint(tmp_path / "v2")
     assert loaded.sha256 == info.sha256 and b.trainer_version == 2
@@ -90,7 +89,7 @@ def _flip_byte(path: Path) -> None:
 def test_corrupted_checkpoint_is_refused_and_changes_nothing(tmp_path, damage, message):
     trained(1).save_checkpoint(tmp_path / "ckpt")
     damage(tmp_path / "ckpt")
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     digest = t.weights_digest()
     with pytest.raises(CheckpointCorruptError, match=message):
         t.load_checkpoint(tmp_path / "ckpt")
@@ -117,15 +116,15 @@ def test_stale_staging_directory_is_replaced(tmp_path):
     (staging / "model.pt").write_bytes(b"half-written garbage")
     t = trained(1)
     t.save_checkpoint(final)
-    TorchTrainer(FACTORY, ADAMW).load_checkpoint(final)  # verifies cleanly
+    TorchTrainer(FACTORY, *ADAMW).load_checkpoint(final)  # verifies cleanly
     assert not staging.exists()
 
 
 def test_weights_digest_covers_names_dtypes_and_shapes():
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     base = t.weights_digest()
-    assert base == digest_parameters(TorchTrainer(FACTORY, ADAMW).model)
-    assert base != digest_parameters(TorchTrainer(FACTORY, replace(ADAMW, seed=1)).model)
+    assert base == digest_parameters(TorchTrainer(FACTORY, *ADAMW).model)
+    assert base != digest_parameters(TorchTrainer(FACTORY, *ADAMW.with_runtime(seed=1)).model)
     assert base != digest_parameters(t.model.to(torch.float64))
     with torch.no_grad():
         t.model.to(torch.float32)

@@ -14,7 +14,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from workers.loss import Aggregation, Metric, MetricKind
 from workers.trainer import (
     NonFiniteGradientError,
-    SchedulerConfig,
     StepPhase,
     TorchTrainer,
     TrainStepStateError,
@@ -80,7 +79,7 @@ CONFIGS = {"sgd64": SGD64, "adamw64": ADAMW64, "sgd32": SGD, "adamw32": ADAMW}
 def test_split_matches_oneshot(config, loss, partition):
     batches = [make_batch(10), make_batch(11)]
     want, want_results, initial = oneshot_reference(config, loss, batches)
-    t = TorchTrainer(FACTORY, config)
+    t = TorchTrainer(FACTORY, *config)
     results = []
     for step, batch in enumerate(batches):
         t.begin_train_step(step, loss)
@@ -91,7 +90,7 @@ def test_split_matches_oneshot(config, loss, partition):
                 t.train_microbatch(None)  # a zero-weight dummy changes nothing
         results.append(t.finish_train_step())
     got = t.export_weights()
-    assert next(iter(got.values())).dtype == getattr(torch, config.dtype or "float32")
+    assert next(iter(got.values())).dtype == getattr(torch, config.runtime.dtype or "float32")
     assert max_param_diff(got, want) <= weight_tolerance(config, len(batches))
     # the test can fail: one step moves the weights far more than the tolerance
     assert max_param_diff(initial, want) > 1e-3
@@ -109,7 +108,7 @@ def test_split_matches_oneshot(config, loss, partition):
 def test_normaliser_is_the_global_count_not_the_microbatch_count():
     # Per-microbatch means averaged would weigh the 1-row microbatch like the 7-row one.
     batch = make_batch(12)
-    t = TorchTrainer(FACTORY, SGD)
+    t = TorchTrainer(FACTORY, *SGD)
     t.begin_train_step(0, TOKEN)
     r1 = t.train_microbatch(batch.select(slice(0, 1)))
     r2 = t.train_microbatch(batch.select(slice(1, 8)))
@@ -120,8 +119,8 @@ def test_normaliser_is_the_global_count_not_the_microbatch_count():
 
 
 def test_lr_reported_is_the_one_used_for_this_step():
-    config = replace(SGD, scheduler=SchedulerConfig(warmup_steps=4))
-    t = TorchTrainer(FACTORY, config)
+    config = SGD.with_train(warmup_steps=4)
+    t = TorchTrainer(FACTORY, *config)
     lrs = [t.train(make_batch(20 + s), TOKEN).lr for s in range(5)]
     assert lrs == pytest.approx([0.5 * k / 4 for k in (1, 2, 3, 4, 4)])
 
@@ -182,7 +181,7 @@ def test_conflicting_metric_kinds_are_an_error():
 
 
 def test_abort_leaves_everything_bitwise_unchanged_and_is_idempotent():
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     t.train(make_batch(30), TOKEN)  # optimizer state exists
     before = snapshot(t)
     t.begin_train_step(1, SEQUENCE)
@@ -196,7 +195,7 @@ def test_abort_leaves_everything_bitwise_unchanged_and_is_idempotent():
 
 
 def test_step_after_abort_equals_step_without_the_aborted_one():
-    a, b = TorchTrainer(FACTORY, ADAMW), TorchTrainer(FACTORY, ADAMW)
+    a, b = TorchTrainer(FACTORY, *ADAMW), TorchTrainer(FACTORY, *ADAMW)
     a.begin_train_step(0, TOKEN)
     a.train_microbatch(make_batch(32))
     a.abort_train_step()
@@ -215,7 +214,7 @@ def test_step_after_abort_equals_step_without_the_aborted_one():
     ],
 )
 def test_wrong_order_raises_state_error(tmp_path, calls, message):
-    t = TorchTrainer(FACTORY, SGD)
+    t = TorchTrainer(FACTORY, *SGD)
     digest = t.weights_digest()
     *setup, bad = calls
     for c in setup:
@@ -235,7 +234,7 @@ def test_wrong_order_raises_state_error(tmp_path, calls, message):
 
 
 def test_exception_inside_a_step_then_abort_leaves_the_worker_usable():
-    t, fresh = TorchTrainer(FACTORY, ADAMW), TorchTrainer(FACTORY, ADAMW)
+    t, fresh = TorchTrainer(FACTORY, *ADAMW), TorchTrainer(FACTORY, *ADAMW)
     before = snapshot(t)
     t.begin_train_step(0, TOKEN)
     t.train_microbatch(make_batch(35))
@@ -254,7 +253,7 @@ def test_exception_inside_a_step_then_abort_leaves_the_worker_usable():
 
 
 def test_oneshot_train_aborts_its_own_step_on_failure():
-    t = TorchTrainer(FACTORY, SGD)
+    t = TorchTrainer(FACTORY, *SGD)
     with pytest.raises(ValueError):
         t.train(make_batch(38, max_len=40), TOKEN)
     assert t.phase is StepPhase.IDLE and t.trainer_version == 0
@@ -263,7 +262,7 @@ def test_oneshot_train_aborts_its_own_step_on_failure():
 def test_a_step_without_loss_bearing_tokens_is_an_empty_step_not_an_error():
     """No valid token on any rank: the step finishes (the controller's loop would retry
     a failing one forever) with a zero gradient, no update, and says so in a metric."""
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     t.train(make_batch(37), TOKEN)  # Adam has momentum now: a skipped update is visible
     before = snapshot(t)
     empty = make_batch(38)
@@ -282,7 +281,7 @@ def test_a_step_without_loss_bearing_tokens_is_an_empty_step_not_an_error():
 
 
 def test_non_finite_gradient_raises_and_applies_no_update():
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     before = snapshot(t)
     batch = make_batch(39)
     bad = replace(batch, advantages=torch.full_like(batch.advantages, math.inf))
@@ -295,7 +294,7 @@ def test_non_finite_gradient_raises_and_applies_no_update():
 
 
 def test_compute_logprobs_policy_and_reference():
-    t = TorchTrainer(FACTORY, ADAMW)
+    t = TorchTrainer(FACTORY, *ADAMW)
     batch = make_batch(40)
     policy0 = t.compute_logprobs(batch, "policy", temperature=0.8)
     assert policy0.shape == batch.loss_mask.shape and policy0.dtype == torch.float32
@@ -309,11 +308,11 @@ def test_compute_logprobs_policy_and_reference():
 
 
 def test_internal_reference_equals_reference_logprobs_in_the_batch():
-    a, b = TorchTrainer(FACTORY, ADAMW), TorchTrainer(FACTORY, ADAMW)
+    a, b = TorchTrainer(FACTORY, *ADAMW), TorchTrainer(FACTORY, *ADAMW)
     batch = make_batch(41)
     a.train(make_batch(42), TOKEN)
     b.train(make_batch(42), TOKEN)
-    ref = b.compute_logprobs(batch, "reference", temperature=SEQUENCE.temperature)
+    ref = b.compute_logprobs(batch, "reference", temperature=SEQUENCE.sampling.temperature)
     ra = a.train(batch, SEQUENCE)
     rb = b.train(replace(batch, reference_logprobs=ref), SEQUENCE)
     assert ra.metrics["kl"] > 0
@@ -321,7 +320,7 @@ def test_internal_reference_equals_reference_logprobs_in_the_batch():
 
 
 def test_export_weights_is_a_detached_cpu_copy():
-    t = TorchTrainer(FACTORY, SGD)
+    t = TorchTrainer(FACTORY, *SGD)
     w = t.export_weights()
     assert w.keys() == t.model.state_dict().keys()
     assert all(v.device.type == "cpu" for v in w.values())
@@ -339,7 +338,7 @@ class SplitApiMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self):
-        self.t = TorchTrainer(FACTORY, replace(SGD, digest_on_finish=True))
+        self.t = TorchTrainer(FACTORY, *SGD.with_runtime(digest_on_finish=True))
         self.open = False
         self.has_data = False
         self.version = 0
@@ -416,7 +415,7 @@ class HFGPT2Factory:
 @pytest.mark.slow
 def test_hugging_face_module_with_logits_output_trains_split_equal_oneshot():
     pytest.importorskip("transformers")
-    a, b = TorchTrainer(HFGPT2Factory(), SGD64), TorchTrainer(HFGPT2Factory(), SGD64)
+    a, b = TorchTrainer(HFGPT2Factory(), *SGD64), TorchTrainer(HFGPT2Factory(), *SGD64)
     initial = a.export_weights()
     batch = make_batch(60)
     a.train(batch, TOKEN)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from workers.dataplane import MemoryDataPlane
 from workers.generator.generator import Generator
 from workers.handles import LocalHandle
-from workers.models.factory import ModelConfig, build_model
+from workers.models.config import ModelSection
+from workers.models.factory import build_model
 from workers.tasks import make_task
 from workers.weight_buckets import iter_buckets, plan_buckets, unpack_buckets
 from workers.weight_sync import StaleWeightsError, cpu_state_dict
@@ -62,8 +63,8 @@ def test_missing_bucket_is_an_error_not_a_partial_load():
 
 
 def test_bucket_transport_refits_generators_and_acks_the_version():
-    cfg = ModelConfig()
-    trained, _ = build_model(ModelConfig(init_seed=7))
+    cfg = ModelSection(context_len=64)
+    trained, _ = build_model(cfg, 7)
     gens = []
     for i in range(2):
         model, tok = build_model(cfg)

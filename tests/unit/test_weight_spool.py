@@ -19,7 +19,8 @@ import tracemalloc
 import pytest
 import torch
 
-from workers.models.factory import ModelConfig, build_model
+from workers.models.config import ModelSection
+from workers.models.factory import build_model
 from workers.weight_spool import BucketSpool, SpooledBuckets
 from workers.weight_sync import BucketReceiver, VersionedWeights, cpu_state_dict, load_tensors
 from workers.weight_transport import RefitSource
@@ -46,7 +47,7 @@ def test_spool_reads_back_what_was_written_and_leaves_no_file():
 
 
 def _sender(seed: int) -> tuple[RefitSource, dict[str, torch.Tensor]]:
-    trained, _ = build_model(ModelConfig(init_seed=seed))
+    trained, _ = build_model(ModelSection(context_len=64), seed)
     weights = cpu_state_dict(trained)
     return RefitSource(lambda: weights), weights
 
@@ -68,7 +69,7 @@ def _model_bytes(weights) -> int:
 
 
 def test_refit_peak_staged_memory_is_a_few_buckets_not_the_model():
-    model, _ = build_model(ModelConfig())
+    model, _ = build_model(ModelSection(context_len=64))
     receiver = BucketReceiver(VersionedWeights(model, "g0"))
     _send(_buckets(_sender(seed=6)[0], 1), receiver, 1)  # warm: imports, type caches
     source, want = _sender(seed=7)
@@ -87,7 +88,7 @@ def test_refit_peak_staged_memory_is_a_few_buckets_not_the_model():
 
 
 def test_a_version_waiting_for_a_group_to_end_waits_on_disk():
-    model, _ = build_model(ModelConfig())
+    model, _ = build_model(ModelSection(context_len=64))
     weights = VersionedWeights(model, "g0")
     receiver = BucketReceiver(weights)
     _send(_buckets(_sender(seed=6)[0], 1), receiver, 1)  # warm, as above
@@ -124,7 +125,7 @@ def test_a_version_waiting_for_a_group_to_end_waits_on_disk():
 
 
 def test_streamed_load_is_strict_like_load_state_dict():
-    model, _ = build_model(ModelConfig())
+    model, _ = build_model(ModelSection(context_len=64))
     sd = cpu_state_dict(model)
     name = next(iter(sd))
     with pytest.raises(ValueError, match="missing"):

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.dataplane import DataPlaneConfig, MemoryDataPlane
+from workers.dataplane import MemoryDataPlane
 from workers.generator import Generator
-from workers.models.factory import ModelConfig, build_model
-from workers.models.sampling import SamplingConfig
-from workers.tasks import Example, make_task
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
 from workers.service import GeneratorWorker
+from workers.tasks import Example, make_task
 from workers.weight_sync import StaleWeightsError, VersionedWeights, cpu_state_dict
 
-CFG = ModelConfig(context_len=64, d_model=32, n_heads=2, init_seed=0)
+CFG = ModelSection(context_len=64, d_model=32, n_heads=2)
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
-    model, _ = build_model(ModelConfig(context_len=64, d_model=32, n_heads=2, init_seed=seed))
+    model, _ = build_model(CFG, seed)
     return cpu_state_dict(model)
 
 
@@ -88,7 +88,7 @@ def test_concurrent_update_during_generation_makes_versions_differ():
     results = []
     worker = threading.Thread(
         target=lambda: results.append(
-            gen.generate_group("g", Example("abc>", "cba"), 32, SamplingConfig(max_new_tokens=40), 0)
+            gen.generate_group("g", Example("abc>", "cba"), 32, SamplingSection(max_new_tokens=40), 0)
         )
     )
     worker.start()

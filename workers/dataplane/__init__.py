@@ -1,6 +1,6 @@
 """The data plane: sample payloads between generators and the trainer.
 
-``make_dataplane(DataPlaneConfig(...))`` builds the configured implementation. The
+``make_dataplane(section, runtime)`` builds the configured implementation. The
 production kind (``"transferqueue"``) never falls back to memory: if TransferQueue
 cannot start, :class:`DataPlaneUnavailable` is raised.
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from workers.lazy import lazy_exports
 
-from workers.dataplane.config import DataPlaneConfig, DataPlaneKind, DataPlaneSection
+from workers.dataplane.config import DataPlaneKind, DataPlaneRuntime, DataPlaneSection
 
 if TYPE_CHECKING:
     from workers.dataplane.api import (
@@ -55,11 +55,13 @@ def preload(kind: DataPlaneKind) -> None:
         transferqueue.preload()
 
 
-def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
-    """Build the configured data plane (wrapped in the durable spill if ``spill_dir``)."""
+def make_dataplane(config: DataPlaneSection, runtime: DataPlaneRuntime) -> "DataPlane":
+    """Build the ``[dataplane]`` of the run ``runtime`` describes (wrapped in the durable
+    spill under its run directory if ``dataplane.spill``)."""
     from workers.dataplane.memory import MemoryDataPlane
     from workers.dataplane.spill import SpillDataPlane
 
+    spill_dir = runtime.spill_dir(config)  # before anything starts: it may refuse
     plane: DataPlane
     if config.kind == "memory":
         plane = MemoryDataPlane()
@@ -67,10 +69,10 @@ def make_dataplane(config: DataPlaneConfig) -> "DataPlane":
         # Imported here so that only runs that ask for TransferQueue import it.
         from workers.dataplane.transferqueue import TransferQueueDataPlane
 
-        plane = TransferQueueDataPlane(config)
-    if config.spill_dir is not None:
-        plane = SpillDataPlane(plane, config.spill_dir)
+        plane = TransferQueueDataPlane(config, runtime)
+    if spill_dir is not None:
+        plane = SpillDataPlane(plane, spill_dir)
     return plane
 
 
-__all__ = sorted([*_EXPORTS, "DataPlaneConfig", "DataPlaneKind", "DataPlaneSection", "make_dataplane", "preload"])
+__all__ = sorted([*_EXPORTS, "DataPlaneKind", "DataPlaneRuntime", "DataPlaneSection", "make_dataplane", "preload"])

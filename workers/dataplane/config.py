@@ -1,55 +1,25 @@
-"""Which data plane a run uses: ``[dataplane]`` as the user writes it, and the
-``DataPlaneConfig`` that ``make_dataplane`` builds from. No torch import, so loading
-a config stays cheap."""
+"""Which data plane a run uses: ``[dataplane]`` as the user writes it, which
+``make_dataplane`` takes as it is, and the run's ``DataPlaneRuntime`` beside it (run
+directory, Ray cluster). No torch import, so loading a config stays cheap."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
-from events.config_checks import non_negative, positive
+from events.config_checks import non_negative, one_of, positive
 
 DataPlaneKind = Literal["memory", "transferqueue"]
-
-
-@dataclass(frozen=True)
-class DataPlaneConfig:
-    """Which data plane a run uses, and where it runs: what ``make_dataplane`` and the
-    TransferQueue adapter are built from (``DataPlaneSection.dataplane_config`` places
-    the user's table under a run directory and on a Ray cluster)."""
-
-    #: "transferqueue" in production; "memory" for tests and single-process runs
-    kind: DataPlaneKind = "transferqueue"
-    #: directory for the durable spill (None: no spill; payloads die with the process)
-    spill_dir: str | None = None
-    #: Ray address TransferQueue joins (None: the initialised Ray, else a local one)
-    ray_address: str | None = None
-    #: logical CPUs for a Ray started by the data plane (TransferQueue needs >= 4)
-    ray_num_cpus: int = 4
-    #: TransferQueue SimpleStorage units
-    num_storage_units: int = 2
-    #: Ray resource a storage unit's node must offer (None: round-robin over all nodes)
-    storage_node_resource: str | None = None
-    #: seconds TransferQueue's own actors may take to start (when this process starts them)
-    start_timeout_s: float = 120.0
-    #: only join a data plane another process starts (waiting for it to be up), never
-    #: start one: set for workers created while the controller starts it
-    join: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("memory", "transferqueue"):
-            raise ValueError(
-                f"DataPlaneConfig.kind must be 'memory' or 'transferqueue', got {self.kind!r}"
-            )
 
 
 class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[dataplane]``: where sample payloads live between generators and the trainer."""
 
-    kind: Literal["transferqueue", "memory"] = "transferqueue"
+    kind: DataPlaneKind = "transferqueue"
+    """transferqueue in production; memory for tests and single-process runs."""
     spill: bool = True
     """Write payloads through to disk (memory-mapped TensorDicts) to survive a restart."""
     storage_node_resource: str = ""
@@ -67,6 +37,7 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     answer when the run starts them; past it the run stops and says which are pending."""
 
     def __post_init__(self) -> None:
+        one_of("dataplane.kind", self.kind, get_args(DataPlaneKind))
         positive("dataplane", self, "start_timeout_s")
         non_negative("dataplane", self, "storage_units")
 
@@ -74,17 +45,27 @@ class DataPlaneSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         """The storage units a run starts on the Ray at ``ray_address`` (empty: local)."""
         return self.storage_units or (2 if ray_address else 1)
 
-    def dataplane_config(
-        self, *, run_dir: str | Path, ray_address: str, ray_num_cpus: int
-    ) -> DataPlaneConfig:
-        """The data plane of the run in ``run_dir`` (its spill under ``run_dir/spill``),
-        on the Ray cluster at ``ray_address`` (empty: the initialised or a local one)."""
-        return DataPlaneConfig(
-            kind=self.kind,
-            spill_dir=str(Path(run_dir) / "spill") if self.spill else None,
-            ray_address=ray_address or None,
-            ray_num_cpus=ray_num_cpus,
-            storage_node_resource=self.storage_node_resource or None,
-            num_storage_units=self.units(ray_address),
-            start_timeout_s=self.start_timeout_s,
-        )
+
+@dataclass(frozen=True)
+class DataPlaneRuntime:
+    """Where this run's data plane lives: the values the run decides, beside the user's
+    ``[dataplane]`` table (``make_dataplane(section, runtime)``)."""
+
+    #: the run's directory; the durable spill (``dataplane.spill``) goes under
+    #: ``run_dir/spill``. None: no directory, so ``dataplane.spill`` must be off
+    run_dir: str | None = None
+    #: Ray address TransferQueue joins (empty: the initialised Ray, else a local one)
+    ray_address: str = ""
+    #: logical CPUs for a Ray started by the data plane (TransferQueue needs >= 4)
+    ray_num_cpus: int = 4
+    #: only join a data plane another process starts (waiting for it to be up), never
+    #: start one: set for workers created while the controller starts it
+    join: bool = False
+
+    def spill_dir(self, section: DataPlaneSection) -> str | None:
+        """The spill directory of ``section`` in this run (None: no spill)."""
+        if not section.spill:
+            return None
+        if self.run_dir is None:
+            raise ValueError("dataplane.spill = true needs the run's directory (or spill = false)")
+        return str(Path(self.run_dir) / "spill")

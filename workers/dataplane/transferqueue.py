@@ -41,22 +41,22 @@ from workers.dataplane.api import (
     batch_of,
     rows_of,
 )
-from workers.dataplane.config import DataPlaneConfig
+from workers.dataplane.config import DataPlaneRuntime, DataPlaneSection
 
 #: TransferQueue's controller and storage units need this many logical CPUs in Ray.
 MIN_RAY_CPUS = 4
 
 
-def _ensure_ray(cfg: DataPlaneConfig) -> None:
+def _ensure_ray(runtime: DataPlaneRuntime) -> None:
     if not ray.is_initialized():
-        if cfg.ray_address is None:
+        if not runtime.ray_address:
             ray.init(
-                num_cpus=max(cfg.ray_num_cpus, MIN_RAY_CPUS),
+                num_cpus=max(runtime.ray_num_cpus, MIN_RAY_CPUS),
                 include_dashboard=False,
                 log_to_driver=False,
             )
         else:
-            ray.init(address=cfg.ray_address, log_to_driver=False)
+            ray.init(address=runtime.ray_address, log_to_driver=False)
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < MIN_RAY_CPUS:
         raise DataPlaneUnavailable(
@@ -82,7 +82,7 @@ def _named_actor(name: str, namespace: str | None = None):
         return None
 
 
-def _init_watched(tq, conf: dict, cfg: DataPlaneConfig) -> bool:
+def _init_watched(tq, conf: dict, cfg: DataPlaneSection, units: int) -> bool:
     """``tq.init`` with a limit when this process is the one that starts TransferQueue;
     True when it did start it (False: it joined a running one)."""
     if _named_actor(*_CONTROLLER) is not None:
@@ -94,8 +94,8 @@ def _init_watched(tq, conf: dict, cfg: DataPlaneConfig) -> bool:
     def watch() -> None:
         if done.wait(cfg.start_timeout_s):
             return
-        verdict.append(_pending(cfg))
-        for actor in _our_actors(cfg.num_storage_units):
+        verdict.append(_pending(cfg, units))
+        for actor in _our_actors(units):
             try:
                 ray.kill(actor)  # fails init's pending ray.get, and frees the cluster
             except Exception:
@@ -120,7 +120,7 @@ def _init_watched(tq, conf: dict, cfg: DataPlaneConfig) -> bool:
     return True
 
 
-def _await_started(cfg: DataPlaneConfig, poll_s: float = 0.1) -> None:
+def _await_started(cfg: DataPlaneSection, poll_s: float = 0.1) -> None:
     """Wait until TransferQueue's controller is named and holds its configuration (it
     does once its storage units are up), for at most ``start_timeout_s``."""
     deadline = time.monotonic() + cfg.start_timeout_s
@@ -157,9 +157,8 @@ def _answers(actor) -> bool:
     return bool(ready)
 
 
-def _pending(cfg: DataPlaneConfig) -> str:
-    """Which of TransferQueue's actors are not up yet, and what Ray has free."""
-    units = cfg.num_storage_units
+def _pending(cfg: DataPlaneSection, units: int) -> str:
+    """Which of TransferQueue's ``units`` actors are not up yet, and what Ray has free."""
     pending: list[str] = []
     controller = _named_actor(*_CONTROLLER)
     if controller is None or not _answers(controller):
@@ -184,29 +183,34 @@ def _pending(cfg: DataPlaneConfig) -> str:
 
 
 class TransferQueueDataPlane:
-    """Data plane over TransferQueue's SimpleStorage backend."""
+    """Data plane over TransferQueue's SimpleStorage backend (``[dataplane]``, placed on
+    the run's Ray by ``runtime``; the spill is ``make_dataplane``'s)."""
 
-    def __init__(self, cfg: DataPlaneConfig = DataPlaneConfig()) -> None:
+    def __init__(
+        self, cfg: DataPlaneSection = DataPlaneSection(),
+        runtime: DataPlaneRuntime = DataPlaneRuntime(),
+    ) -> None:
         try:
             import transfer_queue as tq
 
-            _ensure_ray(cfg)
-            storage: dict = {"num_data_storage_units": cfg.num_storage_units}
+            _ensure_ray(runtime)
+            units = cfg.units(runtime.ray_address)
+            storage: dict = {"num_data_storage_units": units}
             if cfg.storage_node_resource:
                 storage["required_node_resource"] = cfg.storage_node_resource
             started = False
-            if cfg.join:
+            if runtime.join:
                 _await_started(cfg)
                 tq.init()  # joins the running TransferQueue
             else:
-                started = _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg)
+                started = _init_watched(tq, {"backend": {"SimpleStorage": storage}}, cfg, units)
         except DataPlaneUnavailable:
             raise
         except Exception as err:  # any start-up failure is fatal, never a fallback
             raise DataPlaneUnavailable(f"TransferQueue failed to start: {err!r}") from err
         self._tq = tq
         #: storage units this process started (its ``close`` removes them)
-        self._units = cfg.num_storage_units if started else 0
+        self._units = units if started else 0
         # TransferQueue's client is not safe for concurrent calls from threads.
         self._lock = threading.Lock()
 

@@ -24,8 +24,8 @@ from workers.envs.task import EpisodeTask
 from workers.envs.trajectory import Trajectory
 from workers.dataplane.api import DataPlane
 from workers.generator.segments import version_runs
+from workers.models.config import SamplingSection
 from workers.models.factory import Tokenizer, context_len
-from workers.models.sampling import SamplingConfig
 from workers.tasks.base import Example
 from workers.weight_sync import VersionedWeights
 
@@ -57,7 +57,7 @@ def run_episodes(
     group_id: str,
     prompt: Example,
     n: int,
-    sampling: SamplingConfig,
+    sampling: SamplingSection,
     seed: int,
     recorder: TurnRecorder | None = None,
     restarts: Sequence[int] | None = None,
@@ -89,7 +89,7 @@ def generate_episode_group(
     group_id: str,
     prompt: Example,
     n: int,
-    sampling: SamplingConfig,
+    sampling: SamplingSection,
     seed: int,
     attempt: int = 0,
     recorder: TurnRecorder | None = None,

@@ -10,15 +10,16 @@ weights, the seed and the order of the requests.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import torch
 from torch import nn
 
 from workers.envs.recorder import ModelTurn, TurnRequest
+from workers.models.config import SamplingSection
 from workers.models.decoder import sample
-from workers.models.sampling import SamplingConfig
 
 
 class TurnSampler(Protocol):
@@ -33,7 +34,7 @@ class TorchTurnSampler:
 
     model: nn.Module
     eos_id: int
-    sampling: SamplingConfig
+    sampling: SamplingSection
     generator: torch.Generator
     #: the weight version in force (read at each turn's start and end)
     version: Callable[[], int] = lambda: 0
@@ -47,7 +48,7 @@ class TorchTurnSampler:
             batches.setdefault((len(r.context), r.max_new_tokens), []).append(i)
         out: list[ModelTurn | None] = [None] * len(requests)
         for (_, budget), members in batches.items():
-            cfg = replace(self.sampling, max_new_tokens=budget)
+            cfg = msgspec.structs.replace(self.sampling, max_new_tokens=budget)
             start = self.version()
             contexts = [list(requests[i].context) for i in members]
             # one prompt repeated, or one row per context (equal lengths: no padding)
@@ -69,7 +70,6 @@ class TorchTurnSampler:
                     versions=versions,
                 )
         return [t for t in out if t is not None]
-
 
 
 @dataclass

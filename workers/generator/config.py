@@ -1,25 +1,33 @@
 """``[rollout.vllm]``: the vLLM generator's options as the user writes them.
 
 The controller's ``Config`` composes this Struct (inside its ``[rollout]`` table, whose
-other keys drive admission) and hands it, unchanged, to the generator workers, which
-derive the engine's ``VllmOptions`` from it here. No torch or vLLM import.
+other keys drive admission) and hands it, unchanged, to the generator workers; the
+vLLM generator takes it as it is, with the run's ``VllmRuntime`` (seed, dtype, prefix
+cache) beside it (``workers.generator.vllm_config``). No torch or vLLM import.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
-from events.config_checks import non_negative, positive
-from workers.generator.vllm_config import MIB, VllmOptions
+from events.config_checks import non_negative, one_of, positive
 from workers.models.config import KvOnRefit
+
+MIB = 1024 * 1024
+
+#: ``inprocess``: the engine core runs in the generator's own process
+#: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): starts in seconds and dies with it, so a
+#: killed generator leaves nothing behind. ``multiprocess``: vLLM's default, the engine
+#: core in a child process (what a GPU deployment uses to overlap scheduling).
+EngineMode = Literal["inprocess", "multiprocess"]
 
 
 class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[rollout.vllm]``: the vLLM generator (``workers.generator.vllm_config.VllmOptions``)."""
+    """``[rollout.vllm]``: the vLLM generator (``workers.generator.vllm_backend``)."""
 
-    engine_mode: Literal["inprocess", "multiprocess"] = "inprocess"
+    engine_mode: EngineMode = "inprocess"
     """inprocess: the engine core in the generator's process (starts fast, dies with it);
     multiprocess: vLLM's default, the engine core in a child process."""
     kv_cache_mib: int = 64
@@ -31,20 +39,9 @@ class VllmSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     a time and apply an update between chunks (the group is tagged start != end)."""
 
     def __post_init__(self) -> None:
+        one_of("rollout.vllm.engine_mode", self.engine_mode, get_args(EngineMode))
         positive("rollout.vllm", self, "kv_cache_mib", "max_num_seqs")
         non_negative("rollout.vllm", self, "chunk_tokens")
-
-    def options(self, seed: int, prefix_caching: bool = True) -> VllmOptions:
-        """The engine's options; ``seed`` is the run's (per-request seeds make sampling
-        deterministic on their own)."""
-        return VllmOptions(
-            prefix_caching=prefix_caching,
-            engine_mode=self.engine_mode,
-            kv_cache_bytes=self.kv_cache_mib * MIB,
-            max_num_seqs=self.max_num_seqs,
-            chunk_tokens=self.chunk_tokens or None,
-            seed=seed,
-        )
 
 
 class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -29,7 +29,7 @@ from workers.envs.group import generate_episode_group
 from workers.envs.task import EpisodeTask
 from workers.generator.generator import row_key
 from workers.generator.inflight import InflightStateLost
-from workers.models.sampling import SamplingConfig
+from workers.models.config import SamplingSection
 from workers.tasks.base import Example
 
 
@@ -111,7 +111,7 @@ class EpisodeGroups:
         self.held: dict[str, _Held] = {}
 
     def advance(
-        self, reqs: Sequence[GenerationRequest], examples: Sequence[Example], sampling: SamplingConfig
+        self, reqs: Sequence[GenerationRequest], examples: Sequence[Example], sampling: SamplingSection
     ) -> list[GenerationOutcome]:
         """Run ``reqs`` in order until one pauses or all are done; one outcome each."""
         wanted = {r.group_id for r in reqs}
@@ -125,7 +125,7 @@ class EpisodeGroups:
             outs.append(self._advance(req, example, sampling))
         return outs
 
-    def _advance(self, req: GenerationRequest, example: Example, sampling: SamplingConfig) -> GenerationOutcome:
+    def _advance(self, req: GenerationRequest, example: Example, sampling: SamplingSection) -> GenerationOutcome:
         held = self._hold(req, example, sampling)
         kind, value = held.channel.next()
         if kind == "flushed":
@@ -141,7 +141,7 @@ class EpisodeGroups:
             weight_version_end=value["weight_version_end"], version_runs=value["version_runs"],
         )
 
-    def _hold(self, req: GenerationRequest, example: Example, sampling: SamplingConfig) -> _Held:
+    def _hold(self, req: GenerationRequest, example: Example, sampling: SamplingSection) -> _Held:
         held = self.held.get(req.group_id)
         if held is not None and held.attempt == req.attempt:
             if not held.pending or req.flushes != held.recorded + held.pending:
@@ -170,7 +170,7 @@ class EpisodeGroups:
         thread.start()
         return held
 
-    def _play(self, req: GenerationRequest, example: Example, sampling: SamplingConfig,
+    def _play(self, req: GenerationRequest, example: Example, sampling: SamplingSection,
               channel: _Channel) -> None:
         """The group's thread: its episodes, from what the log holds, to the final rows."""
         gen, n = self.gen, req.n_samples

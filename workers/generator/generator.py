@@ -29,11 +29,11 @@ from torch import nn
 
 from workers.dataplane.api import DataPlane
 from workers.envs.task import EpisodeTask
-from workers.models.factory import Tokenizer, context_len
 from workers.generator.segments import version_runs
-from workers.models.config import KvOnRefit
+from workers.models.config import KvOnRefit, SamplingSection
 from workers.models.decoder import Decoder, RowPrefix, sample
-from workers.models.sampling import Completion, SamplingConfig
+from workers.models.factory import Tokenizer, context_len
+from workers.models.sampling import Completion
 from workers.tasks.base import Example, SimulatesDecode, Task
 from workers.tasks.dataset import check_prompts_fit
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck
@@ -139,7 +139,7 @@ class Generator:
         group_id: str,
         prompt: Example,
         n: int,
-        sampling: SamplingConfig,
+        sampling: SamplingSection,
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
@@ -180,7 +180,7 @@ class Generator:
     #: longest sleep of :meth:`simulated_decode` between two chances for a refit to land
     DECODE_SLICE_S = 0.002
 
-    def simulated_decode(self, example: Example, sampling: SamplingConfig) -> None:
+    def simulated_decode(self, example: Example, sampling: SamplingSection) -> None:
         """A task that simulates a slower model (``step_latency_s``, benchmarks only) adds
         that time after each token step, in slices between which a pending refit lands,
         as it would between the tokens of a real model that slow."""
@@ -197,7 +197,7 @@ class Generator:
         """Around a partial-rollout call's work (the vLLM generator serialises it)."""
         yield
 
-    def prompt_ids(self, prompt: Example, sampling: SamplingConfig) -> list[int]:
+    def prompt_ids(self, prompt: Example, sampling: SamplingSection) -> list[int]:
         """The prompt's token ids, refused before sampling if prompt + budget do not fit."""
         check_prompts_fit([prompt], self.tokenizer.encode, self.context_len, sampling.max_new_tokens)
         return self.tokenizer.encode(prompt.prompt)
@@ -211,7 +211,7 @@ class Generator:
         self,
         prompt_ids: list[int],
         n: int,
-        sampling: SamplingConfig,
+        sampling: SamplingSection,
         seed: int,
         prefixes: list[RowPrefix] | None,
     ) -> Decoder:

@@ -38,8 +38,9 @@ from typing import Any, Protocol
 from events.schema import Segment
 from workers.api import GenerationOutcome, GenerationRequest, SegmentFlush
 from workers.generator.segments import load_prefixes, segment_key, segment_rows
+from workers.models.config import SamplingSection
 from workers.models.decoder import RowPrefix
-from workers.models.sampling import Completion, SamplingConfig
+from workers.models.sampling import Completion
 from workers.tasks.base import Example
 
 
@@ -100,7 +101,7 @@ class InflightRunner:
         self._ledger = None if not ledger else os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
     def advance(
-        self, reqs: Sequence[GenerationRequest], examples: Sequence[Example], sampling: SamplingConfig
+        self, reqs: Sequence[GenerationRequest], examples: Sequence[Example], sampling: SamplingSection
     ) -> list[GenerationOutcome]:
         """Run ``reqs`` in order until one flushes or all are done; one outcome each."""
         wanted = {r.group_id for r in reqs}
@@ -113,7 +114,7 @@ class InflightRunner:
                 outs.append(_pending() if flushed else self._run(req, example, sampling))
         return outs
 
-    def _hold(self, req: GenerationRequest, example: Example, sampling: SamplingConfig) -> _Held:
+    def _hold(self, req: GenerationRequest, example: Example, sampling: SamplingSection) -> _Held:
         held = self.held.get(req.group_id)
         if held is not None and held.attempt == req.attempt and held.flushes == req.flushes:
             return held
@@ -135,7 +136,7 @@ class InflightRunner:
         return held
 
     def _run(
-        self, req: GenerationRequest, example: Example, sampling: SamplingConfig
+        self, req: GenerationRequest, example: Example, sampling: SamplingSection
     ) -> GenerationOutcome:
         held = self._hold(req, example, sampling)
         weights = self.gen.weights

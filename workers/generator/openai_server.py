@@ -38,8 +38,8 @@ from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder
 from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
+from workers.models.config import SamplingSection
 from workers.models.factory import context_len
-from workers.models.sampling import SamplingConfig
 
 #: request fields the endpoint accepts (others are refused, not silently ignored)
 _KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "n",
@@ -72,7 +72,7 @@ class OpenAIServer:
 
     @classmethod
     def for_generator(
-        cls, gen: Any, sampling: SamplingConfig, tools: ToolCallFormat | None = None,
+        cls, gen: Any, sampling: SamplingSection, tools: ToolCallFormat | None = None,
         *, seed: int = 0, **kwargs: Any,
     ) -> OpenAIServer:
         """Serve ``gen``'s model (a ``workers.generator.Generator``) at its current weights.

@@ -4,7 +4,9 @@ Same public surface as :class:`workers.generator.generator.Generator` --
 ``generate_group`` (rows in the data plane, a :class:`GroupResult` back),
 ``update_weights`` / ``receive_weight_bucket`` (acknowledged with the version),
 ``weight_version``, ``close`` -- so the controller and the worker shells do not care
-which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions`.
+which one they drive. Options: the ``[rollout.vllm]`` table
+(:class:`workers.generator.config.VllmSection`) and the run's
+:class:`workers.generator.vllm_config.VllmRuntime`.
 
 * **Model**: an HF causal LM in a local directory (``model.kind = "hf"``); vLLM loads
   it itself, the tokenizer is the directory's own (token ids go in and come out, vLLM's
@@ -24,7 +26,7 @@ which one they drive. Options: :class:`workers.generator.vllm_config.VllmOptions
   with respect to generation: between groups, or between chunks (below), never
   inside one.
 * **Versions across an update**: ``LLM.generate`` cannot be paused, so with
-  ``chunk_tokens = None`` the only boundary is the end of the group: the update lands
+  ``chunk_tokens = 0`` the only boundary is the end of the group: the update lands
   after it and the group is tagged start == end. With ``chunk_tokens = k`` the group is
   generated k tokens at a time (each continuation re-submits prompt + tokens so far,
   re-read with the *new* weights after an update) and a group that spans an update is
@@ -56,14 +58,15 @@ import torch
 
 from workers.availability import VLLM_INSTALL_HINT, BackendUnavailableError, check_vllm, cuda_available
 from workers.dataplane.api import DataPlane
+from workers.generator.config import VllmSection
 from workers.generator.generator import Generator, GroupResult
-from workers.generator.vllm_config import VllmOptions
+from workers.generator.vllm_config import VllmRuntime, llm_kwargs
 from workers.generator.vllm_decoder import VllmDecoder
 from workers.generator.vllm_threads import EngineThreads
-from workers.models.config import KvOnRefit
+from workers.models.config import KvOnRefit, SamplingSection
 from workers.models.decoder import RowPrefix
 from workers.models.factory import Tokenizer
-from workers.models.sampling import Completion, SamplingConfig
+from workers.models.sampling import Completion
 from workers.tasks.base import Example, Task
 from workers.weight_buckets import iter_buckets
 from workers.weight_spool import BucketSpool, SpooledBuckets
@@ -135,7 +138,8 @@ class VllmGenerator(Generator):
         *,
         name: str = "generator-0",
         weight_version: int = 0,
-        options: VllmOptions = VllmOptions(),
+        options: VllmSection = VllmSection(),
+        runtime: VllmRuntime = VllmRuntime(),
         strip_prefix: str = "model.",
         on_step: Callable[[int], None] | None = None,
         num_threads: int | None = None,
@@ -158,7 +162,7 @@ class VllmGenerator(Generator):
         # (vLLM's CPU attention checks it per call; see ``vllm_threads``).
         self.threads = EngineThreads(num_threads)
         with self.threads.building():
-            self.llm = vllm.LLM(model=str(model_path), **options.llm_kwargs())
+            self.llm = vllm.LLM(model=str(model_path), **llm_kwargs(options, runtime))
         self.tokenizer = tokenizer
         self.task = task
         self.dataplane = dataplane
@@ -166,7 +170,7 @@ class VllmGenerator(Generator):
         self.use_cache = True
         self.kv_on_refit = kv_on_refit
         self.on_step = on_step
-        self.chunk_tokens = options.chunk_tokens
+        self.chunk_tokens = options.chunk_tokens or None
         self.model = _EngineWeights(self.llm, strip_prefix, self.threads)  # type: ignore[assignment]
         self.weights = VersionedWeights(self.model, name, weight_version)  # type: ignore[arg-type]
         self.receiver = BucketReceiver(self.weights)
@@ -183,7 +187,7 @@ class VllmGenerator(Generator):
         group_id: str,
         prompt: Example,
         n: int,
-        sampling: SamplingConfig,
+        sampling: SamplingSection,
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
@@ -219,7 +223,7 @@ class VllmGenerator(Generator):
         self,
         prompt_ids: list[int],
         n: int,
-        sampling: SamplingConfig,
+        sampling: SamplingSection,
         seed: int,
         prefixes: list[RowPrefix] | None,
     ) -> VllmDecoder:
@@ -230,7 +234,7 @@ class VllmGenerator(Generator):
             raise ValueError("rollout.partial needs rollout.vllm.engine_mode = \"inprocess\"")
         return VllmDecoder(self, prompt_ids, n, sampling, seed, prefixes, self.kv_on_refit)
 
-    def step_params(self, cfg: SamplingConfig, max_tokens: int, seed: int) -> Any:
+    def step_params(self, cfg: SamplingSection, max_tokens: int, seed: int) -> Any:
         """One sample's parameters when the engine is stepped by hand (output deltas)."""
         from vllm.sampling_params import RequestOutputKind
 
@@ -256,11 +260,11 @@ class VllmGenerator(Generator):
             if got:
                 self._busy.release()
 
-    def _params(self, n: int, cfg: SamplingConfig, max_tokens: int, seed: int) -> Any:
+    def _params(self, n: int, cfg: SamplingSection, max_tokens: int, seed: int) -> Any:
         return self._vllm.SamplingParams(
             n=n,
             temperature=cfg.temperature,
-            top_p=1.0 if cfg.top_p is None else cfg.top_p,
+            top_p=cfg.top_p,
             max_tokens=max_tokens,
             seed=seed,
             logprobs=0,
@@ -270,7 +274,7 @@ class VllmGenerator(Generator):
         )
 
     def _sample(
-        self, prompt_ids: list[int], n: int, cfg: SamplingConfig, max_tokens: int, seed: int
+        self, prompt_ids: list[int], n: int, cfg: SamplingSection, max_tokens: int, seed: int
     ) -> list[Completion]:
         out = self._generate(
             [{"prompt_token_ids": prompt_ids}], self._params(n, cfg, max_tokens, seed)
@@ -289,7 +293,7 @@ class VllmGenerator(Generator):
         return Completion(tokens, torch.tensor(logprobs, dtype=torch.float32), stopped)
 
     def _sample_in_chunks(
-        self, prompt_ids: list[int], n: int, cfg: SamplingConfig, seed: int
+        self, prompt_ids: list[int], n: int, cfg: SamplingSection, seed: int
     ) -> list[Completion]:
         """k tokens at a time per row, applying pending weight updates between chunks."""
         rows: list[Completion] = [

@@ -14,7 +14,7 @@ ran with. After a refit, ``kv_on_refit`` decides:
 * ``recompute`` -- they are aborted and re-added with prompt + tokens so far, so the
   engine prefills them under the new weights.
 
-Prefix caching is off in this mode (``VllmOptions.prefix_caching``): a cached block
+Prefix caching is off in this mode (``VllmRuntime.prefix_caching``): a cached block
 holds keys and values of the weights that computed it, and the engine cannot reset its
 cache while the group's requests are running, so a prefix hit after a refit would be
 stale. The multi-process engine core steps on its own and cannot be paused, so
@@ -27,9 +27,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from workers.models.config import KvOnRefit
+from workers.models.config import KvOnRefit, SamplingSection
 from workers.models.decoder import RowPrefix, completions_of
-from workers.models.sampling import Completion, SamplingConfig
+from workers.models.sampling import Completion
 
 _ids = itertools.count()
 
@@ -42,7 +42,7 @@ class VllmDecoder:
         generator: Any,
         prompt_ids: list[int],
         n: int,
-        cfg: SamplingConfig,
+        cfg: SamplingSection,
         seed: int,
         prefixes: Sequence[RowPrefix] | None,
         kv_on_refit: KvOnRefit,

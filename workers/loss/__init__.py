@@ -96,10 +96,10 @@ if TYPE_CHECKING:
         KLEstimator,
         KLGradient,
         KLPlacement,
-        LossConfig,
         LossOptions,
         OldPolicy,
         PolicyLoss,
+        StepLoss,
     )
     from workers.loss.core import LossOutput, current_tokens, grpo_loss, microbatch_loss
     from workers.loss.logprobs import (
@@ -115,7 +115,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     **dict.fromkeys(
         ("Aggregation", "ISCorrection", "KLEstimator", "KLGradient", "KLPlacement",
-         "LossConfig", "LossOptions", "OldPolicy", "PolicyLoss"),
+         "LossOptions", "OldPolicy", "PolicyLoss", "StepLoss"),
         "workers.loss.config",
     ),
     **dict.fromkeys(

@@ -1,20 +1,23 @@
 """``[train.loss]``: the typed options of the GRPO loss, validated where they are built.
 
-:class:`LossOptions` is the TOML table (``TrainSection.loss``); :class:`LossConfig` is
-what a trainer runs with: the same options plus the sampling temperature the generators
-used and the resolved Dr. GRPO length. Every choice is an ``Enum`` (decoded from its
-string value), every bad value a ``ValueError`` that names ``train.loss.<key>``.
+:class:`LossOptions` is the TOML table (``TrainSection.loss``); a train step runs with a
+:class:`StepLoss`: those options beside the generators' ``[sampling]`` table (its
+temperature; its ``max_new_tokens`` as the Dr. GRPO length). Every choice is an
+``Enum`` (decoded from its string value), every bad value a ``ValueError`` that names
+``train.loss.<key>``.
 The formulas each option selects are in the ``workers.loss`` docstring and docs/loss.md.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from enum import Enum
 
 import msgspec
 
 from workers.loss.metrics import MetricKind
+from workers.models.config import SamplingSection
 
 
 class Aggregation(str, Enum):
@@ -173,30 +176,29 @@ class LossOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if not (isinstance(self.norm_length, int) and self.norm_length >= 0):
             raise _bad("norm_length", self.norm_length, "must be an integer >= 0")
 
-    def loss_config(self, temperature: float, max_new_tokens: int = 0) -> LossConfig:
-        """The loss at the generators' sampling ``temperature``; ``norm_length`` 0 becomes
-        the generation budget ``max_new_tokens`` (Dr. GRPO's constant)."""
-        fields = msgspec.structs.asdict(self)
-        fields["norm_length"] = self.norm_length or max_new_tokens
-        return LossConfig(**fields, temperature=temperature)
+
+@dataclass(frozen=True)
+class StepLoss:
+    """What one train step's loss runs with: the user's ``[train.loss]`` at the
+    generators' ``[sampling]`` -- the trainer takes its logprobs at their temperature,
+    and ``norm_length`` 0 means their ``max_new_tokens`` (Dr. GRPO's constant). Both
+    tables as they are, so no value is a copy of either."""
+
+    options: LossOptions = field(default_factory=LossOptions)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
 
 
-class LossConfig(LossOptions, frozen=True, kw_only=True):
-    """What the trainer runs with: ``[train.loss]`` plus the generators' temperature."""
-
-    temperature: float = 1.0
-    """Sampling temperature; the trainer scales logits by 1/temperature like the generator."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"sampling.temperature = {self.temperature!r}: must be > 0")
-        if self.aggregation is Aggregation.SEQUENCE_SUM_NORM and self.norm_length <= 0:
-            raise _bad(
-                "norm_length", self.norm_length,
-                "seq-mean-token-sum-norm needs a constant > 0 (set it, or run through "
-                "[train.loss], where 0 means sampling.max_new_tokens)",
-            )
+def norm_length(cfg: LossOptions, max_new_tokens: int) -> int:
+    """``train.loss.norm_length``, else the generation budget ``max_new_tokens`` (Dr.
+    GRPO's constant)."""
+    length = cfg.norm_length or max_new_tokens
+    if cfg.aggregation is Aggregation.SEQUENCE_SUM_NORM and length <= 0:
+        raise _bad(
+            "norm_length", cfg.norm_length,
+            "seq-mean-token-sum-norm needs a constant > 0 (set it, or give the generation "
+            "budget, sampling.max_new_tokens)",
+        )
+    return length
 
 
 def _coerce(cfg: LossOptions, name: str, enum: type[Enum]) -> None:

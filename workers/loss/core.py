@@ -13,7 +13,7 @@ import torch
 from workers.batch import TrainBatch
 from workers.loss import kl as klmod
 from workers.loss.aggregation import Reducer
-from workers.loss.config import KLPlacement, LossConfig, OldPolicy
+from workers.loss.config import KLPlacement, LossOptions, OldPolicy, StepLoss, norm_length
 from workers.loss.logprobs import token_logprobs_and_entropy
 from workers.loss.metrics import Metric, MetricKind
 from workers.loss.offpolicy import importance_metrics, importance_weights, mismatch_metrics
@@ -34,7 +34,7 @@ class LossOutput:
 def microbatch_loss(
     logits: torch.Tensor,
     batch: TrainBatch,
-    cfg: LossConfig,
+    loss: StepLoss,
     *,
     reference_logprobs: torch.Tensor | None = None,
     trainer_version: int | None = None,
@@ -42,13 +42,14 @@ def microbatch_loss(
     """The loss from a causal LM's [B, T, V] ``logits`` over ``batch.input_ids``: the one
     call every trainer backend makes per microbatch. ``trainer_version`` is the version of
     the weights that produced the logits (the mismatch metrics compare tokens generated
-    at that version)."""
+    at that version). Logprobs are taken at the generators' temperature."""
+    cfg, sampling = loss.options, loss.sampling
     lp, entropy = token_logprobs_and_entropy(
-        logits, batch.input_ids, cfg.temperature, entropy_grad=cfg.entropy_coef > 0
+        logits, batch.input_ids, sampling.temperature, entropy_grad=cfg.entropy_coef > 0
     )
     return grpo_loss(
         lp, batch, cfg, reference_logprobs=reference_logprobs, entropy=entropy,
-        trainer_version=trainer_version,
+        trainer_version=trainer_version, max_new_tokens=sampling.max_new_tokens,
     )
 
 
@@ -65,7 +66,7 @@ def current_tokens(batch: TrainBatch, trainer_version: int | None) -> torch.Tens
     return mask
 
 
-def _old_logprobs(lp, gen, usable, cfg: LossConfig, old_logprobs) -> torch.Tensor:
+def _old_logprobs(lp, gen, usable, cfg: LossOptions, old_logprobs) -> torch.Tensor:
     if old_logprobs is not None:
         return torch.where(usable, old_logprobs.to(lp.dtype), lp.detach()).detach()
     if cfg.old_policy is OldPolicy.GENERATOR:
@@ -77,22 +78,24 @@ def _old_logprobs(lp, gen, usable, cfg: LossConfig, old_logprobs) -> torch.Tenso
 def grpo_loss(
     logprobs: torch.Tensor,
     batch: TrainBatch,
-    cfg: LossConfig,
+    cfg: LossOptions,
     *,
     reference_logprobs: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     trainer_version: int | None = None,
+    max_new_tokens: int = 0,
 ) -> LossOutput:
     """Raw-sum GRPO loss of one microbatch (see the ``workers.loss`` docstring).
 
     ``logprobs`` are the trainer's [B, T] logprobs (with grad), aligned like the batch.
     ``reference_logprobs`` (else ``batch.reference_logprobs``) is needed when kl_coef > 0.
     ``old_logprobs`` overrides ``cfg.old_policy``. ``entropy`` ([B, T]) feeds the entropy
-    metric and bonus (the bonus needs it).
+    metric and bonus (the bonus needs it). ``max_new_tokens`` (the generators') is the
+    Dr. GRPO length when ``cfg.norm_length`` is 0.
     """
     mask = batch.loss_mask
-    red = Reducer(mask, cfg.aggregation, logprobs.dtype, cfg.norm_length)
+    red = Reducer(mask, cfg.aggregation, logprobs.dtype, norm_length(cfg, max_new_tokens))
     # Zero every per-token input outside the mask so that no inf/nan can arise there
     # (exp of a large masked difference) and leak into the sum or the gradient.
     lp = torch.where(mask, logprobs, 0.0)
@@ -121,7 +124,7 @@ def grpo_loss(
     return LossOutput(loss_sum=loss_sum, normaliser=cfg.aggregation.normaliser, metrics=metrics)
 
 
-def _reference(batch: TrainBatch, given, cfg: LossConfig, dtype) -> torch.Tensor | None:
+def _reference(batch: TrainBatch, given, cfg: LossOptions, dtype) -> torch.Tensor | None:
     """The reference logprobs (the argument, else the batch's), zero off the mask."""
     ref = given if given is not None else batch.reference_logprobs
     if cfg.kl_coef > 0 and ref is None:
@@ -132,7 +135,7 @@ def _reference(batch: TrainBatch, given, cfg: LossConfig, dtype) -> torch.Tensor
     return None if ref is None else torch.where(batch.loss_mask, ref.to(dtype), 0.0)
 
 
-def _advantages(batch: TrainBatch, old, ref, cfg: LossConfig, dtype) -> torch.Tensor:
+def _advantages(batch: TrainBatch, old, ref, cfg: LossOptions, dtype) -> torch.Tensor:
     """[B, T] advantages; with the KL in the reward, less beta times its per-token KL."""
     mask = batch.loss_mask
     adv = torch.where(mask, batch.token_advantages().to(dtype), 0.0)
@@ -141,7 +144,7 @@ def _advantages(batch: TrainBatch, old, ref, cfg: LossConfig, dtype) -> torch.Te
     return adv
 
 
-def _per_token_loss(pg, kl_term, entropy, mask, cfg: LossConfig) -> torch.Tensor:
+def _per_token_loss(pg, kl_term, entropy, mask, cfg: LossOptions) -> torch.Tensor:
     """pg plus the in-loss KL term, less the entropy bonus."""
     out = pg
     if kl_term is not None and cfg.kl_coef > 0 and cfg.kl_placement is KLPlacement.LOSS:

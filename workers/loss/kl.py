@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.loss.config import KLEstimator, KLGradient, LossConfig
+from workers.loss.config import KLEstimator, KLGradient, LossOptions
 from workers.loss.logprobs import LOG_RATIO_MAX
 
 
@@ -36,7 +36,7 @@ def estimate(
 
 
 def loss_term(
-    lp: torch.Tensor, old: torch.Tensor, reference: torch.Tensor, cfg: LossConfig
+    lp: torch.Tensor, old: torch.Tensor, reference: torch.Tensor, cfg: LossOptions
 ) -> torch.Tensor:
     """The per-token KL term added (times kl_coef) to the loss; see the module docstring."""
     k, clamped = estimate(lp, reference, cfg.kl_estimator, cfg.kl_input_clamp)
@@ -48,7 +48,7 @@ def loss_term(
     return k
 
 
-def reward_penalty(old: torch.Tensor, reference: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+def reward_penalty(old: torch.Tensor, reference: torch.Tensor, cfg: LossOptions) -> torch.Tensor:
     """Per-token KL of the sampling policy (pi_old) to the reference, as a reward: no
     gradient; ``KLPlacement.REWARD`` subtracts kl_coef times it from every advantage."""
     k, _ = estimate(old.detach(), reference, cfg.kl_estimator, cfg.kl_input_clamp)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.loss.aggregation import Reducer
-from workers.loss.config import ISCorrection, LossConfig
+from workers.loss.config import ISCorrection, LossOptions
 from workers.loss.logprobs import LOG_RATIO_MAX
 from workers.loss.metrics import (
     MISMATCH_DIFF_MAX,
@@ -47,7 +47,7 @@ def _exp(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def importance_weights(
-    old: torch.Tensor, gen: torch.Tensor, usable: torch.Tensor, red: Reducer, cfg: LossConfig
+    old: torch.Tensor, gen: torch.Tensor, usable: torch.Tensor, red: Reducer, cfg: LossOptions
 ) -> ImportanceWeights:
     """The weight ``cfg.is_correction`` selects (see the module docstring)."""
     with torch.no_grad():

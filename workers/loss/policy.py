@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.loss.aggregation import Reducer
-from workers.loss.config import LossConfig, PolicyLoss
+from workers.loss.config import LossOptions, PolicyLoss
 from workers.loss.logprobs import LOG_RATIO_MAX
 
 
@@ -37,7 +37,7 @@ def _bounded_exp(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def surrogate(
-    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, red: Reducer, cfg: LossConfig
+    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, red: Reducer, cfg: LossOptions
 ) -> Surrogate:
     """The per-token surrogate ``cfg.policy_loss`` selects."""
     if cfg.policy_loss is PolicyLoss.GSPO:

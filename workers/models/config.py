@@ -2,21 +2,22 @@
 draw completions from it.
 
 The controller's ``Config`` composes these Structs and hands them, unchanged, to the
-workers (``workers.service.WorkerSpec``); each derives its runtime config from them
-here. No torch import, so loading a config stays cheap.
+workers (``workers.service.WorkerSpec``), and the components take them as they are:
+``workers.models.factory.build_model(model, seed)`` (the run's seed is the one value
+it adds) and ``workers.models.sampling`` draw with ``SamplingSection``. No torch
+import, so loading a config stays cheap.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import math
+from typing import Literal, get_args
 
 import msgspec
 
-from events.config_checks import positive, require
+from events.config_checks import one_of, positive, require
 
-if TYPE_CHECKING:
-    from workers.models.factory import ModelConfig
-    from workers.models.sampling import SamplingConfig
+ModelKind = Literal["tiny", "hf"]
 
 #: what a refit landing between two token steps does with the KV cache
 #: (``workers.models.decoder``)
@@ -27,7 +28,7 @@ KV_ON_REFIT: tuple[KvOnRefit, ...] = ("recompute", "keep")
 class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[model]``: the policy the trainer and every generator build alike."""
 
-    kind: Literal["tiny", "hf"] = "tiny"
+    kind: ModelKind = "tiny"
     """Built-in tiny transformer, or a Hugging Face model from a local directory."""
     path: str = ""
     """Local directory of an HF model (kind = "hf"); never downloaded."""
@@ -41,26 +42,10 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lowercase letters (wider prompts, e.g. reasoning-gym's, need a wider alphabet)."""
 
     def __post_init__(self) -> None:
+        one_of("model.kind", self.kind, get_args(ModelKind))
         positive("model", self, "d_model", "n_layers", "n_heads", "context_len")
         if self.kind == "hf" and not self.path:
             raise ValueError('model.path is required when model.kind = "hf"')
-
-    def model_config(self, seed: int) -> "ModelConfig":
-        """What ``workers.models.factory.build_model`` builds; the run's ``seed``
-        initialises the tiny model's weights."""
-        from workers.models.factory import ModelConfig
-        from workers.models.tokenizer import DEFAULT_ALPHABET
-
-        return ModelConfig(
-            alphabet=self.alphabet or DEFAULT_ALPHABET,
-            kind=self.kind,
-            context_len=self.context_len,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            init_seed=seed,
-            path=self.path or None,
-        )
 
 
 class SamplingSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,15 +57,7 @@ class SamplingSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: int = 6
 
     def __post_init__(self) -> None:
-        require(self.temperature > 0, "sampling.temperature", "> 0", self.temperature)
+        ok = self.temperature > 0 and math.isfinite(self.temperature)
+        require(ok, "sampling.temperature", "> 0 and finite", self.temperature)
         require(0 < self.top_p <= 1, "sampling.top_p", "in (0, 1]", self.top_p)
         positive("sampling", self, "max_new_tokens")
-
-    def sampling_config(self) -> "SamplingConfig":
-        from workers.models.sampling import SamplingConfig
-
-        return SamplingConfig(
-            temperature=self.temperature,
-            top_p=None if self.top_p >= 1.0 else self.top_p,
-            max_new_tokens=self.max_new_tokens,
-        )

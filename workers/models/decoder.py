@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.models.config import KV_ON_REFIT, KvOnRefit
-from workers.models.sampling import Completion, SamplingConfig, draw
+from workers.models.config import KV_ON_REFIT, KvOnRefit, SamplingSection
+from workers.models.sampling import Completion, draw
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Decoder:
         model: nn.Module,
         prompt_ids: list[int] | list[list[int]],
         n: int,
-        cfg: SamplingConfig,
+        cfg: SamplingSection,
         generator: torch.Generator,
         eos_id: int,
         *,
@@ -188,7 +188,7 @@ def sample(
     model: nn.Module,
     prompt_ids: list[int] | list[list[int]],
     n: int,
-    cfg: SamplingConfig,
+    cfg: SamplingSection,
     generator: torch.Generator,
     eos_id: int,
     *,

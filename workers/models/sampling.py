@@ -25,35 +25,13 @@ with an opaque cache object; ``model(input_ids) -> logits`` without one.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How completions are drawn."""
-
-    #: softmax temperature (> 0); logprobs are reported under this scaled distribution
-    temperature: float = 1.0
-    #: nucleus sampling: draw only from the smallest set of tokens whose probability
-    #: reaches ``top_p`` (None = the whole vocabulary)
-    top_p: float | None = None
-    #: completion budget in tokens, EOS included
-    max_new_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}"
-            )
+from workers.models.config import SamplingSection
 
 
 @dataclass(frozen=True)
@@ -80,12 +58,12 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def draw(
-    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+    logits: torch.Tensor, cfg: SamplingSection, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``logits`` [B, V]; returns (tokens [B], logprobs [B])."""
     logp = F.log_softmax(logits.float() / cfg.temperature, dim=-1)
     probs = logp.exp()
-    if cfg.top_p is not None and cfg.top_p < 1.0:
+    if cfg.top_p < 1.0:
         probs = _nucleus(probs, cfg.top_p)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

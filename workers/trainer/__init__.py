@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from workers.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from workers.loss import Aggregation, LossConfig, MetricKind, OldPolicy
+    from workers.loss import Aggregation, MetricKind, OldPolicy, StepLoss
     from workers.trainer.api import (
         CheckpointInfo,
         MicrobatchResult,
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         OptimizerConfig,
         SchedulerConfig,
         TinyModelFactory,
-        TrainerConfig,
+        TrainerRuntime,
     )
     from workers.trainer.rank import RankTrainer
     from workers.trainer.torch_backend import TorchTrainer
@@ -46,7 +46,6 @@ _EXPORTS = {
     "CheckpointCorruptError": "workers.trainer.checkpoint",
     "CheckpointError": "workers.trainer.checkpoint",
     "CheckpointInfo": "workers.trainer.api",
-    "LossConfig": "workers.loss",
     "MetricKind": "workers.loss",
     "MicrobatchResult": "workers.trainer.api",
     "NonFiniteGradientError": "workers.trainer.api",
@@ -54,13 +53,14 @@ _EXPORTS = {
     "OptimizerConfig": "workers.trainer.config",
     "RankTrainer": "workers.trainer.rank",
     "SchedulerConfig": "workers.trainer.config",
+    "StepLoss": "workers.loss",
     "StepPhase": "workers.trainer.api",
     "StepResult": "workers.trainer.api",
     "TinyModelFactory": "workers.trainer.config",
     "TorchTrainer": "workers.trainer.torch_backend",
     "TrainStepStateError": "workers.trainer.api",
     "Trainer": "workers.trainer.api",
-    "TrainerConfig": "workers.trainer.config",
+    "TrainerRuntime": "workers.trainer.config",
 }
 
 __all__ = sorted(_EXPORTS)

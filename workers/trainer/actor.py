@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig
+from workers.loss import StepLoss
 from workers.trainer import distributed as dd
 from workers.trainer.api import (
     CheckpointInfo,
@@ -49,7 +49,7 @@ from workers.trainer.api import (
     TrainStepStateError,
     train_one_shot,
 )
-from workers.trainer.config import ModelFactory, TrainerBackend, TrainerConfig
+from workers.trainer.config import ModelFactory, TrainerBackend, TrainerRuntime, TrainSection
 from workers.trainer.options import BackendOptions
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class TrainerRankActor:
         master_addr: str,
         master_port: int,
         model_factory: ModelFactory,
-        config: TrainerConfig,
+        train: TrainSection,
+        runtime: TrainerRuntime,
         backend: dd.Backend | None = None,
         trainer_backend: TrainerBackend = "torch",
         options: BackendOptions | None = None,
@@ -85,7 +86,7 @@ class TrainerRankActor:
         from workers.backends import make_trainer
 
         dd.init_process_group(rank, world_size, master_addr, master_port, backend)
-        self._trainer = make_trainer(trainer_backend, model_factory, config, options)
+        self._trainer = make_trainer(trainer_backend, model_factory, train, runtime, options)
         return self._trainer.parallel.placement.collective_forward
 
     @property
@@ -97,7 +98,7 @@ class TrainerRankActor:
     def trainer_version(self) -> int:
         return self.trainer.trainer_version
 
-    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
+    def begin_train_step(self, step: int, loss_config: StepLoss) -> None:
         self.trainer.begin_train_step(step, loss_config)
 
     def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult:
@@ -140,24 +141,27 @@ class TrainerGroup:
 
     Beyond one rank: ``train_microbatches`` takes explicit per-rank microbatch lists
     and returns every rank's results, and ``finish_train_step`` checks that all ranks
-    report the same result.
+    report the same result. ``train.tensor_parallel`` ranks of a data-parallel index
+    share its rows.
     """
 
     def __init__(
         self,
         world_size: int,
         model_factory: ModelFactory,
-        config: TrainerConfig | None = None,
+        train: TrainSection | None = None,
+        runtime: TrainerRuntime | None = None,
         *,
         num_cpus_per_rank: float = 1,
         num_gpus_per_rank: float = 0,
         backend: dd.Backend | None = None,
         trainer_backend: TrainerBackend = "torch",
         options: BackendOptions | None = None,
-        tensor_parallel: int = 1,
     ) -> None:
         import ray
 
+        train, runtime = train or TrainSection(), runtime or TrainerRuntime()
+        tensor_parallel = train.tensor_parallel
         if world_size % tensor_parallel:
             raise ValueError(f"tensor_parallel {tensor_parallel} does not divide {world_size} ranks")
 
@@ -175,11 +179,11 @@ class TrainerGroup:
         addr, port = ray.get(self._ranks[0].address.remote())
         if backend is None and num_gpus_per_rank == 0:
             backend = "gloo"
-        cfg = config or TrainerConfig()
         collective = self._all(
             [
                 a.setup.remote(
-                    r, world_size, addr, port, model_factory, cfg, backend, trainer_backend, options
+                    r, world_size, addr, port, model_factory, train, runtime, backend,
+                    trainer_backend, options,
                 )
                 for r, a in enumerate(self._ranks)
             ]
@@ -206,7 +210,7 @@ class TrainerGroup:
     def trainer_version(self) -> int:
         return self._version
 
-    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
+    def begin_train_step(self, step: int, loss_config: StepLoss) -> None:
         self._require(f"begin_train_step({step})", StepPhase.IDLE)
         self._fan(TrainerRankActor.begin_train_step, step, loss_config)
         self._phase = StepPhase.OPEN
@@ -277,7 +281,7 @@ class TrainerGroup:
         self._phase = StepPhase.IDLE
 
     def train(
-        self, batch: TrainBatch | None, loss_config: LossConfig, *, step: int | None = None
+        self, batch: TrainBatch | None, loss_config: StepLoss, *, step: int | None = None
     ) -> StepResult:
         return train_one_shot(self, batch, loss_config, step)
 

@@ -23,16 +23,16 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from workers.batch import TrainBatch
-from workers.loss import Aggregation, LossConfig, MetricKind, OldPolicy
+from workers.loss import Aggregation, MetricKind, OldPolicy, StepLoss
 
 __all__ = [
     "Aggregation",
     "CheckpointInfo",
-    "LossConfig",
     "MetricKind",
     "MicrobatchResult",
     "OldPolicy",
     "StepPhase",
+    "StepLoss",
     "StepResult",
     "TrainStepStateError",
     "Trainer",
@@ -112,7 +112,7 @@ class Trainer(Protocol):
     @property
     def trainer_version(self) -> int: ...
 
-    def begin_train_step(self, step: int, loss_config: LossConfig) -> None: ...
+    def begin_train_step(self, step: int, loss_config: StepLoss) -> None: ...
 
     def train_microbatch(self, batch: TrainBatch | None) -> MicrobatchResult: ...
 
@@ -121,7 +121,7 @@ class Trainer(Protocol):
     def abort_train_step(self) -> None: ...
 
     def train(
-        self, batch: TrainBatch | None, loss_config: LossConfig, *, step: int | None = None
+        self, batch: TrainBatch | None, loss_config: StepLoss, *, step: int | None = None
     ) -> StepResult: ...
 
     def compute_logprobs(
@@ -142,7 +142,7 @@ class Trainer(Protocol):
 
 
 def train_one_shot(
-    trainer: Trainer, batch: TrainBatch | None, loss_config: LossConfig, step: int | None
+    trainer: Trainer, batch: TrainBatch | None, loss_config: StepLoss, step: int | None
 ) -> StepResult:
     """``Trainer.train`` for any trainer: begin, one microbatch, finish; the step is
     aborted on any exception. ``step`` None = the trainer's version."""

@@ -100,5 +100,16 @@ class AsyncCheckpointer:
             self._jobs.pop(directory, None)
         return job.result()
 
+    def wait(self, directory: str) -> CheckpointInfo:
+        """Block until the write of ``directory`` is durable (or raise its error)."""
+        with self._lock:
+            job = self._jobs.get(directory)
+        if job is None:
+            raise KeyError(f"no checkpoint of {directory} was begun")
+        job.result()  # blocks; the write itself is bounded by the disk, not a timer
+        info = self.outcome(directory)
+        assert info is not None
+        return info
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)

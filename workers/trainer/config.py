@@ -2,8 +2,9 @@
 
 ``TrainSection`` is the ``[train]`` table of a run's config (its ``[train.loss]`` table
 is ``workers.loss.LossOptions``): the controller's ``Config`` composes it and hands it,
-unchanged, to the trainer worker, which derives the ``TrainerConfig`` and ``LossConfig``
-it runs with from it. This module imports no torch, so loading a config stays cheap.
+unchanged, to the trainer worker, and every trainer rank takes it as it is, with a
+:class:`TrainerRuntime` beside it for what the table does not say (seed, device,
+dtype, optimizer kind). This module imports no torch, so loading a config stays cheap.
 
 A model factory is any zero-argument callable returning the policy ``nn.Module``
 (called once per rank under the trainer's seed); it must be picklable to reach Ray
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from workers.models.factory import ModelConfig
+    from workers.models.config import ModelSection
     from workers.models.tiny import TinyConfig
 
 #: torch: replicated ranks, one flat all-reduce; megatron: megatron-core DDP; fsdp2:
@@ -53,30 +54,32 @@ class TinyModelFactory:
 class BuiltModelFactory:
     """Picklable factory for ``workers.models.factory.build_model`` (tiny or local HF)."""
 
-    config: "ModelConfig"
+    model: "ModelSection"
+    #: the run's seed (the tiny model's initial weights)
+    seed: int = 0
 
     def __call__(self) -> nn.Module:
         from workers.models.factory import build_model
 
-        return build_model(self.config)[0]
+        return build_model(self.model, self.seed)[0]
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """The optimizer's kind and constants; its learning rate and weight decay are
+    ``train.lr`` and ``train.weight_decay``."""
+
     kind: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.0
     #: SGD only
     momentum: float = 0.0
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    #: linear warmup from lr/warmup_steps to lr over this many steps
-    warmup_steps: int = 0
-    #: shape after warmup
+    """The learning rate's shape after the warmup (``train.warmup_steps``)."""
+
     kind: Literal["constant", "linear", "cosine"] = "constant"
     #: step at which linear/cosine decay reaches min_lr_ratio (required for them)
     total_steps: int | None = None
@@ -85,16 +88,16 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.kind != "constant" and not self.total_steps:
             raise ValueError(f"SchedulerConfig.total_steps is required for kind={self.kind!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"SchedulerConfig.warmup_steps = {self.warmup_steps}; must be >= 0")
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    #: clip the global gradient L2 norm to this; None = no clipping (norm still reported)
-    max_grad_norm: float | None = 1.0
+class TrainerRuntime:
+    """What a trainer rank runs with beside the user's ``[train]`` table: the run's own
+    values (seed, device, threads, dtype, whether a KL reference is kept) and the knobs
+    no config key sets (optimizer kind and constants, schedule shape), which tests and
+    benchmarks choose. No field repeats one of ``TrainSection``'s."""
+
+    #: the run's seed: initial weights and every rank's dropout stream
     seed: int = 0
     #: "cpu", "cuda" or "cuda:<i>"; None = the current CUDA device if any, else CPU
     device: str | None = None
@@ -102,7 +105,8 @@ class TrainerConfig:
     num_threads: int | None = None
     #: torch.use_deterministic_algorithms (process-wide)
     deterministic: bool = True
-    #: keep a frozen copy of the initial weights as the KL reference model
+    #: keep a frozen copy of the initial weights as the KL reference model (a run keeps
+    #: one when ``train.loss.kl_coef`` > 0)
     keep_reference: bool = False
     #: compute weights_digest() in every StepResult
     digest_on_finish: bool = True
@@ -113,6 +117,8 @@ class TrainerConfig:
     #: differences are then rounding at ~1e-16, which Adam's g / (|g| + eps) cannot
     #: magnify past 1e-12 (in float32 it can, by up to lr per step: see the tests)
     dtype: Literal["float32", "float64"] | None = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
     def torch_dtype(self) -> "torch.dtype | None":
@@ -124,8 +130,8 @@ class TrainerConfig:
 class LrSchedule:
     """LR multiplier per scheduler step (a plain object so LambdaLR can save its state)."""
 
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.warmup = cfg.warmup_steps
+    def __init__(self, cfg: SchedulerConfig, warmup_steps: int) -> None:
+        self.warmup = warmup_steps
         self.kind = cfg.kind
         self.total = cfg.total_steps or 0
         self.min_ratio = cfg.min_lr_ratio
@@ -175,6 +181,7 @@ class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lr: float = 3e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 = no clipping (the norm is reported)."""
     warmup_steps: int = 0
     data_parallel: int = 1
     node_resource: str = ""
@@ -192,18 +199,13 @@ class TrainSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         positive(
             "train", self, "groups_per_step", "groups_per_microbatch", "data_parallel",
-            "tensor_parallel", "grad_clip",
+            "tensor_parallel",
         )
-        non_negative("train", self, "lr", "weight_decay", "warmup_steps")
+        non_negative("train", self, "lr", "weight_decay", "warmup_steps", "grad_clip")
         if self.tensor_parallel > 1 and self.backend != "fsdp2":
             raise ValueError('train.tensor_parallel > 1 needs train.backend = "fsdp2"')
 
-    def trainer_config(self, seed: int) -> TrainerConfig:
-        """The optimizer and step settings every rank runs with, seeded by the run."""
-        return TrainerConfig(
-            optimizer=OptimizerConfig(lr=self.lr, weight_decay=self.weight_decay),
-            scheduler=SchedulerConfig(warmup_steps=self.warmup_steps),
-            max_grad_norm=self.grad_clip,
-            seed=seed,
-            keep_reference=self.loss.kl_coef > 0,
-        )
+    def runtime(self, seed: int) -> TrainerRuntime:
+        """The run's trainer runtime: seeded by the run, keeping a KL reference model
+        when ``train.loss.kl_coef`` > 0."""
+        return TrainerRuntime(seed=seed, keep_reference=self.loss.kl_coef > 0)

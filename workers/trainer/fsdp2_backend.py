@@ -83,7 +83,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workers.trainer import fsdp2_shard as fs
-from workers.trainer.config import ModelFactory, TrainerConfig
+from workers.trainer.config import ModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.fsdp2_checkpoint import DcpCheckpoint
 from workers.trainer.metrics import StepStats
 from workers.trainer.options import Fsdp2Options
@@ -115,9 +115,10 @@ class ReduceScatter:
     """FSDP's reduce-scatter of raw sums: per microbatch, or once at finish (gathered)."""
 
     def __init__(self, model: nn.Module, reference: nn.Module | None,
-                 optimizer: torch.optim.Optimizer, options: Fsdp2Options) -> None:
+                 optimizer: torch.optim.Optimizer, options: Fsdp2Options,
+                 grad_reduce: str) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer, self.options = optimizer, options
+        self.optimizer, self.options, self.grad_reduce = optimizer, options, grad_reduce
         self.fsdp_modules = fs.fsdp_modules(model)
         self.reference_fsdp = fs.fsdp_modules(reference) if reference is not None else []
         self.model = model
@@ -129,7 +130,7 @@ class ReduceScatter:
                 m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
     def begin(self) -> None:
-        if self.options.grad_reduce == "gathered":
+        if self.grad_reduce == "gathered":
             self._set_sync(False)
             self._keep_gathered(True)
             self._holding = True
@@ -200,7 +201,7 @@ class ReduceScatter:
 
 def _build(
     factory: ModelFactory,
-    config: TrainerConfig,
+    config: TrainerRuntime,
     options: Fsdp2Options,
     mesh: DeviceMesh,
     device: torch.device,
@@ -232,7 +233,8 @@ def _build(
 
 def parallelize_fsdp2(
     model_factory: ModelFactory,
-    config: TrainerConfig,
+    train: TrainSection,
+    config: TrainerRuntime,
     device: torch.device,
     *,
     options: Fsdp2Options,
@@ -240,14 +242,16 @@ def parallelize_fsdp2(
     """A (dp, tp) mesh over the default group (a one-rank gloo group if none), the
     model and its reference sharded over it, the optimizer on the shards."""
     fs.ensure_process_group()
-    mesh = fs.make_mesh(device.type, options.tensor_parallel)
+    mesh = fs.make_mesh(device.type, train.tensor_parallel)
     model, full = _build(model_factory, config, options, mesh, device, None)
     reference = None
     if config.keep_reference:
         reference, _ = _build(model_factory, config, options, mesh, device, full)
         reference.requires_grad_(False)
     del full
-    optimizer, scheduler = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
+    optimizer, scheduler = make_optimizer(
+        train, config, [p for p in model.parameters() if p.requires_grad]
+    )
     return Parallelized(
         backend="fsdp2",
         model=model,
@@ -255,17 +259,19 @@ def parallelize_fsdp2(
         reference=reference,
         optimizer=optimizer,
         scheduler=scheduler,
-        placement=Sharded(mesh, mesh.get_rank(), options.tensor_parallel),
-        reduction=ReduceScatter(model, reference, optimizer, options),
+        placement=Sharded(mesh, mesh.get_rank(), train.tensor_parallel),
+        reduction=ReduceScatter(model, reference, optimizer, options, train.fsdp2_grad_reduce),
         checkpoint=DcpCheckpoint(list(mesh.shape)),
     )
 
 
 def Fsdp2Trainer(  # noqa: N802
     model_factory: ModelFactory,
-    config: TrainerConfig | None = None,
+    train: TrainSection | None = None,
+    runtime: TrainerRuntime | None = None,
     options: Fsdp2Options | None = None,
 ) -> RankTrainer:
-    """One rank of the FSDP2 backend (a constructor: the trainer class is ``RankTrainer``)."""
+    """One rank of the FSDP2 backend (a constructor: the trainer class is ``RankTrainer``);
+    ``train.tensor_parallel`` and ``train.fsdp2_grad_reduce`` shape it."""
     parallelize = functools.partial(parallelize_fsdp2, options=options or Fsdp2Options())
-    return RankTrainer(model_factory, config, parallelize)
+    return RankTrainer(model_factory, train, runtime, parallelize)

@@ -60,15 +60,15 @@ def build_on_meta(factory: ModelFactory) -> nn.Module:
     A local HF model is built from its config (``from_pretrained`` would read the
     weights, which only rank 0 needs).
     """
-    if isinstance(factory, BuiltModelFactory) and factory.config.kind == "hf":
-        config = factory.config
+    if isinstance(factory, BuiltModelFactory) and factory.model.kind == "hf":
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from workers.models.hf import _DTYPES, HFCausalLM
 
-        hf_cfg = AutoConfig.from_pretrained(config.path, local_files_only=True)
+        hf_cfg = AutoConfig.from_pretrained(factory.model.path, local_files_only=True)
         with torch.device("meta"):
-            inner = AutoModelForCausalLM.from_config(hf_cfg).to(_DTYPES[config.dtype])
+            # the dtype build_model's load_hf gives the real model (its default)
+            inner = AutoModelForCausalLM.from_config(hf_cfg).to(_DTYPES["float32"])
         return HFCausalLM(inner).eval()
     with torch.device("meta"):
         return factory()

@@ -67,7 +67,7 @@ from workers.availability import BackendUnavailableError, check_megatron
 from workers.trainer import distributed as dd
 from workers.trainer import megatron_shims as shims
 from workers.trainer.checkpoint import FileCheckpoint, UnsupportedCheckpoint
-from workers.trainer.config import LrSchedule, ManualLr, ModelFactory, TrainerConfig
+from workers.trainer.config import LrSchedule, ManualLr, ModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.megatron_model import McoreGPTFactory, McoreGPTLM
 from workers.trainer.metrics import StepStats
 from workers.trainer.options import MegatronOptions
@@ -130,7 +130,7 @@ class _SavedHooks:
             self._saved = None
 
 
-def _distributed_optimizer(asked: bool | None, device: torch.device, cfg: TrainerConfig) -> bool:
+def _distributed_optimizer(asked: bool | None, device: torch.device, cfg: TrainerRuntime) -> bool:
     """Asked for, or by default on CUDA; megatron-core 0.16 builds it for AdamW on
     float32/bf16/fp16 only (an H100 refused SGD and float64), else an error if asked."""
     unsupported = [f"optimizer {cfg.optimizer.kind!r}"] if cfg.optimizer.kind != "adamw" else []
@@ -220,23 +220,26 @@ class McoreDdpReduction:
         self._aux_grads.clear()
 
 
-def _megatron_optimizer(ddp: Any, config: TrainerConfig) -> tuple[Any, ManualLr]:
+def _megatron_optimizer(
+    ddp: Any, train: TrainSection, config: TrainerRuntime
+) -> tuple[Any, ManualLr]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    o, max_norm = config.optimizer, config.max_grad_norm
+    o = config.optimizer
     mcfg = OptimizerConfig(
         optimizer="sgd" if o.kind == "sgd" else "adam",
-        lr=o.lr,
-        weight_decay=o.weight_decay,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
         adam_beta1=o.betas[0],
         adam_beta2=o.betas[1],
         adam_eps=o.eps,
         sgd_momentum=o.momentum,
-        clip_grad=0.0 if max_norm is None else max_norm,
+        clip_grad=train.grad_clip,  # 0.0: no clipping, in megatron as in [train]
         use_distributed_optimizer=True,
     )
     optimizer = get_megatron_optimizer(mcfg, [ddp])
-    return optimizer, ManualLr(optimizer, o.lr, LrSchedule(config.scheduler))
+    schedule = LrSchedule(config.scheduler, train.warmup_steps)
+    return optimizer, ManualLr(optimizer, train.lr, schedule)
 
 
 def _wrap_ddp(module: nn.Module, options: MegatronOptions, use_dist_opt: bool, cpu: bool) -> Any:
@@ -269,7 +272,8 @@ _NO_DIST_OPT_CHECKPOINT = UnsupportedCheckpoint(
 
 def parallelize_megatron(
     model_factory: ModelFactory,
-    config: TrainerConfig,
+    train: TrainSection,
+    config: TrainerRuntime,
     device: torch.device,
     *,
     options: MegatronOptions,
@@ -294,9 +298,9 @@ def parallelize_megatron(
     ddp = _wrap_ddp(module, options, use_dist_opt, cpu)
     params = [p for p in module.parameters() if p.requires_grad]
     if use_dist_opt:
-        optimizer, scheduler = _megatron_optimizer(ddp, config)
+        optimizer, scheduler = _megatron_optimizer(ddp, train, config)
     else:
-        optimizer, scheduler = make_optimizer(config, params)
+        optimizer, scheduler = make_optimizer(train, config, params)
     return Parallelized(
         backend="megatron",
         model=module,
@@ -312,12 +316,13 @@ def parallelize_megatron(
 
 def MegatronTrainer(  # noqa: N802
     model_factory: ModelFactory,
-    config: TrainerConfig | None = None,
+    train: TrainSection | None = None,
+    runtime: TrainerRuntime | None = None,
     options: MegatronOptions | None = None,
 ) -> RankTrainer:
     """One rank of the megatron backend (a constructor: the trainer class is ``RankTrainer``)."""
     parallelize = functools.partial(parallelize_megatron, options=options or MegatronOptions())
-    return RankTrainer(model_factory, config, parallelize)
+    return RankTrainer(model_factory, train, runtime, parallelize)
 
 
 __all__ = [

@@ -13,18 +13,16 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class Fsdp2Options:
-    """Knobs of the FSDP2 backend (``train.tensor_parallel`` and ``trainer.fsdp2.*``)."""
+    """Knobs of the FSDP2 backend no config key sets (tests choose them); the mesh's
+    tensor-parallel degree and where gradients are reduce-scattered are the ``[train]``
+    table's ``tensor_parallel`` and ``fsdp2_grad_reduce``."""
 
-    #: tensor-parallel degree; the mesh is (world // tensor_parallel, tensor_parallel)
-    tensor_parallel: int = 1
-    #: where gradients are reduce-scattered (see ``workers.trainer.fsdp2_backend``)
-    grad_reduce: Literal["gathered", "per_microbatch"] = "per_microbatch"
     #: FSDP's gradient divide factor. 1.0 = raw sums (correct for the split API);
     #: None = FSDP's default, the average over dp ranks -- wrong, kept for the tests
     gradient_divide_factor: float | None = 1.0
     #: free each block's gathered parameters after its forward (memory over time)
     reshard_after_forward: bool = True
-    #: cast the model's parameters after building it; None = ``TrainerConfig.dtype``
+    #: cast the model's parameters after building it; None = ``TrainerRuntime.dtype``
     param_dtype: Literal["float32", "float64"] | None = None
 
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from workers.trainer.config import LrSchedule, ModelFactory, TrainerConfig
+from workers.trainer.config import LrSchedule, ModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.metrics import StepStats
 from workers.trainer.tensors import digest_parameters
 
@@ -166,7 +166,7 @@ class Parallelized:
 
 
 #: a backend: builds one rank (inside its process group) on ``device``
-Parallelize = Callable[[ModelFactory, TrainerConfig, torch.device], Parallelized]
+Parallelize = Callable[[ModelFactory, TrainSection, TrainerRuntime, torch.device], Parallelized]
 
 
 class _Replicated:
@@ -192,20 +192,17 @@ REPLICATED: Placement = _Replicated()
 
 
 def make_optimizer(
-    config: TrainerConfig, params: list[nn.Parameter]
+    train: TrainSection, runtime: TrainerRuntime, params: list[nn.Parameter]
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The configured torch optimizer over ``params`` and its LR schedule."""
-    o = config.optimizer
+    o, lr, decay = runtime.optimizer, train.lr, train.weight_decay
     optimizer: torch.optim.Optimizer
     if o.kind == "sgd":
-        optimizer = torch.optim.SGD(
-            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
-        )
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=decay)
     else:
-        optimizer = torch.optim.AdamW(
-            params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, LrSchedule(config.scheduler))
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=decay)
+    schedule = LrSchedule(runtime.scheduler, train.warmup_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def filled_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from workers.batch import TrainBatch
-from workers.loss import LossConfig, Metric, microbatch_loss, token_logprobs, valid_counts
+from workers.loss import Metric, StepLoss, microbatch_loss, token_logprobs, valid_counts
 from workers.trainer import checkpoint as ckpt
 from workers.trainer import distributed as dd
 from workers.trainer.api import (
@@ -52,7 +52,7 @@ from workers.trainer.api import (
     TrainStepStateError,
     train_one_shot,
 )
-from workers.trainer.config import ModelFactory, TrainerConfig
+from workers.trainer.config import ModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.metrics import MetricAccumulator, StepStats, combine, loss_normaliser, normalise
 from workers.trainer.parallel import CheckpointParts, Parallelize, Parallelized
 from workers.trainer.tensors import _trim, dummy_batch, model_logits, resolve_device
@@ -63,7 +63,7 @@ __all__ = ["RankTrainer"]
 @dataclass
 class _OpenStep:
     step: int
-    loss_config: LossConfig
+    loss_config: StepLoss
     rng: dict[str, Any]
     metrics: MetricAccumulator = field(default_factory=MetricAccumulator)
     num_sequences: int = 0
@@ -75,12 +75,19 @@ class _OpenStep:
 
 class RankTrainer:
     """One rank (the default process group, if initialised, spans the ranks) of any
-    backend; implements :class:`workers.trainer.api.Trainer`."""
+    backend; implements :class:`workers.trainer.api.Trainer`. It runs the user's
+    ``[train]`` table as it is, with the run's ``runtime`` beside it."""
 
     def __init__(
-        self, model_factory: ModelFactory, config: TrainerConfig | None, parallelize: Parallelize
+        self,
+        model_factory: ModelFactory,
+        train: TrainSection | None,
+        runtime: TrainerRuntime | None,
+        parallelize: Parallelize,
     ) -> None:
-        self.config = cfg = config or TrainerConfig()
+        #: the ``[train]`` table this rank runs (``self.train`` is the one-shot step)
+        self.config = train = train or TrainSection()
+        self.runtime = cfg = runtime or TrainerRuntime()
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         if cfg.deterministic:
@@ -88,7 +95,7 @@ class RankTrainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.device = resolve_device(cfg.device)
         #: the backend's modules, optimizer and strategies (built in its process group)
-        self.parallel: Parallelized = parallelize(model_factory, cfg, self.device)
+        self.parallel: Parallelized = parallelize(model_factory, train, cfg, self.device)
         self.rank, self.world_size = dd.rank_and_world()
         p = self.parallel
         self._reference_digest = None if p.reference is None else p.placement.digest(p.reference)
@@ -179,10 +186,10 @@ class RankTrainer:
 
     # -- the split API --------------------------------------------------------------
 
-    def begin_train_step(self, step: int, loss_config: LossConfig) -> None:
+    def begin_train_step(self, step: int, loss_config: StepLoss) -> None:
         self._require_idle(f"begin_train_step({step})")
-        if not isinstance(loss_config, LossConfig):
-            raise TypeError(f"loss_config must be a LossConfig, got {type(loss_config).__name__}")
+        if not isinstance(loss_config, StepLoss):
+            raise TypeError(f"loss_config must be a StepLoss, got {type(loss_config).__name__}")
         self.parallel.optimizer.zero_grad(set_to_none=True)
         self._open = _OpenStep(step=step, loss_config=loss_config, rng=self._rng_state())
         self._phase = StepPhase.OPEN
@@ -212,7 +219,7 @@ class RankTrainer:
         open_.num_tokens += n_tok
         return MicrobatchResult(index=index, num_sequences=n_seq, num_tokens=n_tok)
 
-    def _forward_backward(self, mb: TrainBatch, cfg: LossConfig) -> dict[str, Metric]:
+    def _forward_backward(self, mb: TrainBatch, cfg: StepLoss) -> dict[str, Metric]:
         """The microbatch's loss (the one call of ``microbatch_loss``), back-propagated;
         the mismatch metrics compare the tokens generated at this rank's version."""
         ref = self._reference_logprobs(mb, cfg)
@@ -224,18 +231,18 @@ class RankTrainer:
             self.parallel.reduction.backward(out.loss_sum)
         return out.metrics
 
-    def _reference_logprobs(self, mb: TrainBatch, cfg: LossConfig) -> torch.Tensor | None:
+    def _reference_logprobs(self, mb: TrainBatch, cfg: StepLoss) -> torch.Tensor | None:
         """The batch's reference logprobs, else the frozen reference model's when KL
         needs them. With a collective forward the reference runs whenever KL is on (its
         all-gathers must align on every rank), even if the batch brings its own."""
         given, reference = mb.reference_logprobs, self.parallel.reference
-        if cfg.kl_coef <= 0 or reference is None:
+        if cfg.options.kl_coef <= 0 or reference is None:
             return given
         if given is not None and not self.parallel.placement.collective_forward:
             return given
         with torch.no_grad():
             computed = token_logprobs(
-                model_logits(reference, mb.input_ids), mb.input_ids, cfg.temperature
+                model_logits(reference, mb.input_ids), mb.input_ids, cfg.sampling.temperature
             )
         return computed if given is None else given
 
@@ -249,7 +256,7 @@ class RankTrainer:
                 max(n, 1), total,
                 lambda: self._forward_backward(dummy_batch(self.device), open_.loss_config),
             )
-            grad_norm = p.reduction.clip(self.config.max_grad_norm)
+            grad_norm = p.reduction.clip(self.config.grad_clip or None)
             if not math.isfinite(grad_norm):
                 raise NonFiniteGradientError(
                     f"step {open_.step}: gradient norm is {grad_norm}; no update applied"
@@ -275,7 +282,7 @@ class RankTrainer:
         )
         per_rank = dd.all_gather_objects(local)
         total = combine(per_rank[:: self.parallel.placement.replicas])
-        return total, loss_normaliser(total, open_.loss_config.aggregation)
+        return total, loss_normaliser(total, open_.loss_config.options.aggregation)
 
     def _close_step(
         self, open_: _OpenStep, total: StepStats, grad_norm: float, lr: float
@@ -288,13 +295,13 @@ class RankTrainer:
         return StepResult(
             step=open_.step,
             trainer_version=self._version,
-            metrics=normalise(total, open_.loss_config.aggregation),
+            metrics=normalise(total, open_.loss_config.options.aggregation),
             grad_norm=grad_norm,
             lr=lr,
             num_sequences=total.num_sequences,
             num_tokens=total.num_tokens,
             num_microbatches=total.num_microbatches,
-            weights_digest=self.weights_digest() if self.config.digest_on_finish else None,
+            weights_digest=self.weights_digest() if self.runtime.digest_on_finish else None,
         )
 
     def abort_train_step(self) -> None:
@@ -308,7 +315,7 @@ class RankTrainer:
         self._phase = StepPhase.IDLE
 
     def train(
-        self, batch: TrainBatch | None, loss_config: LossConfig, *, step: int | None = None
+        self, batch: TrainBatch | None, loss_config: StepLoss, *, step: int | None = None
     ) -> StepResult:
         """One-shot step: begin, one microbatch, finish (aborted on any exception)."""
         return train_one_shot(self, batch, loss_config, step)
@@ -380,7 +387,7 @@ class RankTrainer:
         if got.rng is not None:
             self._set_rng_state(got.rng)
         else:  # written at another world size: reseed deterministically
-            torch.manual_seed(self.config.seed + 1 + self.rank + 7919 * version)
+            torch.manual_seed(self.runtime.seed + 1 + self.rank + 7919 * version)
         self._version = version
         self._last_step = got.meta["step"]
         if self.weights_digest() != got.meta["weights_digest"]:

@@ -36,7 +36,7 @@ def _trim(batch: TrainBatch, device: torch.device) -> TrainBatch:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """``TrainerConfig.device``: None = the current CUDA device if any, else the CPU."""
+    """``TrainerRuntime.device``: None = the current CUDA device if any, else the CPU."""
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":

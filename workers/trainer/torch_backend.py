@@ -35,7 +35,7 @@ from torch import nn
 
 from workers.trainer import distributed as dd
 from workers.trainer.checkpoint import FileCheckpoint
-from workers.trainer.config import ModelFactory, TrainerConfig
+from workers.trainer.config import ModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.metrics import StepStats
 from workers.trainer.parallel import (
     REPLICATED,
@@ -82,16 +82,16 @@ class FlatAllReduce:
 
 
 def parallelize_torch(
-    model_factory: ModelFactory, config: TrainerConfig, device: torch.device
+    model_factory: ModelFactory, train: TrainSection, runtime: TrainerRuntime, device: torch.device
 ) -> Parallelized:
     """Every rank: the seeded model, rank 0's weights broadcast, a deep-copied reference."""
-    torch.manual_seed(config.seed)
-    model = model_factory().to(device=device, dtype=config.torch_dtype)
+    torch.manual_seed(runtime.seed)
+    model = model_factory().to(device=device, dtype=runtime.torch_dtype)
     model.eval()  # dropout off: determinism
     dd.broadcast_module_(model)
-    reference = copy.deepcopy(model).requires_grad_(False) if config.keep_reference else None
+    reference = copy.deepcopy(model).requires_grad_(False) if runtime.keep_reference else None
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = make_optimizer(config, params)
+    optimizer, scheduler = make_optimizer(train, runtime, params)
     return Parallelized(
         backend="torch",
         model=model,
@@ -100,11 +100,15 @@ def parallelize_torch(
         optimizer=optimizer,
         scheduler=scheduler,
         placement=REPLICATED,
-        reduction=FlatAllReduce(params, optimizer, config.reduce_bucket_mb << 20),
+        reduction=FlatAllReduce(params, optimizer, runtime.reduce_bucket_mb << 20),
         checkpoint=FileCheckpoint(),
     )
 
 
-def TorchTrainer(model_factory: ModelFactory, config: TrainerConfig | None = None) -> RankTrainer:  # noqa: N802
+def TorchTrainer(  # noqa: N802
+    model_factory: ModelFactory,
+    train: TrainSection | None = None,
+    runtime: TrainerRuntime | None = None,
+) -> RankTrainer:
     """One rank of the torch backend (a constructor: the trainer class is ``RankTrainer``)."""
-    return RankTrainer(model_factory, config, parallelize_torch)
+    return RankTrainer(model_factory, train, runtime, parallelize_torch)
