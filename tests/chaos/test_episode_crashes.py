@@ -23,6 +23,7 @@ weights retrained from the log match), the two ledgers are compared with the log
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -163,3 +164,37 @@ def test_an_env_that_cannot_dedupe_restarts_the_episode_instead(ledger: Chaos, t
     assert counted["restarts"] > 0 and counted["reissued"] == 0
     (restart,) = [e for e in _events(ledger) if isinstance(e, ev.EpisodesRestarted)]
     assert restart.group_id == "g000001" and "cannot deduplicate" in restart.reason
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_crash_at_an_episode_record_resumes_it_from_the_log(ledger: Chaos, tmp_path: Path, point: str) -> None:
+    ledger.run("r", steps=2, resume=False, crash=f"{point}:g000001", expect=EXIT_CRASH)
+    ledger.run("r", steps=2, resume=True, expect=0)
+    ledger.check("r", 2)
+    counted = check_exactly_once(ledger, tmp_path)
+    assert counted["served"] > 0 or point == "after_group_committed"
+    check_replay_episode(ledger, "g000001", 1)
+
+
+def check_replay_episode(chaos: Chaos, group: str, sample: int) -> None:
+    """``replay --episode`` shows every turn: the model's ids, the call, its reward; the
+    ids are the committed row's, cut where the log recorded each turn."""
+    rc, out = chaos.cli("replay", "--run", "r", "--episode", f"{group}/{sample}", "--json")
+    assert rc == 0, out
+    view = json.loads(out[out.index("{"):])
+    turns = view["turns"]
+    assert [t["turn"] for t in turns] == list(range(1, TURNS + 1))
+    ids: list[int] = []
+    for t in turns:
+        kinds = [p["kind"] for p in t["pieces"]]
+        assert kinds[0] == "model" and t["request"] and t["reward"] is not None, t
+        ids += [i for p in t["pieces"] for i in p["ids"]]
+    assert turns[-1]["ended"] and turns[-1]["end_reason"] == "done"
+    assert sum(t["reward"] for t in turns) == view["reward"]  # the core checks it at the commit
+    assert len(ids) == sum(p["length"] for t in turns for p in t["pieces"])
+    rc, out = chaos.cli("replay", "--run", "r", "--episode", f"{group}/{sample}")
+    assert rc == 0 and out.count(" env call ") == TURNS, out
+    for bad, why in ((f"{group}", "expected GROUP/SAMPLE"), ("g999999/0", "never admitted"),
+                     (f"{group}/9", "has samples 0..3")):
+        rc, out = chaos.cli("replay", "--run", "r", "--episode", bad)
+        assert rc == 2 and why in out and "Traceback" not in out, out
