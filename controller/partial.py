@@ -57,6 +57,21 @@ def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutc
     )
 
 
+def next_requests(
+    state: RunState, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+) -> list[GenerationRequest]:
+    """The requests that let a call's unfinished groups go on, once its flushes are in
+    the log. A flushed group's worker holds what it resumed from; a pending one may not
+    have started yet (a call runs its groups in order, up to the first flush), so it
+    keeps its ``resume``: without it a re-admitted group would start over from nothing
+    and sample again what the log holds."""
+    return [
+        msgspec.structs.replace(req, resume=req.resume if out.status == "pending" else [],
+                                flushes=attempt_flushes(state, req.group_id))
+        for req, out in zip(reqs, outs) if out.status != "done"
+    ]
+
+
 class PartialRecorder:
     """Records a call's flushes, and deletes the segment rows of committed groups."""
 
@@ -96,10 +111,7 @@ class PartialRecorder:
             else [segments_event(journal, req, out)])]
         await journal.append(*made, *commits)
         self.drop(scratch)
-        return [
-            msgspec.structs.replace(req, resume=[], flushes=attempt_flushes(state, req.group_id))
-            for req, out in zip(reqs, outs) if out.status != "done"
-        ]
+        return next_requests(state, reqs, outs)
 
     def drop(self, keys: list[str], *, now: bool = False) -> None:
         """Segment rows of committed groups are scratch (their final rows hold every

@@ -110,3 +110,23 @@ def test_a_group_lost_mid_episode_resumes_at_its_last_recorded_turn(tmp_path):
     assert reissued.calls == asked1.calls  # same keys, same requests
     (commit,) = [e for e in mine if isinstance(e, ev.GroupCommitted)]
     assert commit.attempt == 2
+
+
+
+def test_a_pending_group_keeps_what_it_resumes_from_until_it_has_started():
+    # a call runs its groups in order up to the first pause: a re-admitted group behind
+    # one that paused has not started, so its next request still carries the recorded
+    # flushes (without them it would sample again what the log holds); a paused one's
+    # worker holds them already
+    from controller.core.state import RunState
+    from controller.partial import next_requests
+    from workers.api import GenerationOutcome, GenerationRequest, SegmentFlush
+
+    recorded = [SegmentFlush(weight_version=0, segments=[ev.Segment(sample=0, start=0, length=3, key="k")])]
+    reqs = [GenerationRequest(group_id=g, attempt=2, prompt_index=0, n_samples=1, seed=0,
+                              resume=recorded) for g in ("g1", "g2", "g3")]
+    outs = [GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
+                              weight_version_end=0, status=s) for s in ("flushed", "pending", "done")]
+    flushed, pending = next_requests(RunState(), reqs, outs)
+    assert (flushed.group_id, flushed.resume) == ("g1", [])
+    assert (pending.group_id, pending.resume) == ("g2", recorded)
