@@ -26,6 +26,7 @@ from controller.startup import create_run
 from events import schema as ev
 from events.store import EventStore
 from sim.clock import VirtualTimeLoop
+from sim.episodes import SimEpisodeGenerator
 from sim.timings import Timings
 from sim.partial import SimPartialGenerator
 from sim.workers import Fleet, SimGenerator, SimPayloads, SimPublisher, SimTrainer
@@ -48,6 +49,9 @@ class SimSpec:
     #: buffer the config validation would refuse: between groups_per_step and
     #: policies.full_capacity)
     capacity: int | None = None
+    #: multi-turn episodes of this many turns (``sim.episodes``; needs rollout.partial);
+    #: 0: single-turn rollouts
+    episode_turns: int = 0
 
 
 @dataclass
@@ -100,8 +104,12 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     trainer = SimTrainer(fleet)
     publisher = SimPublisher(fleet, names)
     partial = cfg.rollout.partial
+    if spec.episode_turns and not partial.enabled:
+        raise ValueError("sim: episodes are recorded by partial rollouts (rollout.partial.enabled)")
     generators = [
-        SimPartialGenerator(n, fleet, partial.segment_tokens) if partial.enabled else SimGenerator(n, fleet)
+        SimEpisodeGenerator(n, fleet, spec.episode_turns) if spec.episode_turns
+        else SimPartialGenerator(n, fleet, partial.segment_tokens) if partial.enabled
+        else SimGenerator(n, fleet)
         for n in names
     ]
     controller = Controller(

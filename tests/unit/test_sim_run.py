@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgspec
 import pytest
 
 from controller.config import load_config
 from controller.core.fold import fold_raw
+from controller.projector import Projector
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from sim.harness import simulate, SimSpec
@@ -81,3 +84,25 @@ def test_a_wider_window_trains_faster_and_staler():
         tl[name], _ = timeline_of(out.writer.store, "sim")
     assert tl["async"].wall_s < tl["sync"].wall_s
     assert max(tl["sync"].lags) == 0 < max(tl["async"].lags)
+
+
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call):
+    # 3-turn episodes: per turn the model segments and intent, then the results and the
+    # observations (none after the last): the core checks order, keys and that each
+    # committed reward is the sum of its turns'
+    cfg = load_config(None, [
+        "run.steps=4", "rollout.num_generators=4", f"rollout.groups_per_call={per_call}",
+        "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.samples_per_group=2"])
+    store = MemoryEventStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    result = Projector(store).get("ep")
+    assert result.problem is None, result.problem
+    state = result.state
+    committed = [g for g in state.groups.values() if g.committed_position is not None]
+    assert len(committed) >= 16 and all(g.episode is not None for g in committed)
+    assert all([len(r) for r in g.episode.rewards] == [3, 3] for g in committed)
+    kinds = Counter(type(e.event).__name__ for e in store.read("ep")
+                    if getattr(e.event, "group_id", None) == committed[0].group_id)
+    assert (kinds["EnvStepsRequested"], kinds["EnvStepsCompleted"], kinds["SegmentsRecorded"]) == (3, 3, 5)
