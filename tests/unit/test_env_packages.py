@@ -172,3 +172,21 @@ def test_unknown_or_multiplayer_textarena_games_are_refused_by_name():
     with pytest.raises(ValueError, match=r"invalid options \{'colour': 1\}"):
         make_task("textarena/GuessTheNumber-v0", colour=1)
 
+
+
+def test_the_ledger_tool_makes_a_keyed_call_once_unless_it_says_it_cannot_dedupe(tmp_path):
+    from workers.envs.ledger import read_ledger
+
+    path = tmp_path / "ledger.txt"
+    for dedupe, lines in ((True, 1), (False, 2)):
+        path.unlink(missing_ok=True)
+        task = make_task("ledger", path=str(path), turns=2, dedupe=dedupe)
+        env = task.make_env(task.examples(1, seed=0)[0])
+        assert env.dedupes_by_key is dedupe
+        env.reset(KEY)
+        first = env.step(Action("x", (1, 2), True), KEY.at(1))
+        again = env.step(Action("x", (1, 2), True), KEY.at(1))  # the same key, re-issued
+        assert [k for k, _ in read_ledger(path)] == [str(KEY.at(1))] * lines
+        assert (first == again) is dedupe and first.reward == 2 / 4 and not first.done
+    with pytest.raises(ValueError, match="task.options.path"):
+        make_task("ledger")
