@@ -121,6 +121,8 @@ def open_store(
     from events import factory
 
     check_redis_url(args)
+    if start and not args.redis_url and not getattr(args, "redis_sentinel", ""):
+        writable_dir("--data-dir", args.data_dir)  # the embedded server's home
     try:
         store = factory.open_store(
             store_address(args, start=start), replication, chain_key=chain_key
@@ -136,6 +138,37 @@ def open_store(
         yield store
     finally:
         store.close()
+
+
+def output_file(flag: str, path: str, *, formats: list[str] | None = None,
+                create_parents: bool = True) -> Path:
+    """``path`` checked before any work is done, so a bad output name is one line and
+    nothing is written: not a directory, a suffix in ``formats`` (when given), and a
+    directory that exists (or, with ``create_parents``, can be made) and is writable."""
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"{flag} {path!r} is a directory; name a file")
+    if formats is not None and target.suffix.lower().lstrip(".") not in formats:
+        raise CliError(f"{flag} {path!r}: the file name must end in one of "
+                       + ", ".join(f".{f}" for f in sorted(formats)))
+    if not create_parents and not target.parent.is_dir():
+        raise CliError(f"{flag} {path!r}: directory {str(target.parent)!r} does not exist")
+    writable_dir(flag, target.parent, named=path)
+    return target
+
+
+def writable_dir(flag: str, directory: str | Path, *, named: str | None = None) -> None:
+    """``directory`` exists as a writable directory, or its nearest existing ancestor
+    is one (so it can be made); else one line naming what is in the way (and the
+    flag's value, ``named`` where that is a file in ``directory``)."""
+    shown = f"{flag} {named or str(directory)!r}"
+    here = Path(directory).absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        raise CliError(f"{shown}: {str(here)!r} is a file, not a directory")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise CliError(f"{shown}: directory {str(here)!r} is not writable")
 
 
 def require_run(store: EventStore, run_id: str) -> None:

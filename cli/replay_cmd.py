@@ -19,6 +19,7 @@ from cli.common import (
     add_run_arg,
     open_store,
     orphan_run_dirs,
+    output_file,
     require_run,
     subcommand,
 )
@@ -134,11 +135,12 @@ def replay_point(args: argparse.Namespace, store: Any) -> Any:
 
     require_run(store, args.run)
     at = args.at if args.at is not None else args.until
+    flag = "--at" if args.at is not None else "--until"  # the spelling the user typed
     if at is not None and at < 1:
-        raise CliError(f"--at must be >= 1, got {at}")
+        raise CliError(f"{flag} must be >= 1, got {at}")
     end = store.last_position(args.run)
     if at is not None and at > end:
-        raise CliError(f"--at {at} is past the end of run {args.run!r} (last position {end})")
+        raise CliError(f"{flag} {at} is past the end of run {args.run!r} (last position {end})")
     result = Projector(store).get(args.run, until=at, stop_step=args.step,
                                   snapshot=not args.no_snapshot,
                                   progress=render.progress("replay"))
@@ -271,10 +273,20 @@ def _register_staleness(subparsers: Any) -> None:
     p.set_defaults(func=cmd_staleness)
 
 
+def _check_last(args: argparse.Namespace) -> None:
+    """``--last N`` shows the newest N rows; a negative N showed all but the oldest |N|."""
+    if args.last < 0:
+        raise CliError(f"--last must be >= 0 (0 = all), got {args.last}")
+
+
 def cmd_staleness(args: argparse.Namespace) -> int:
     from controller.projector import Projector
     from replay import staleness, whatif
+    from replay.plots import plot_formats
 
+    _check_last(args)
+    if args.plot:
+        output_file("--plot", args.plot, formats=plot_formats())
     with open_store(args) as store:
         require_run(store, args.run)
         trace = staleness.Trace()
@@ -330,7 +342,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from replay.audit import build_report, write_csv
     from replay.chain_audit import audit_log
 
+    _check_last(args)
     key = load_chain_key(args.chain_key_file)
+    if args.csv:
+        output_file("--csv", args.csv, create_parents=False)
     with open_store(args) as store:
         require_run(store, args.run)
         result, chain = audit_log(store, args.run, key, render.progress("audit"))

@@ -15,23 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import shutil
-import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 import structlog
 
-from cli import followup, preflight, quiet, ray_cluster, run_summary
+from cli import followup, preflight, ray_cluster, run_open, run_summary
 from cli.common import (
     CliError,
     add_store_args,
     check_redis_url,
-    last_controller,
-    load_chain_key,
     open_store,
     require_run,
 )
@@ -43,7 +38,6 @@ from controller.recovery import RecoveryError, reconcile_workers
 from controller.projector import Projector
 from controller.startup import RunExistsError, create_run, resume_run
 from events import schema as ev
-from events.chain import Chain
 from events.errors import FencedError
 from replay.settings import with_changes
 from workers.loss.metrics import mismatch_warning
@@ -127,21 +121,8 @@ def _code_version() -> str:
         return "rl-controller (source)"
 
 
-#: seconds since this process started, at each start-up milestone (logged at step 1)
-_PHASES: dict[str, float] = {}
-
-
-def _mark(phase: str) -> None:
-    try:
-        import psutil
-
-        _PHASES[phase] = time.time() - psutil.Process().create_time()
-    except Exception:  # psutil is Ray's dependency; the milestones are only a log line
-        pass
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    _mark("cli_ready")
+    run_open.mark("cli_ready")
     # Everything that can be checked without the store is checked before it is opened
     # (an embedded server is not even started for a bad command line).
     if args.resume and not args.run_id:
@@ -168,9 +149,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             # leave no run behind.
             ray_cluster.check_local_capacity(cfg)
             ray_cluster.check_address(cfg.ray.address)
-    chain_key = _chain_key(args, cfg, run_id)
+    chain_key = run_open.chain_key(args, cfg, run_id)
     with open_store(args, start=True, replication=cfg.store if cfg else None,
-                    chain_key=chain_key) as store:
+                    chain_key=chain_key) as store, contextlib.ExitStack() as serving:
         if args.resume:
             # Read-only first: the recorded config is checked before a new epoch is
             # claimed, and a finished run answers without starting anything.
@@ -180,14 +161,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             preflight.check_config(cfg)
             if state.finished and state.trainer_version >= cfg.run.steps:
                 return run_summary.nothing_to_do(run_id, state.trainer_version)
-            _check_not_held(args, store, run_id)
+            run_open.check_not_held(args, store, run_id)
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
                 ray_cluster.check_address(cfg.ray.address)
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
-            _start_ray(args, cfg, run_id)
-            _mark("ray_ready")
+            exporter = serving.enter_context(run_open.metrics_served(cfg))
+            run_open.start_ray(args, cfg, run_id)
+            run_open.mark("ray_ready")
             writer = resume_run(store, run_id)
             store.replication = cfg.store  # the run's own setting, from its log
         else:
@@ -196,9 +178,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                                "or choose another --run-id")
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
-            with _removed_unless_created(Path(args.data_dir) / "runs" / run_id):
-                _start_ray(args, cfg, run_id)
-                _mark("ray_ready")
+            exporter = serving.enter_context(run_open.metrics_served(cfg))
+            with run_open.removed_unless_created(Path(args.data_dir) / "runs" / run_id):
+                run_open.start_ray(args, cfg, run_id)
+                run_open.mark("ray_ready")
                 try:
                     writer = create_run(
                         store, run_id,
@@ -211,61 +194,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 except RunExistsError as err:
                     raise CliError(str(err)) from None
         try:
-            return _train(args, cfg, writer, store)
+            return _train(args, cfg, writer, exporter)
         finally:
             ray_cluster.disconnect()
 
 
-@contextlib.contextmanager
-def _removed_unless_created(run_dir: Path) -> Iterator[None]:
-    """A new run's directory goes again when Ray fails to start or join before the log
-    has the run: it would hold only ``third_party.log``, under a name that neither
-    ``runs`` nor ``delete`` knows (the error line already says what failed)."""
-    existed = run_dir.exists()
-    try:
-        yield
-    except BaseException:
-        if not existed:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-
-
-def _check_not_held(args: argparse.Namespace, store, run_id: str) -> None:
-    """A resume would fence a live controller: it must be asked for (``--takeover``)."""
-    holder = last_controller(store, run_id, store.last_position(run_id))
-    if holder.running_here() and not args.takeover:
-        raise CliError(
-            f"run {run_id} is held by a running controller (pid {holder.pid} on this host); "
-            "stop it first (Ctrl-C in its terminal), or pass --takeover to fence it and "
-            "continue here"
-        )
-
-
-def _chain_key(args: argparse.Namespace, cfg: Config | None, run_id: str) -> bytes | None:
-    """The hash chain's key: from the config of a new run, from the logged one on resume.
-
-    A resumed run must keep its chain's algorithm: an HMAC chain continued with plain
-    SHA-256 (or the other way round) would no longer verify, so that fails here, before
-    anything is written.
-    """
-    if cfg is not None:
-        return load_chain_key(cfg.store.chain_key_file)
-    with open_store(args, start=True) as store:
-        if not store.run_exists(run_id) or store.last_position(run_id) == 0:
-            return None  # resume_run says what is wrong
-        first = store.read(run_id, 1, 1)[0].event
-        logged = getattr(first, "config", {}) or {}
-        key = load_chain_key(str((logged.get("store") or {}).get("chain_key_file", "")))
-        head = store.chain_head(run_id)
-    if head is not None and head.algorithm and head.algorithm != Chain(run_id, key).algorithm:
-        raise CliError(
-            f"run {run_id!r} has a {head.algorithm} hash chain but the key file gives "
-            f"{'none' if key is None else 'a key'}; restore store.chain_key_file"
-        )
-    return key
-
-
-def _train(args, cfg: Config, writer, store) -> int:
+def _train(args, cfg: Config, writer, exporter) -> int:
     from controller.wiring import start_workers, worker_spec
 
     run_dir = Path(args.data_dir) / "runs" / writer.run_id
@@ -274,7 +208,10 @@ def _train(args, cfg: Config, writer, store) -> int:
     structlog.contextvars.bind_contextvars(run_id=writer.run_id, epoch=writer.epoch)
     progress = Progress(cfg.run.steps, enabled=not args.no_progress)
     sink = MetricsSink(run_dir)
-    exporter = _serve_metrics(cfg, writer, progress)
+    if exporter is not None:  # serving since before the run was opened
+        exporter.on_append([], writer.state)  # a resumed run's figures before its first append
+        writer.listeners.append(exporter.on_append)
+        progress.console.print(f"metrics at {exporter.url}", markup=False, highlight=False)
     progress.console.print(
         f"run [bold]{writer.run_id}[/] epoch {writer.epoch}: trainer_version "
         f"{writer.state.trainer_version} -> {cfg.run.steps}, log at position {writer.position}"
@@ -283,7 +220,7 @@ def _train(args, cfg: Config, writer, store) -> int:
 
     try:
         workers = start_workers(cfg, worker_spec(cfg, writer.run_id, run_dir), local=args.local_workers)
-        _mark("workers_ready")
+        run_open.mark("workers_ready")
     except WorkerStartError as err:
         raise CliError(str(err)) from None
     try:
@@ -294,12 +231,12 @@ def _train(args, cfg: Config, writer, store) -> int:
                 rewind=args.rewind_to_checkpoint,
             ))
 
-            _mark("reconciled")
+            run_open.mark("reconciled")
 
             def on_step(step: int, version: int, metrics: dict[str, float]) -> None:
-                if "first_step" not in _PHASES:
-                    _mark("first_step")
-                    log.info("startup", **{f"{k}_s": round(v, 2) for k, v in _PHASES.items()})
+                if "first_step" not in run_open.PHASES:
+                    run_open.mark("first_step")
+                    log.info("startup", **{f"{k}_s": round(v, 2) for k, v in run_open.PHASES.items()})
                 sink.write(step, version, metrics)
                 progress.step(step, version, metrics, len(writer.state.buffer), len(writer.state.admitted))
                 structlog.contextvars.bind_contextvars(step=step, trainer_version=version)
@@ -333,31 +270,12 @@ def _train(args, cfg: Config, writer, store) -> int:
                        f"{_resume_command(args, writer.run_id)}", 130) from None
     finally:
         sink.close()
-        if exporter is not None:
-            exporter.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
             writer.snapshot()
     run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
-                              startup_s=_PHASES.get("reconciled"), train_s=train_s)
+                              startup_s=run_open.PHASES.get("reconciled"), train_s=train_s)
     return 0
-
-
-def _serve_metrics(cfg: Config, writer, progress: Progress):
-    """With ``metrics.port`` set: Prometheus ``/metrics`` fed by the writer's appends."""
-    if not cfg.metrics.port:
-        return None
-    from controller.prometheus import ControllerMetrics
-
-    exporter = ControllerMetrics()
-    try:
-        url = exporter.serve(cfg.metrics)
-    except OSError as err:
-        raise CliError(f"metrics.port {cfg.metrics.port} on {cfg.metrics.host}: {err.strerror or err}") from None
-    exporter.on_append([], writer.state)  # a resumed run's figures before its first append
-    writer.listeners.append(exporter.on_append)
-    progress.console.print(f"metrics at {url}", markup=False, highlight=False)
-    return exporter
 
 
 def _resume_command(args: argparse.Namespace, run_id: str) -> str:
@@ -365,34 +283,3 @@ def _resume_command(args: argparse.Namespace, run_id: str) -> str:
                             *followup.worker_flags(args))
 
 
-def _start_ray(args: argparse.Namespace, cfg: Config, run_id: str) -> None:
-    """Third-party output to the run's log file, then Ray up and checked (no writes yet)."""
-    third_party_log = Path(args.data_dir) / "runs" / run_id / "third_party.log"
-    quiet.size_transferqueue_threads()
-    quiet.route_to_file(third_party_log)
-    # The workers' modules (torch, TransferQueue: seconds of imports) load while Ray
-    # starts: ray.init mostly waits on its daemons, so this uses an otherwise idle core.
-    preload = threading.Thread(target=_preload_worker_modules, args=(cfg,),
-                               name="preload-worker-modules", daemon=True)
-    preload.start()
-    try:
-        # --local-workers still starts Ray for a trainer of several ranks (rank actors);
-        # started here, its output goes to the log file like a Ray run's.
-        ranks = cfg.train.data_parallel * cfg.train.tensor_parallel
-        if not args.local_workers or ranks > 1:
-            ray_cluster.connect(cfg, third_party_log)
-            quiet.route_to_file(third_party_log)  # loggers Ray created while connecting
-    finally:
-        preload.join()
-
-
-def _preload_worker_modules(cfg: Config) -> None:
-    """Import what starting the workers imports; an error here is left to that start."""
-    try:
-        import controller.wiring  # noqa: F401  (torch, the models, the workers)
-        from workers.dataplane import preload
-
-        preload(cfg.dataplane.kind)
-        import torch.utils.tensorboard  # noqa: F401  (the metrics sink's, before the workers start)
-    except Exception:
-        pass

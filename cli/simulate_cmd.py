@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cli.common import CliError, add_store_args, open_store, require_run
+from cli.common import CliError, add_store_args, open_store, output_file, require_run
 
 
 def register(subparsers: Any) -> None:
@@ -42,6 +42,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.whatif import SimulateError, parse_scenario, run_whatif
 
     scenarios = [parse_scenario(text) for text in args.what_if]  # WhatIfError: one line
+    if args.plot:
+        from replay.plots import plot_formats
+
+        output_file("--plot", args.plot, formats=plot_formats())
     with open_store(args) as store:
         require_run(store, args.run)
         try:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from cli.common import CliError, add_run_arg, open_store, require_run, subcommand
+from cli.common import CliError, add_run_arg, open_store, output_file, require_run, subcommand
 
 DASHBOARD_PORT = 8460
 
@@ -43,14 +42,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
         steps = parse_steps(args.steps)
     except ValueError as err:
         raise CliError(f"--{err}") from None
-    target = Path(args.output)
-    if not target.parent.is_dir():
-        raise CliError(f"-o {str(target)!r}: directory {str(target.parent)!r} does not exist")
+    target = output_file("-o", args.output, create_parents=False)
     with open_store(args) as store:
         require_run(store, args.run)
         summary = trace_to_file(store, args.run, target, steps)
-    if summary["events"] == 0:
-        print(f"rl-controller: note: no events in the requested steps of {args.run}", file=sys.stderr)
+    if not summary["drawn"]:  # the window starts past the run's newest step
+        newest = summary["newest_step"]
+        has = f"its newest step is {newest}" if newest >= 0 else "it has begun no step yet"
+        raise CliError(f"--steps {args.steps!r}: run {args.run} has no step in that range "
+                       f"({has}); nothing written")
     print(f"wrote {target}: {summary['entries']} trace entries from {summary['events']} events "
           f"(positions {summary['first']}..{summary['last']})")
     return 0

@@ -165,11 +165,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            raise ConfigError(f"config file {str(p)!r} "
+                              + ("is not a regular file" if p.exists() else "does not exist"))
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
+        except UnicodeDecodeError as err:  # TOML is UTF-8 by definition
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {err.start}): "
+                              "save it as UTF-8") from None
         source = str(p)
     if overrides:
         data = apply_overrides(data, overrides)

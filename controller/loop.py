@@ -148,6 +148,10 @@ class Controller:
             for task in done:
                 task.result()  # re-raise a pump's error
         finally:
+            # after a stall the in-flight generations are what hung: waiting for them to
+            # commit would only hold the error back (their groups are redone on resume)
+            stalled = any(t.done() and not t.cancelled() and isinstance(t.exception(), StallError)
+                          for t in pumps)
             if fatal.done():
                 fatal.exception()  # retrieved (raised above, or a pump's error won)
             else:
@@ -158,7 +162,7 @@ class Controller:
             if self.journal.fenced is not None:
                 self.admission.cancel_all()
             else:
-                await self.admission.drain()
+                await self.admission.drain(timeout_s=0.0 if stalled else 30.0)
         await self.closing.wait_checkpoint()  # the last CheckpointSaved, once durable
         return "completed"
 

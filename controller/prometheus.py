@@ -70,6 +70,8 @@ class ControllerMetrics:
         #: trainer_version -> ts of its StepFinished (only the newest is waited for)
         self._finished_at: dict[int, float] = {}
         self._server: Any = None
+        #: where ``serve`` serves (empty until then)
+        self.url = ""
         self._timed = {ev.StepFinished: self._step_finished, ev.WeightsPublished: self._published}
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -142,7 +144,8 @@ class ControllerMetrics:
         self._server, _ = start_http_server(section.port, addr=section.host,
                                             registry=self.registry)
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/metrics"
+        self.url = f"http://{host}:{port}/metrics"
+        return self.url
 
     def close(self) -> None:
         if self._server is not None:

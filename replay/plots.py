@@ -169,6 +169,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def plot_formats() -> list[str]:
+    """The file suffixes a plot can be written as (matplotlib's savefig formats)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
 def _save(fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)

@@ -28,12 +28,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from events import schema as ev
+from views.trace_tracks import CONTROLLER, PUBLISH, RUN_PID, TRAINER, Tracks
 from views.trace_writer import INSIDE_US, TraceWriter
 
-RUN_PID = 1
-TRAINER, PUBLISH, CONTROLLER = (RUN_PID, 1), (RUN_PID, 2), (RUN_PID, 3)
-#: generator k is process GENERATOR_PID + k
-GENERATOR_PID = 100
 #: the generator name for admissions that did not record one (older logs)
 UNKNOWN_GENERATOR = "generators"
 
@@ -74,9 +71,7 @@ class TraceBuilder:
         self.t0: float | None = None
         self.now = 0.0
         self.groups: dict[str, _Group] = {}
-        self.generators: dict[str, int] = {}
-        self.slots: dict[int, list[bool]] = {}  # pid -> busy flag per slot
-        self.named: set[tuple[int, int | None]] = set()
+        self.tracks = Tracks(writer)
         self.step: _Step | None = None
         self.finished_at: dict[int, float] = {}  # trainer_version -> its finish (us)
         self.publish_cursor = 0.0
@@ -89,6 +84,8 @@ class TraceBuilder:
         self.next_flow = 1
         self.events = 0
         self.first_position = self.last_position = 0
+        #: the newest step begun in what was read (-1: none), to say what a window missed
+        self.newest_step = -1
         self.handlers: dict[type, Callable[[Any, float], bool | None]] = {
             ev.RunStarted: self._run_started, ev.ControllerStarted: self._controller_started,
             ev.RolloutAdmitted: self._admitted, ev.GroupCommitted: self._committed,
@@ -138,17 +135,13 @@ class TraceBuilder:
     # -- generators --------------------------------------------------------------------
 
     def _admitted(self, e: ev.RolloutAdmitted, us: float) -> None:
-        pid = self._generator(e.generator or UNKNOWN_GENERATOR)
-        slots = self.slots[pid]
-        slot = slots.index(False) if False in slots else len(slots)
-        if slot == len(slots):
-            slots.append(True)
-        slots[slot] = True
+        pid = self.tracks.generator(e.generator or UNKNOWN_GENERATOR, self.drawing)
+        slot = self.tracks.take_slot(pid)
         g = self.groups[e.group_id] = _Group(e.attempt, pid, slot, us)
         self.in_flight += 1
         self.dirty_at = us
         if self.drawing:
-            self._name_slot(pid, slot)
+            self.tracks.name_slot(pid, slot)
             self._draw_generate(e.group_id, g, {"dispatch_version": e.weight_version})
             self.admits.append((us, e.group_id, e.weight_version))
 
@@ -185,8 +178,7 @@ class TraceBuilder:
             self.w.end(track, us, {"failed": e.reason})
 
     def _free_slot(self, g: _Group) -> tuple[int, int]:
-        track = (g.pid, g.slot + 1)
-        self.slots[g.pid][g.slot] = False
+        track = self.tracks.free_slot(g.pid, g.slot)
         g.slot = -1
         return track
 
@@ -204,6 +196,7 @@ class TraceBuilder:
     # -- the trainer -------------------------------------------------------------------
 
     def _step_begun(self, e: ev.StepBegun, us: float) -> None:
+        self.newest_step = max(self.newest_step, e.step)
         if not self.drawing and self.first_step is not None and e.step >= self.first_step:
             self._start_drawing()
         self.step = _Step(e.step, e.base_trainer_version, us)
@@ -344,37 +337,13 @@ class TraceBuilder:
             self.shown = now
         self.dirty_at = None
 
-    def _generator(self, name: str) -> int:
-        pid = self.generators.get(name)
-        if pid is None:
-            pid = self.generators[name] = GENERATOR_PID + len(self.generators)
-            self.slots[pid] = []
-            if self.drawing:
-                self._name_process(pid, name)
-        return pid
-
-    def _name_process(self, pid: int, name: str) -> None:
-        if (pid, None) not in self.named:
-            self.named.add((pid, None))
-            self.w.name(pid, None, name, pid)
-
-    def _name_slot(self, pid: int, slot: int) -> None:
-        if (pid, slot + 1) not in self.named:
-            self.named.add((pid, slot + 1))
-            self.w.name(pid, slot + 1, f"slot {slot}", slot)
-
     def _start_drawing(self) -> None:
         """From here on entries are written: name the tracks, draw what is in flight."""
         self.drawing = True
-        self._name_process(RUN_PID, f"run {self.run_id}")
-        for tid, name in ((1, "trainer"), (2, "publish / checkpoint"), (3, "controller")):
-            self.named.add((RUN_PID, tid))
-            self.w.name(RUN_PID, tid, name, tid)
-        for name, pid in self.generators.items():
-            self._name_process(pid, name)
+        self.tracks.name_run(self.run_id)
         for group_id, g in sorted(self.groups.items(), key=lambda kv: kv[1].admitted):
             if g.slot >= 0:
-                self._name_slot(g.pid, g.slot)
+                self.tracks.name_slot(g.pid, g.slot)
                 self._draw_generate(group_id, g, {"before_window": True})
 
     def _close_open(self) -> None:

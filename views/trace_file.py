@@ -50,15 +50,19 @@ def write_trace(store: EventStore, run_id: str, out: Any, steps: Steps = (None, 
         events.close()  # stops the read-ahead (forked readers) when we stop early
     builder.finish()
     return {"entries": writer.written, "events": builder.events,
-            "first": builder.first_position, "last": builder.last_position}
+            "first": builder.first_position, "last": builder.last_position,
+            "drawn": int(builder.drawing), "newest_step": builder.newest_step}
 
 
 def trace_to_file(store: EventStore, run_id: str, target: Path, steps: Steps) -> dict[str, int]:
+    """Write the trace to ``target``; a window that holds no step of the run (nothing
+    drawn: ``summary["drawn"] == 0``) leaves ``target`` as it was."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             summary = write_trace(store, run_id, out, steps)
-        os.replace(tmp, target)
+        if summary["drawn"]:
+            os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

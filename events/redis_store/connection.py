@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from redis import exceptions as rex
+from redis.sentinel import MasterNotFoundError
 
 from events.errors import StorePermissionError, StoreUnavailableError
 from events.redis_store.url import redact_url
@@ -144,7 +145,12 @@ def translate_errors(safe_url: str) -> Iterator[None]:
 def unavailable(safe_url: str, err: Exception) -> StoreUnavailableError:
     """The error for a server that cannot be reached or refused us, with the likely why."""
     reason = one_line(err)
-    if isinstance(err, (rex.AuthenticationError, rex.ResponseError)):
+    if isinstance(err, MasterNotFoundError):
+        # redis-py appends the repr of every sentinel's client (a few hundred characters
+        # each) after " : "; the name asked for is what the user can act on
+        reason = (f"{reason.split(' : ', 1)[0]} (did any sentinel answer? are they up "
+                  "and monitoring that --redis-master name?)")
+    elif isinstance(err, (rex.AuthenticationError, rex.ResponseError)):
         reason = f"authentication failed (check the password in the URL): {reason}"
     elif "CERTIFICATE_VERIFY_FAILED" in reason:
         reason = (

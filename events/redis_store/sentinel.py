@@ -17,11 +17,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import redis
+import redis.exceptions as rex
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
+from events.errors import StoreUnavailableError
+from events.redis_store.connection import one_line
 from events.redis_store.store import RedisEventStore
 from events.store_config import StoreConfig
 
@@ -83,6 +87,7 @@ def open_sentinel_store(
         sentinel = AsyncSentinel(addresses, sentinel_kwargs=sentinel_kwargs, **node_kwargs)
         return sentinel.master_for(master)
 
+    _check_some_sentinel_answers(addresses, master, sentinel_kwargs, connect_timeout_s)
     client = Sentinel(
         addresses, sentinel_kwargs=sentinel_kwargs, retry=FailoverRetry(failover_window_s),
         **node_kwargs,
@@ -120,6 +125,40 @@ class FailoverRetry(Retry):
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
+
+
+def _check_some_sentinel_answers(
+    addresses: list[tuple[str, int]], master: str, sentinel_kwargs: dict[str, Any],
+    connect_timeout_s: float,
+) -> None:
+    """Fail at once when no sentinel takes a connection, or none monitors ``master``: a
+    wrong address or name, or sentinels that are not running, not a failover (the
+    sentinels stay up and keep the name through one). Waiting out the failover window
+    for a primary would only delay the same error by a minute."""
+    unreachable: list[str] = []
+    monitored: set[str] = set()
+    for host, port in addresses:
+        probe = redis.Redis(host=host, port=port, socket_connect_timeout=connect_timeout_s,
+                            retry=Retry(NoBackoff(), 1), **sentinel_kwargs)
+        try:
+            names = {str(k.decode() if isinstance(k, bytes) else k) for k in probe.sentinel_masters()}
+        except (rex.ConnectionError, rex.TimeoutError) as err:
+            unreachable.append(f"{host}:{port}: {one_line(err)}")
+            continue
+        except rex.RedisError:
+            return  # it answered (e.g. refused the password): the store's PING says how
+        finally:
+            probe.close()
+        if master in names:
+            return
+        monitored |= names
+    where = f"Redis at {sentinel_url(addresses, master)} is unavailable"
+    if len(unreachable) == len(addresses):
+        raise StoreUnavailableError(f"{where}: no sentinel answers ({'; '.join(unreachable)})")
+    raise StoreUnavailableError(
+        f"{where}: the sentinels monitor no master named {master!r} (they monitor: "
+        f"{', '.join(sorted(monitored)) or 'none'}); check --redis-master"
+    )
 
 
 def _await_master(client: Any, window_s: float) -> None:

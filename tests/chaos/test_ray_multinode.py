@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.harness import REPO
-from tests.ray_cluster import RayCluster, RayNode
+from tests.ray_cluster import RayCluster
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.multinode,
@@ -50,9 +50,28 @@ def _cli(cluster: RayCluster, *argv: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *argv]
 
 
-def _actors_on(node: RayNode) -> list[str]:
-    """Process titles of Ray actors in the node's process group (ray::<Class>...)."""
-    return [args.split()[0] for _pid, args in node.processes() if args.startswith("ray::")]
+_PLACEMENT = """
+import json, ray
+from ray._private import state
+ray.init(address=ADDRESS, logging_level="ERROR", log_to_driver=False)
+labels = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("rlc_")) for n in ray.nodes()}
+print(json.dumps([[a["ActorClassName"], labels.get(a["Address"]["NodeID"], [])]
+                  for a in state.actors().values()]))
+"""
+
+
+def _placement(cluster: RayCluster) -> dict[str, set[str]]:
+    """Actor class -> the node labels (``rlc_*`` resources) its actors ran on, from the
+    GCS's actor table, which keeps dead actors: read after the run ended, it does not
+    depend on catching the actors alive (a short run may be shutting them down already
+    when its first step is visible)."""
+    out = subprocess.run([sys.executable, "-c", _PLACEMENT.replace("ADDRESS", repr(cluster.address))],
+                         cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    placed: dict[str, set[str]] = {}
+    for cls, labels in json.loads(out.stdout.strip().splitlines()[-1]):
+        placed.setdefault(cls, set()).update(labels)
+    return placed
 
 
 @pytest.fixture(scope="module")
@@ -99,21 +118,16 @@ def test_trainer_and_generators_on_their_nodes(cluster: RayCluster, redis_server
                                                tmp_path: Path) -> None:
     proc, log, store = _start(cluster, redis_server, tmp_path, "placed", 4)
     try:
-        _wait_steps(proc, log, tmp_path / "data" / "runs" / "placed" / "metrics.jsonl", 1)
-        head, rollout = cluster.nodes
-        on_head, on_rollout = _actors_on(head), _actors_on(rollout)
-        assert proc.returncode is None or proc.returncode == 0
-        assert any(t.startswith("ray::TrainerWorker") for t in on_head), on_head
-        assert not any(t.startswith("ray::GeneratorWorker") for t in on_head), on_head
-        assert any(t.startswith("ray::GeneratorWorker") for t in on_rollout), on_rollout
-        assert not any(t.startswith("ray::TrainerWorker") for t in on_rollout), on_rollout
-        # TransferQueue's storage units: one on each node.
-        assert "ray::SimpleStorageUnit" in on_head and "ray::SimpleStorageUnit" in on_rollout
-        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+    placed = _placement(cluster)
+    assert placed.get("TrainerWorker") == {"rlc_train"}, placed
+    assert placed.get("GeneratorWorker") == {"rlc_rollout"}, placed
+    # TransferQueue's storage units: spread over both nodes.
+    assert placed.get("SimpleStorageUnit") == {"rlc_train", "rlc_rollout"}, placed
     _audit(cluster, "placed", store)
     state = _fold(redis_server.url, "placed")
     assert state.trainer_version == 4 and not state.workers_lost

@@ -19,6 +19,11 @@ only the primary held dies with it. Sentinel promotes a replica.
   This is the loss ``docs/deploy.md`` states: asynchronous replication loses the
   primary's newest writes on failover; AOF ``always`` protects against a process crash
   only while the disk survives.
+
+The run cannot finish before the kill: its task (``tests.plugin_tasks.RewardHeldWhileMarked``)
+lets through two steps' rewards, then one more step's once replication is held (so an
+append lands during the stall), and the rest only after the primary is dead. The kill
+lands mid-run by construction, not because the run is long.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from events.schema import GroupFailed, step_event_id
 from events.redis_store.sentinel import open_sentinel_store
 from controller.projector import Projector
 from tests.chaos.harness import TINY
+from tests.plugin_tasks import HOLD_ENV, hold_rewards_after
 from tests.redis_server import RedisServer
 from tests.sentinel_cluster import MASTER, SentinelCluster, find_redis_sentinel
 
@@ -48,7 +54,10 @@ pytestmark = [
 ]
 
 RUN = "failover"
-STEPS = 30  # long enough (seconds) that the kill lands mid-run
+STEPS = 6
+#: rewards per step under TINY: train.groups_per_step x rollout.samples_per_group
+STEP_REWARDS = 2 * 4
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli() -> list[str]:
@@ -61,9 +70,10 @@ def _store_args(cluster: SentinelCluster, data_dir: Path) -> list[str]:
             "--data-dir", str(data_dir)]
 
 
-def _env(cluster: SentinelCluster) -> dict[str, str]:
+def _env(cluster: SentinelCluster, hold: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLC_")}
-    return {**env, **cluster.env()}
+    held = {HOLD_ENV: str(hold), "PYTHONPATH": str(ROOT)} if hold is not None else {}
+    return {**env, **cluster.env(), **held}
 
 
 def _log_ids(client: redis.Redis) -> list[str]:
@@ -117,11 +127,14 @@ def cluster(tmp_path: Path):
 def test_primary_killed_mid_run(cluster: SentinelCluster, tmp_path: Path, replicas: int) -> None:
     data_dir = tmp_path / "data"
     out = (tmp_path / "run.txt").open("w")
+    hold = tmp_path / "hold"
+    hold_rewards_after(hold, 2 * STEP_REWARDS)
     proc = subprocess.Popen(
         [*_cli(), "run", "--run-id", RUN, "--steps", str(STEPS), *TINY,
          "--set", f"store.replicas={replicas}", "--set", "store.wait_timeout_s=2",
+         "--set", 'task.name="tests.plugin_tasks:RewardHeldWhileMarked"',
          *_store_args(cluster, data_dir)],
-        env=_env(cluster), stdout=out, stderr=subprocess.STDOUT,
+        env=_env(cluster, hold), stdout=out, stderr=subprocess.STDOUT,
     )
     primary = cluster.client(cluster.primary)
     try:
@@ -132,6 +145,7 @@ def test_primary_killed_mid_run(cluster: SentinelCluster, tmp_path: Path, replic
         cluster.hold_replication()
         assert cluster.replicating_through_links()
         held_at = primary.xlen(events_key(RUN))  # replicas hold at most this much
+        hold_rewards_after(hold, 3 * STEP_REWARDS)  # one more step, written during the stall
         if replicas:
             # The controller's append waits for a replica that cannot confirm it.
             cluster.wait(lambda: "cmd=wait" in primary.execute_command("CLIENT", "LIST").decode(),
@@ -147,6 +161,7 @@ def test_primary_killed_mid_run(cluster: SentinelCluster, tmp_path: Path, replic
         saved = tmp_path / "old-primary"
         shutil.copytree(cluster.primary.directory / "data", saved / "data")
         cluster.cut_replication()
+        hold.unlink()  # the run goes on, against the promoted replica
         old_log = _old_primary_log(cluster, saved)
 
         rc = proc.wait(timeout=300)

@@ -97,6 +97,11 @@ def test_replay_at_and_step(capsys, redis_url, run):
     assert code == 0 and "at position 40" in out and "buffer" in out
     code, _, err = cli(capsys, redis_url, "replay", "--run", run.run_id, "--at", "999999")
     assert code == 2 and "past the end" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli(capsys, redis_url, "replay", "--run", run.run_id, "--until", "999999")
+    assert code == 2 and err.startswith("rl-controller: error: --until 999999 is past the end"), err
+    for command in ("staleness", "audit"):  # a negative N cut the oldest rows off
+        code, _, err = cli(capsys, redis_url, command, "--run", run.run_id, "--last", "-1")
+        assert code == 2 and err.strip() == "rl-controller: error: --last must be >= 0 (0 = all), got -1"
 
 
 def test_replay_point_has_ages_and_lags(capsys, redis_url):

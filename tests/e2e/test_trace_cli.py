@@ -47,3 +47,21 @@ def test_trace_mistakes_are_one_line(capsys, redis_url: str, tmp_path: Path) -> 
     code, _, err = cli(capsys, redis_url, "trace", "--run", b.run_id, "-o", str(out))
     assert code == 1 and "position 6" in err and len(err.strip().splitlines()) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no partial file left behind
+
+
+def test_a_window_past_the_runs_steps_is_refused_and_writes_nothing(
+    capsys, redis_url: str, tmp_path: Path
+) -> None:
+    b = random_run(14, 6)
+    write_log(redis_url, b)
+    newest = max(b.fold().steps)
+    out = tmp_path / "late.json"
+    code, stdout, err = cli(capsys, redis_url, "trace", "--run", b.run_id,
+                            "--steps", f"{newest + 1}:", "-o", str(out))
+    assert code == 2 and stdout == "", stdout
+    assert err.strip() == (f"rl-controller: error: --steps '{newest + 1}:': run {b.run_id} has "
+                           f"no step in that range (its newest step is {newest}); nothing written")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary one
+    code, _, err = cli(capsys, redis_url, "trace", "--run", b.run_id,
+                       "--steps", str(newest), "-o", str(out))
+    assert code == 0 and out.exists(), err  # its last step still is one

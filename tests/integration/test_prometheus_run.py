@@ -1,11 +1,16 @@
 """A real ``rl-controller run`` with ``metrics.port`` set is scraped while it trains.
 
-The scrape is parsed with ``prometheus_client``'s parser; after the run, what was
-scraped mid-run is checked against the finished log (no count can exceed the log's).
+The run is held after its first 16 rewards (``tests.plugin_tasks.RewardHeldWhileMarked``:
+four groups of four samples, enough for two steps of two groups), so the scrape that
+sees trainer_version 2 happens while the run is alive, by construction rather than by
+being quick; then the hold is lifted and the run goes on to 8. The scrape is parsed with
+``prometheus_client``'s parser; after the run, what was scraped mid-run is checked
+against the finished log (no count can exceed the log's).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +23,8 @@ import pytest
 from events.embedded import free_port
 from events.redis_store import RedisEventStore
 from tests.chaos.harness import TINY
+from tests.integration.test_run_cli import ROOT as REPO
+from tests.plugin_tasks import HOLD_ENV, hold_rewards_after
 from tests.unit.test_prometheus import scrape
 
 pytestmark = pytest.mark.integration
@@ -27,11 +34,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_run_is_scraped_while_it_trains(redis_url: str, tmp_path: Path) -> None:
     port = free_port()
+    hold = tmp_path / "hold"
+    hold_rewards_after(hold, 16)
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "run", "--run-id", "scraped", "--steps", "8",
          "--redis-url", redis_url, "--data-dir", str(tmp_path), *TINY,
-         "--set", f"metrics.port={port}"],
+         "--set", f"metrics.port={port}", "--set", "controller.stall_timeout_s=600",
+         "--set", 'task.name="tests.plugin_tasks:RewardHeldWhileMarked"'],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, HOLD_ENV: str(hold), "PYTHONPATH": str(REPO)},
     )
     got: dict = {}
     try:
@@ -42,9 +53,11 @@ def test_a_run_is_scraped_while_it_trains(redis_url: str, tmp_path: Path) -> Non
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.2)  # not serving yet
                 continue
-            if got["rlc_trainer_version"][()] >= 2:
+            # the gauges appear once the run is open (the port is bound before that)
+            if got.get("rlc_trainer_version", {}).get((), 0) >= 2:
                 break
             time.sleep(0.2)
+        hold.unlink()  # the run goes on to 8
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

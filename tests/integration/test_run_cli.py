@@ -190,16 +190,31 @@ def test_unreachable_redis_is_one_line(data_dir, trained):
     assert "bad-redis" not in after and after[RUN_ID] == trained
 
 
-def test_a_ray_address_where_something_else_listens_is_refused_in_seconds(data_dir, trained):
-    listening = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+def _run_beside_a_listener(data_dir, run_id: str, flags, timeout_s: float):
+    """``run`` with ``flags(port)`` while a plain socket listens on ``port`` (it accepts
+    and never answers); returns the finished process and the port."""
+    listening = socket.create_server(("127.0.0.1", 0))
     try:
         port = listening.getsockname()[1]
-        proc = cli("run", "--steps", "1", "--run-id", "not-ray", "--no-progress",
-                   "--data-dir", str(data_dir), "--ray-address", f"127.0.0.1:{port}", timeout_s=60)
+        proc = cli("run", "--steps", "1", "--run-id", run_id, "--no-progress",
+                   "--data-dir", str(data_dir), *flags(port), timeout_s=timeout_s)
     finally:
         listening.close()
+    return proc, port
+
+
+def test_a_ray_address_where_something_else_listens_is_refused_in_seconds(data_dir, trained):
+    proc, port = _run_beside_a_listener(
+        data_dir, "not-ray", lambda port: ["--ray-address", f"127.0.0.1:{port}"], 60)
     assert_one_line_error(proc, f"127.0.0.1:{port}", "does not answer as Ray")
     assert "not-ray" not in runs(data_dir) and not (data_dir / "runs" / "not-ray").exists()
+
+
+def test_a_metrics_port_in_use_is_refused_before_anything_is_written(data_dir, trained):
+    proc, port = _run_beside_a_listener(
+        data_dir, "port-taken", lambda port: ["--set", f"metrics.port={port}"], 120)
+    assert_one_line_error(proc, f"metrics.port {port}", "in use")
+    assert "port-taken" not in runs(data_dir) and not (data_dir / "runs" / "port-taken").exists()
 
 
 def test_existing_run_id_without_resume_is_refused(data_dir, trained):

@@ -7,6 +7,11 @@ command starts with SIGINT at its default action, as a terminal's foreground job
 even when pytest runs as a background job: ``tests.foreground``). Then:
 exit status 130, one line that ends in a resume command and no traceback, a consistent
 log (``audit`` exits 0), and the printed command, run word for word, finishes the run.
+
+The run cannot finish before the signal: its task (``tests.plugin_tasks.RewardHeldWhileMarked``)
+holds every reward after the first two steps' worth until the test lifts the hold after
+the run has exited, so "interrupted before the end" holds by construction, not because
+the signal beat five more steps on a loaded machine.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from pathlib import Path
 
 import pytest
 
+from controller.settings import RolloutSection
 from events.embedded import stop_embedded_redis
+from tests.plugin_tasks import HOLD_ENV, hold_rewards_after
+from workers.trainer.config import TrainSection
 from tests.foreground import popen_foreground
 from tests.integration.test_run_cli import ROOT, _command, cli, runs
 
@@ -50,10 +58,13 @@ def _wait_for_first_step(proc: subprocess.Popen, log_file: Path, limit_s: float)
 
 def test_ctrl_c_leaves_a_consistent_log_and_a_resume_command_that_finishes(tmp_path):
     data_dir = tmp_path / "rlc-data"
-    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
+    hold = tmp_path / "hold"
+    hold_rewards_after(hold, 2 * TrainSection().groups_per_step * RolloutSection().samples_per_group)
+    env = {**{k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"},
+           HOLD_ENV: str(hold), "PYTHONPATH": str(ROOT)}
     proc = popen_foreground(
         [*_command(), "run", "--steps", str(STEPS), "--run-id", RUN_ID, "--no-progress",
-         "--data-dir", str(data_dir)],
+         "--data-dir", str(data_dir), "--set", 'task.name="tests.plugin_tasks:RewardHeldWhileMarked"'],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
@@ -61,6 +72,7 @@ def test_ctrl_c_leaves_a_consistent_log_and_a_resume_command_that_finishes(tmp_p
         _wait_for_first_step(proc, data_dir / "runs" / RUN_ID / "controller.log.jsonl", 600)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole process group
         out, err = proc.communicate(timeout=180)
+        hold.unlink()  # the resume below runs to the end
 
         assert proc.returncode == 130, (proc.returncode, err[-3000:])
         assert "Traceback" not in out + err, err[-3000:]

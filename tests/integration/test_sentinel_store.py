@@ -22,6 +22,9 @@ import redis
 from redis.exceptions import AuthenticationError
 from redis.sentinel import MasterNotFoundError
 
+from events.embedded import free_port
+from events.errors import StoreUnavailableError
+from events.redis_store.connection import unavailable
 from events.redis_store.sentinel import FailoverRetry, open_sentinel_store
 from events.schema import GroupFailed
 from tests.sentinel_cluster import MASTER, SentinelCluster, find_redis_sentinel
@@ -68,6 +71,31 @@ def test_a_read_waits_while_every_sentinel_flags_the_primary_down(tmp_path: Path
         store.close()
     finally:
         c.stop()
+
+
+def test_sentinels_that_do_not_answer_or_know_the_name_fail_at_once(tmp_path: Path) -> None:
+    # Neither is a failover, so neither waits out the window (an hour here: without the
+    # check each took two windows, then printed a repr of every sentinel's client).
+    nowhere = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    with pytest.raises(StoreUnavailableError, match="no sentinel answers") as err:
+        open_sentinel_store(nowhere, MASTER, failover_window_s=3600.0)
+    assert nowhere.split(",")[1] in str(err.value) and "<redis" not in str(err.value)
+    c = SentinelCluster(tmp_path / "redis", n_replicas=0, relay=False).start()
+    try:
+        with pytest.raises(StoreUnavailableError,
+                           match=f"monitor no master named 'typo' \\(they monitor: {MASTER}\\)"):
+            open_sentinel_store(c.sentinel_spec, "typo", password=c.password,
+                                sentinel_password=c.sentinel_password, failover_window_s=3600.0)
+    finally:
+        c.stop()
+
+
+def test_no_primary_found_is_said_without_the_clients_repr():
+    # redis-py's message carries each sentinel client's repr after " : "
+    err = MasterNotFoundError(f"No master found for {MASTER!r} : <redis.client.Redis("
+                              "<redis.connection.ConnectionPool(...)>)> - network:ConnectionError")
+    said = str(unavailable(f"redis+sentinel://127.0.0.1:26379/{MASTER}", err))
+    assert f"No master found for {MASTER!r} (did any sentinel answer?" in said and "<redis" not in said
 
 
 def _failing(errors: list[Exception], then: str = "ok"):

@@ -59,6 +59,12 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[run]\nname = "caf\u00e9"\n'.encode("latin-1"))  # a traceback before
+    with pytest.raises(ConfigError, match=r"latin1.toml' is not UTF-8 text \(byte 17\)"):
+        load_config(latin1)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(tmp_path)  # a directory: it exists, so "does not exist" was wrong
 
 
 def _leaves(data, prefix=""):

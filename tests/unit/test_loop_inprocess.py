@@ -10,6 +10,7 @@ After each run the log is folded again from the store and audited.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,12 +52,13 @@ class FailingGenerator(GeneratorWorker):
 
 
 class BlockingGenerator(GeneratorWorker):
-    """Holds every group for ``block_s`` before generating it (a hung worker)."""
+    """Holds every group until ``release`` is set (a hung worker: hung by construction,
+    not for a while that a loaded machine could outlast)."""
 
-    block_s = 0.0
+    release: threading.Event
 
     def generate(self, req):
-        time.sleep(self.block_s)
+        self.release.wait()
         return super().generate(req)
 
 
@@ -354,11 +356,13 @@ def test_stall_watchdog_says_what_waited_on_what(tmp_path):
     cfg = make_config(
         "run.steps=2", "rollout.num_generators=1", "controller.stall_timeout_s=0.3"
     )
-    h = Harness(cfg, tmp_path, generator=BlockingGenerator, block_s=1.5)
-    started = time.monotonic()
-    with pytest.raises(StallError) as info:
-        h.run()
-    assert time.monotonic() - started < 10
+    release = threading.Event()
+    h = Harness(cfg, tmp_path, generator=BlockingGenerator, release=release)
+    try:
+        with pytest.raises(StallError) as info:
+            h.run()
+    finally:
+        release.set()  # let the worker thread go
     message = str(info.value)
     assert "stall_timeout_s=0.3" in message
     assert "train pump waiting for 1 selectable groups" in message

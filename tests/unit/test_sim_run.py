@@ -69,7 +69,6 @@ def test_the_log_is_a_valid_run_of_the_real_controller():
     # events carry virtual time: the log spans the simulated run, not the real one
     timeline, _ = timeline_of(store, "sim")
     assert timeline.wall_s == pytest.approx(out.virtual_s, rel=0.2)
-    assert out.real_s < timeline.wall_s / 10
     assert timeline.groups_consumed == 48
     assert set(timeline.lags) <= {0, 1}
     # the simulated trainer's busy time is what the log says it was
