@@ -151,6 +151,7 @@ def test_random_kills_repeat_no_side_effect_and_regenerate_no_turn(ledger: Chaos
         resume = _run_exists(ledger)
         generators = sum(f.read_text().count(": killing generator-") for f in tmp_path.glob("[0-9]*-*.txt"))
     final = ledger.fold("r").state.trainer_version + 1
+    ledger.env.pop(KILL_ENV, None)  # the last kill may have armed the env: disarm it
     ledger.run("r", steps=final, resume=True, expect=0)
     ledger.check("r", final)
     counted = check_exactly_once(ledger, tmp_path)
