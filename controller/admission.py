@@ -32,6 +32,7 @@ from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from controller.core.segments import segment_keys
+from controller.episodes import episode_resume, restarts_before
 from controller.partial import PartialRecorder, resume_flushes
 from workers.api import (
     GenerationOutcome,
@@ -189,15 +190,14 @@ class AdmissionSide:
                 await self.journal.wait_wake()
                 continue
             room = min(room, per_call * len(gens))
-            # Every call the gate and the free generators allow now, admitted in ONE
-            # append (one round trip, one fsync): the same decisions as one admission at
-            # a time (policies.admission_room), each call still carrying at most
-            # groups_per_call groups, the first free generator first.
+            # Every call the gate and the free generators allow now, admitted in ONE append
+            # (one round trip, one fsync): the same decisions as one admission at a time
+            # (policies.admission_room), each call carrying <= groups_per_call groups.
             batch = self._next_admissions(
                 room, [gen.name for gen in gens for _ in range(per_call)]
             )
-            try:
-                await self.journal.append(*batch)  # intent before the side effect
+            try:  # intent before the side effect (episodes that start over go first)
+                await self.journal.append(*restarts_before(self.journal, batch), *batch)
             except BaseException:
                 for gen in gens:  # nothing was dispatched: the slots stay free
                     heapq.heappush(self._free_slots, self._gen_index[gen.name])
@@ -245,6 +245,7 @@ class AdmissionSide:
                 seed=admitted.sample_seed,
                 # a re-admitted group resumes from what its earlier attempts recorded
                 resume=resume_flushes(inflight.get(admitted.group_id)) if inflight else [],
+                episode=episode_resume(self.journal.state, admitted.group_id),
             )
             for admitted in batch
         ]

@@ -18,6 +18,7 @@ import structlog
 
 from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
+from controller import episodes
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
@@ -38,16 +39,16 @@ def resume_flushes(rec: InflightSegments | None) -> list[SegmentFlush]:
 
 
 def attempt_flushes(state: RunState, group_id: str) -> int:
-    """Flushes the group's current attempt has recorded (the next one's index)."""
-    rec = state.inflight.get(group_id)
-    return 0 if rec is None else rec.attempt_flushes
+    """Flushes the group's current attempt has recorded (for an episode group, its env
+    events too: what ``GenerationRequest.flushes`` counts)."""
+    return episodes.segment_index(state, group_id) + episodes.env_index(state, group_id)
 
 
 def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutcome) -> ev.SegmentsRecorded:
     """The event recording a generator's flush of ``req``'s group."""
     flush = out.flush
     assert flush is not None, "a flushed outcome carries its flush"
-    index = attempt_flushes(journal.state, req.group_id)
+    index = episodes.segment_index(journal.state, req.group_id)
     return journal.make(
         ev.SegmentsRecorded,
         event_id=ev.segments_event_id(req.group_id, req.attempt, index),
@@ -58,6 +59,21 @@ def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutc
         weight_version=flush.weight_version,
         segments=list(flush.segments),
     )
+
+
+def next_requests(
+    state: RunState, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+) -> list[GenerationRequest]:
+    """The requests that let a call's unfinished groups go on, once its flushes are in
+    the log. A flushed group's worker holds what it resumed from; a pending one may not
+    have started yet (a call runs its groups in order, up to the first flush), so it
+    keeps its ``resume``: without it a re-admitted group would start over from nothing
+    and sample again what the log holds."""
+    return [
+        msgspec.structs.replace(req, resume=req.resume if out.status == "pending" else [],
+                                flushes=attempt_flushes(state, req.group_id))
+        for req, out in zip(reqs, outs) if out.status != "done"
+    ]
 
 
 class PartialRecorder:
@@ -109,11 +125,7 @@ class PartialRecorder:
             self._appending.add(task)  # a reference until it is done
             task.add_done_callback(self._appending.discard)
         await done
-        state = self.journal.state
-        return [
-            msgspec.structs.replace(req, resume=[], flushes=attempt_flushes(state, req.group_id))
-            for req, out in zip(reqs, outs) if out.status != "done"
-        ]
+        return next_requests(self.journal.state, reqs, outs)
 
     async def _append_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
@@ -122,14 +134,17 @@ class PartialRecorder:
             events: list[ev.Event] = []
             finished: list[str] = []
             for reqs, outs, commits, _ in waiting:
-                for req, out in zip(reqs, outs):
-                    if out.status == "flushed":
-                        crash_point("before_segments_recorded", req.group_id)
+                flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
+                for req, out in flushed:
+                    crash_point("before_segments_recorded", req.group_id)
+                    if out.episode is not None and out.episode.completed:  # ran, unrecorded
+                        crash_point("before_env_steps_completed", req.group_id)
                 for c in commits:
                     crash_point("before_group_committed", c.group_id)
                 # built in turn: a group is in one call only, so indices never collide
-                events += [segments_event(journal, req, out)
-                           for req, out in zip(reqs, outs) if out.status == "flushed"]
+                events += [e for req, out in flushed for e in (
+                    episodes.flush_events(journal, req, out.episode) if out.episode is not None
+                    else [segments_event(journal, req, out)])]
                 events += commits
                 finished += [c.group_id for c in commits]
             scratch = segment_keys(journal.state.inflight, finished)

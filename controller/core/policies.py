@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from controller.core.episodes import turn_advantages
 from controller.core.segments import WindowBasis
 from controller.core.decisions import Stamp, window_evictions
 from controller.core.state import GroupRecord, GroupStatus, RunState
@@ -285,6 +286,21 @@ def microbatch_advantages(
         keys.extend(group.payload_keys)
         advantages.extend(adv)
     return keys, advantages, zero_variance
+
+
+def microbatch_turn_advantages(state: RunState, group_ids: Iterable[str]) -> list[list[float]]:
+    """Per key of ``microbatch_advantages``, its per-turn advantages when its group's
+    episodes recorded per-turn rewards (``episodes.turn_advantages``: reward-to-go
+    against the group's mean return; ``[]`` for a sample without them); ``[]`` for a
+    microbatch without any -- the trainer then uses the per-sample ones alone."""
+    out: list[list[float]] = []
+    for gid in group_ids:
+        group = state.groups[gid]
+        if group.episode is None:
+            out.extend([] for _ in group.payload_keys)
+        else:
+            out.extend(turn_advantages(group.episode)[0])
+    return out if any(out) else []
 
 
 def microbatch_versions(state: RunState, group_ids: Iterable[str]) -> list[int]:

@@ -42,6 +42,11 @@ from controller.core.reducer_groups import (
     _on_segments_dropped,
     _on_segments_recorded,
 )
+from controller.core.reducer_episodes import (
+    _on_env_steps_completed,
+    _on_env_steps_requested,
+    _on_episodes_restarted,
+)
 from controller.core.reducer_steps import (
     _on_microbatch_trained,
     _on_step_aborted,
@@ -63,6 +68,9 @@ from events.schema import (
     CheckpointRejected,
     CheckpointSaved,
     ControllerStarted,
+    EnvStepsCompleted,
+    EnvStepsRequested,
+    EpisodesRestarted,
     GroupCommitted,
     GroupEvicted,
     GroupFailed,
@@ -314,6 +322,9 @@ HANDLERS: dict[type, _Handler] = {
     GroupCommitted: _on_group_committed,
     SegmentsRecorded: _on_segments_recorded,
     SegmentsDropped: _on_segments_dropped,
+    EnvStepsRequested: _on_env_steps_requested,
+    EnvStepsCompleted: _on_env_steps_completed,
+    EpisodesRestarted: _on_episodes_restarted,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,
     StepBegun: _on_step_begun,

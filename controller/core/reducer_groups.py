@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 
 from controller.core import failures
+from controller.core import reducer_episodes as episodes
 from controller.core.errors import violation as _violation
 from controller.core.segments import (
     InflightSegments,
@@ -71,6 +72,8 @@ def _on_rollout_admitted(state: RunState, ev: RolloutAdmitted, pos: int) -> None
     rec = state.inflight.get(gid) if state.inflight else None
     if rec is not None:  # a re-admission resumes from what earlier attempts recorded
         rec.attempt, rec.attempt_flushes = ev.attempt, 0
+    if state.episodes:
+        episodes.on_readmitted(state, gid, ev.attempt)
 
 
 def _on_segments_recorded(state: RunState, ev: SegmentsRecorded, pos: int) -> None:
@@ -162,10 +165,12 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
         packed_lengths = pack_i64(lengths)
     except struct.error:
         _violation(pos, ev, f"group {gid}: a length is not an int64")
+    played = episodes.check_commit(state, ev, pos) if state.episodes else None
     rec = state.inflight.pop(gid, None) if state.inflight else None
     if rec is not None and (problem := commit_problem(rec, lengths, start, end)):
         state.inflight[gid] = rec  # validate first: the state stays as it was
         _violation(pos, ev, f"group {gid}: {problem}")
+    episodes.on_committed(state, group, played, rec)
     group.version_token_sum, group.partial_span = commit_summary(rec, lengths, start, end)
     group.status = _COMMITTED
     group.committed_ts = ev.ts

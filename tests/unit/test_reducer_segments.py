@@ -8,11 +8,9 @@ import pytest
 
 from controller.core.decisions import Stamp
 from controller.core.errors import InvariantViolation
-from controller.core.fold import fold
 from controller.core.policies import plan_microbatch
-from controller.core.reducer import apply
 from controller.core.segments import token_lags
-from tests.unit.log_builder import LogBuilder
+from tests.unit.log_builder import LogBuilder, assert_violation
 
 
 def _b(config: dict[str, Any] | None = None) -> LogBuilder:
@@ -51,13 +49,7 @@ VIOLATIONS = [
 
 @pytest.mark.parametrize(("build", "message"), VIOLATIONS)
 def test_violation_names_the_flush_and_leaves_state_intact(build, message):
-    events = build(_b()).build()
-    before = fold(events[:-1])
-    snapshot = before.copy()
-    with pytest.raises(InvariantViolation, match=message) as info:
-        apply(before, events[-1])
-    assert info.value.position == events[-1].position
-    assert before == snapshot
+    assert_violation(build(_b()).build(), message)
 
 
 def test_a_resumed_group_continues_across_attempts_and_sums_its_versions():

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import msgspec
 import pytest
 
 from controller.config import load_config
 from controller.core.fold import fold_raw
+from controller.projector import Projector
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from sim.harness import simulate, SimSpec
@@ -116,3 +118,25 @@ def test_pareto_has_its_median_and_its_capped_mean():
     assert law.mean_s == pytest.approx(xm + tail, rel=1e-6)
     draws = [law.draw(random.Random(i)) for i in range(2000)]
     assert max(draws) == 400.0 and min(draws) >= xm
+
+
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call):
+    # 3-turn episodes: per turn the model segments and intent, then the results and the
+    # observations (none after the last): the core checks order, keys and that each
+    # committed reward is the sum of its turns'
+    cfg = load_config(None, [
+        "run.steps=4", "rollout.num_generators=4", f"rollout.groups_per_call={per_call}",
+        "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.samples_per_group=2"])
+    store = MemoryEventStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    result = Projector(store).get("ep")
+    assert result.problem is None, result.problem
+    state = result.state
+    committed = [g for g in state.groups.values() if g.committed_position is not None]
+    assert len(committed) >= 16 and all(g.episode is not None for g in committed)
+    assert all([len(r) for r in g.episode.rewards] == [3, 3] for g in committed)
+    kinds = Counter(type(e.event).__name__ for e in store.read("ep")
+                    if getattr(e.event, "group_id", None) == committed[0].group_id)
+    assert (kinds["EnvStepsRequested"], kinds["EnvStepsCompleted"], kinds["SegmentsRecorded"]) == (3, 3, 5)
