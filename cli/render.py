@@ -77,10 +77,32 @@ def _short(value: Any) -> str:
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
+def _turn(key: str, v: dict[str, Any]) -> str:
+    again = f".r{v['restart']}" if v.get("restart") else ""
+    if key == "results":
+        what = f"={_short(v['reward'])}" + ("!" if v["ended"] else "")
+    else:
+        what = f":{v['length']}" if key == "segments" else ""
+    return f"s{v['sample']}{again}/t{v['turn']}{what}"
+
+
+def _turns(key: str, value: Any) -> str | None:
+    """An episode's records as turns (``s<sample>/t<turn>``), not as a dict each: what a
+    reader of ``tail`` follows in a multi-turn run. None: not such a record."""
+    if key not in ("calls", "results", "segments") or not value or "turn" not in value[0]:
+        return None
+    if key == "segments" and not any(v["turn"] for v in value):
+        return None  # single-turn partial rollouts: the plain rendering
+    items = [_turn(key, v) for v in value]
+    return "[" + " ".join(items[:8]) + (f" ...+{len(items) - 8}" if len(items) > 8 else "") + "]"
+
+
 def event_line(position: int, event: AnyEvent) -> str:
-    """One line per event: position, time, epoch, type, its own fields."""
+    """One line per event: position, time, epoch, type, its own fields (an episode's
+    calls, results and segments as turns: ``s0/t2=0.5!`` is sample 0's turn 2, its
+    reward, and ``!`` where the episode ended)."""
     fields = msgspec.to_builtins(event)
-    details = " ".join(f"{k}={_short(v)}" for k, v in fields.items() if k not in _COMMON)
+    details = " ".join(f"{k}={_turns(k, v) or _short(v)}" for k, v in fields.items() if k not in _COMMON)
     return f"{position:>8}  {iso(event.ts)}  e{event.epoch}  {type(event).__name__:<18} {details}"
 
 
@@ -172,14 +194,14 @@ def staleness_tables(report: dict[str, Any], last: int) -> list[Table | Text]:
     t = Table(title=f"staleness per step (window {report['window']}, capacity {report['capacity']})"
               + (f" -- last {len(shown)} of {len(steps)}" if len(shown) < len(steps) else ""))
     cols = ("step", "version", "groups", "lag mean", "lag max", "lag tok-w", "token lag",
-            "span", "wait mean s", "wait max s", "evicted", "crossed", "reward")
+            "span", "turns", "wait mean s", "wait max s", "evicted", "crossed", "reward")
     for c in cols:
         t.add_column(c, justify="right")
     for r in shown:
         t.add_row(str(r["step"]) + (" (lost)" if r["lost"] else ""), str(r["trainer_version"]),
                   str(r["groups"]), f"{r['lag_mean']:.2f}", str(r["lag_max"]),
                   f"{r['lag_token_weighted']:.2f}", f"{r.get('token_lag_mean', 0.0):.2f}",
-                  str(r.get("max_partial_span", 0)), f"{r['wait_mean_s']:.2f}",
+                  str(r.get("max_partial_span", 0)), str(r.get("turns", 0)), f"{r['wait_mean_s']:.2f}",
                   f"{r['wait_max_s']:.2f}", str(r["evicted"]), str(r["crossed_update"]),
                   f"{r['reward_mean']:.3f}")
     # Values next to their names: the long explanation of the gate goes under the table
@@ -248,6 +270,10 @@ def audit_tables(report: dict[str, Any], last: int) -> list[Table | Text]:
     tables: list[Table | Text] = [h]
     if where is not None:
         tables.append(Text(f"checkpoints in {where}/"))
+    if (ep := report["summary"].get("episodes")) is not None:
+        tables.append(Text(
+            f"episodes: {ep['episodes']} committed in {ep['groups']} groups, {ep['turns']} turns "
+            f"(at most {ep['turns_max']} in one), {ep['groups_in_flight']} groups in flight"))
     for title, rows, cols in (
         ("aborted steps", report["aborts"], ("step", "base_trainer_version", "reason", "position")),
         ("controller epochs", report["epochs"], ("epoch", "host", "pid", "position")),

@@ -33,6 +33,7 @@ def register(subparsers: Any) -> None:
         subcommand(subparsers, "replay", "the folded state at any point of a run",
              "  rl-controller replay --run r1 --at 1200\n"
              "  rl-controller replay --run r1 --step 7 --json\n"
+             "  rl-controller replay --run r1 --episode g000003/1      # one episode, turn by turn\n"
              "  rl-controller replay --run r1 --retrain --verify        # rebuild the weights\n"
              "  rl-controller replay --run r1 --retrain --from-checkpoint 20 --verify"),
     ).set_defaults(func=cmd_replay)
@@ -107,6 +108,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="older spelling of --at")
     where.add_argument("--step", type=int, metavar="K",
                        help="the state right after step K's StepFinished or StepAborted")
+    where.add_argument("--episode", metavar="GROUP/SAMPLE",
+                       help="print one multi-turn episode turn by turn: tokens, observations, "
+                            "weight versions, env calls and rewards")
     parser.add_argument("--json", action="store_true", help="JSON instead of tables")
     parser.add_argument("--no-snapshot", action="store_true",
                         help="fold from the first event even when a snapshot would do")
@@ -162,6 +166,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if (args.from_checkpoint is not None or args.verify) and not args.retrain:
         raise CliError("--from-checkpoint and --verify go with --retrain")
+    if args.episode is not None:
+        if args.retrain:
+            raise CliError("--episode and --retrain do not go together")
+        return _cmd_episode(args)
     with open_store(args) as store:
         result = replay_point(args, store)
     if args.retrain:
@@ -175,6 +183,44 @@ def cmd_replay(args: argparse.Namespace) -> int:
         con = render.console()
         for table in render.point_tables(point):
             con.print(table)
+    return 0
+
+
+def _parse_episode(text: str) -> tuple[str, int]:
+    group, _, sample = text.partition("/")
+    sample = sample.removeprefix("s")
+    if not group or not sample.isdigit():
+        raise CliError(f"--episode {text!r}: expected GROUP/SAMPLE, e.g. g000003/1")
+    return group, int(sample)
+
+
+def _cmd_episode(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from events import schema as ev
+    from replay.episode import EpisodeNotFound, episode_view, fill_ids, render_episode
+
+    group, sample = _parse_episode(args.episode)
+    with open_store(args) as store:
+        require_run(store, args.run)
+        events = [e.event for e in store.read(args.run)]
+    try:
+        view = episode_view(args.run, events, group, sample)
+    except EpisodeNotFound as err:
+        raise CliError(str(err)) from None
+    spill = Path(args.data_dir) / "runs" / args.run / "spill"
+    if spill.is_dir():  # token ids: only the data plane has them
+        from workers.dataplane import MemoryDataPlane, SpillDataPlane
+
+        plane = SpillDataPlane(MemoryDataPlane(), spill)
+        plane.reload(args.run)
+        keys = [e.payload_keys[sample] for e in events
+                if isinstance(e, ev.GroupCommitted) and e.group_id == group]
+        fill_ids(view, plane, keys[-1] if keys else None)
+    if args.json:
+        render.write_json(view.to_dict())
+    else:
+        print("\n".join(render_episode(view)))
     return 0
 
 

@@ -32,6 +32,7 @@ from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from controller.core.segments import segment_keys
+from controller.episodes import episode_resume, restarts_before
 from controller.partial import PartialRecorder, resume_flushes
 from workers.api import (
     GenerationOutcome,
@@ -189,15 +190,14 @@ class AdmissionSide:
                 await self.journal.wait_wake()
                 continue
             room = min(room, per_call * len(gens))
-            # Every call the gate and the free generators allow now, admitted in ONE
-            # append (one round trip, one fsync): the same decisions as one admission at
-            # a time (policies.admission_room), each call still carrying at most
-            # groups_per_call groups, the first free generator first.
+            # Every call the gate and the free generators allow now, admitted in ONE append
+            # (one round trip, one fsync): the same decisions as one admission at a time
+            # (policies.admission_room), each call carrying <= groups_per_call groups.
             batch = self._next_admissions(
                 room, [gen.name for gen in gens for _ in range(per_call)]
             )
-            try:
-                await self.journal.append(*batch)  # intent before the side effect
+            try:  # intent before the side effect (episodes that start over go first)
+                await self.journal.append(*restarts_before(self.journal, batch), *batch)
             except BaseException:
                 for gen in gens:  # nothing was dispatched: the slots stay free
                     heapq.heappush(self._free_slots, self._gen_index[gen.name])
@@ -245,6 +245,7 @@ class AdmissionSide:
                 seed=admitted.sample_seed,
                 # a re-admitted group resumes from what its earlier attempts recorded
                 resume=resume_flushes(inflight.get(admitted.group_id)) if inflight else [],
+                episode=episode_resume(self.journal.state, admitted.group_id),
             )
             for admitted in batch
         ]
@@ -280,7 +281,7 @@ class AdmissionSide:
                     return
                 except Exception as err:  # a worker failure is data, not a crash
                     self._release_slot(gen)
-                    await self._on_generation_failed(gen, reqs, error_line(err))
+                    await self._on_generation_failed(gen, reqs, error_line(err), err)
                     return
                 if all(out.status == "done" for out in outcomes):
                     break
@@ -321,10 +322,8 @@ class AdmissionSide:
         if not pending:
             return
         try:
-            await self._commit(
-                [req for reqs, _ in pending for req in reqs],
-                [out for _, outs in pending for out in outs],
-            )
+            await self._commit([req for reqs, _ in pending for req in reqs],
+                               [out for _, outs in pending for out in outs])
         except Exception as err:  # fenced, or the store is gone: stop the run
             self._stop_with(err)
 
@@ -336,9 +335,7 @@ class AdmissionSide:
         await self.journal.append(*self._commit_events(reqs, outs))
         self.segment_rows.drop(scratch)
 
-    def _commit_events(
-        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
-    ) -> list[ev.GroupCommitted]:
+    def _commit_events(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]):
         return [
             self.journal.make(
                 ev.GroupCommitted,
@@ -355,18 +352,21 @@ class AdmissionSide:
         ]
 
     async def _on_generation_failed(
-        self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str
+        self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str,
+        err: BaseException | None = None,
     ) -> None:
-        """A call failed: each of its groups' attempt failed (one append each), then
-        :meth:`_retry_later` decides its next attempt -- unless the failure budget ran
-        out: then ``RunStopped`` is appended and the run stops with
-        :class:`RunStoppedError` (``decisions.run_stopped``)."""
+        """A call failed: each of its groups' attempt failed (one append each, with its
+        ``SegmentsDropped`` if recorded rows were missing), then :meth:`_retry_later`
+        decides its next attempt -- unless the failure budget ran out: then ``RunStopped``
+        is appended and the run stops with :class:`RunStoppedError` (``decisions.run_stopped``)."""
         j = self.journal
         reason = f"{gen.name}: {cause}"
+        dropped = self.segment_rows.dropped(reqs, err)
         for req in reqs:
             log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt,
                         reason=reason)
-            await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()))
+            await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()),
+                           *dropped.get(req.group_id, ()))
             j.timers.failed += 1
             self._retry_later(req)
         if self.on_failure is not None:

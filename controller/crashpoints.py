@@ -51,6 +51,11 @@ CRASH_POINTS: Final = (
     "after_group_committed",
     "before_segments_recorded",
     "after_segments_recorded",
+    # episodes: the intent before env calls run, their results after they returned
+    "after_env_steps_requested",
+    "before_env_steps_completed",
+    "after_env_steps_completed",
+    "after_episodes_restarted",
     "after_group_failed",
     "after_group_evicted",
     # the loop's train side
@@ -80,6 +85,9 @@ AFTER_APPEND: Final[dict[type, tuple[str, Callable[[Any, RunState], object]]]] =
     ev.RolloutAdmitted: ("after_rollout_admitted", lambda e, s: e.group_id),
     ev.GroupCommitted: ("after_group_committed", lambda e, s: e.group_id),
     ev.SegmentsRecorded: ("after_segments_recorded", lambda e, s: e.group_id),
+    ev.EnvStepsRequested: ("after_env_steps_requested", lambda e, s: e.group_id),
+    ev.EnvStepsCompleted: ("after_env_steps_completed", lambda e, s: e.group_id),
+    ev.EpisodesRestarted: ("after_episodes_restarted", lambda e, s: e.group_id),
     ev.GroupFailed: ("after_group_failed", lambda e, s: e.group_id),
     ev.GroupEvicted: ("after_group_evicted", lambda e, s: e.group_id),
     ev.StepBegun: ("after_step_begun", lambda e, s: e.step),

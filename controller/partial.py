@@ -3,7 +3,10 @@
 A generator call with ``rollout.partial`` on returns at every flush point; the admission
 side records each flush as a ``SegmentsRecorded`` event (built here) before the call
 that lets the paused group go on, and a re-admitted group's first call carries what its
-earlier attempts recorded (:func:`resume_flushes`), read from the folded state.
+earlier attempts recorded (:func:`resume_flushes`), read from the folded state. A resume
+that finds recorded rows gone from the data plane fails its attempt, and
+:meth:`PartialRecorder.dropped` names the lost rows so that the next attempt restarts those
+samples from the prompt instead of failing the same way until the group is dropped.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import asyncio
 import msgspec
 import structlog
 
-from controller.core.segments import InflightSegments, segment_keys
+from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
+from controller import episodes
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
-from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush
+from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
+from workers.dataplane.api import MissingPayloadError
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -34,16 +39,16 @@ def resume_flushes(rec: InflightSegments | None) -> list[SegmentFlush]:
 
 
 def attempt_flushes(state: RunState, group_id: str) -> int:
-    """Flushes the group's current attempt has recorded (the next one's index)."""
-    rec = state.inflight.get(group_id)
-    return 0 if rec is None else rec.attempt_flushes
+    """Flushes the group's current attempt has recorded (for an episode group, its env
+    events too: what ``GenerationRequest.flushes`` counts)."""
+    return episodes.segment_index(state, group_id) + episodes.env_index(state, group_id)
 
 
 def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutcome) -> ev.SegmentsRecorded:
     """The event recording a generator's flush of ``req``'s group."""
     flush = out.flush
     assert flush is not None, "a flushed outcome carries its flush"
-    index = attempt_flushes(journal.state, req.group_id)
+    index = episodes.segment_index(journal.state, req.group_id)
     return journal.make(
         ev.SegmentsRecorded,
         event_id=ev.segments_event_id(req.group_id, req.attempt, index),
@@ -56,8 +61,31 @@ def segments_event(journal: Journal, req: GenerationRequest, out: GenerationOutc
     )
 
 
+def next_requests(
+    state: RunState, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
+) -> list[GenerationRequest]:
+    """The requests that let a call's unfinished groups go on, once its flushes are in
+    the log. A flushed group's worker holds what it resumed from; a pending one may not
+    have started yet (a call runs its groups in order, up to the first flush), so it
+    keeps its ``resume``: without it a re-admitted group would start over from nothing
+    and sample again what the log holds."""
+    return [
+        msgspec.structs.replace(req, resume=req.resume if out.status == "pending" else [],
+                                flushes=attempt_flushes(state, req.group_id))
+        for req, out in zip(reqs, outs) if out.status != "done"
+    ]
+
+
 class PartialRecorder:
-    """Records a call's flushes, and deletes the segment rows of committed groups."""
+    """Records calls' flushes, and deletes the segment rows of committed groups.
+
+    Flushes come in bursts: a refit lands on every generator at once, and each of their
+    calls returns its groups' flushes. The calls that return in the same turn of the
+    event loop are recorded in ONE append (one store round trip and one fsync for all of
+    them, as ``AdmissionSide`` does for commits): each caller awaits its share, and every
+    paused group goes on as soon as that append landed. The events are exactly those
+    one append per call would write, in the order the calls returned.
+    """
 
     #: segment rows deleted together (one data-plane call, not one per commit: deletes
     #: go through the trainer worker's fence and would queue between its microbatches)
@@ -69,6 +97,13 @@ class PartialRecorder:
         self.payloads = payloads
         self.deletes: set[asyncio.Task] = set()
         self._scratch: list[str] = []
+        #: calls waiting for the shared append: (requests, outcomes, commits, result)
+        self._waiting: list[tuple[list[GenerationRequest], list[GenerationOutcome],
+                                  list[ev.GroupCommitted], asyncio.Future]] = []
+        self._appending: set[asyncio.Task] = set()
+        #: appends made, calls they recorded (``bench_scale`` prints the ratio)
+        self.appends = 0
+        self.calls = 0
 
     async def record(
         self,
@@ -76,24 +111,93 @@ class PartialRecorder:
         outs: list[GenerationOutcome],
         commits: list[ev.GroupCommitted],
     ) -> list[GenerationRequest]:
-        """One append: a SegmentsRecorded per flushed group and the ``commits`` of the
-        finished ones. Returns the requests that let the paused groups go on."""
+        """A SegmentsRecorded per flushed group and the ``commits`` of the finished
+        ones, appended with the other calls of this turn. Returns the requests that let
+        the paused groups go on."""
         if not any(out.status == "flushed" for out in outs):
             raise RuntimeError("a generator call returned unfinished groups without a flush")
-        state, journal = self.journal.state, self.journal
-        flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
-        for req, _ in flushed:
-            crash_point("before_segments_recorded", req.group_id)
-        for c in commits:
-            crash_point("before_group_committed", c.group_id)
-        scratch = segment_keys(state.inflight, [c.group_id for c in commits])
-        # the writer fires after_segments_recorded / after_group_committed once acknowledged
-        await journal.append(*(segments_event(journal, req, out) for req, out in flushed), *commits)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._waiting.append((reqs, outs, commits, done))
+        if len(self._waiting) == 1:
+            # a task's first step runs like ``call_soon``: after every call of this turn
+            task = loop.create_task(self._append_waiting())
+            self._appending.add(task)  # a reference until it is done
+            task.add_done_callback(self._appending.discard)
+        await done
+        return next_requests(self.journal.state, reqs, outs)
+
+    async def _append_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        journal = self.journal
+        try:
+            events: list[ev.Event] = []
+            finished: list[str] = []
+            for reqs, outs, commits, _ in waiting:
+                flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
+                for req, out in flushed:
+                    crash_point("before_segments_recorded", req.group_id)
+                    if out.episode is not None and out.episode.completed:  # ran, unrecorded
+                        crash_point("before_env_steps_completed", req.group_id)
+                for c in commits:
+                    crash_point("before_group_committed", c.group_id)
+                # built in turn: a group is in one call only, so indices never collide
+                events += [e for req, out in flushed for e in (
+                    episodes.flush_events(journal, req, out.episode) if out.episode is not None
+                    else [segments_event(journal, req, out)])]
+                events += commits
+                finished += [c.group_id for c in commits]
+            scratch = segment_keys(journal.state.inflight, finished)
+            # the writer fires after_segments_recorded / after_group_committed once acknowledged
+            await journal.append(*events)
+        except BaseException as err:
+            for *_, done in waiting:
+                if not done.done():
+                    done.set_exception(err)
+            if not isinstance(err, Exception):
+                raise
+            return
+        self.appends += 1
+        self.calls += len(waiting)
         self.drop(scratch)
-        return [
-            msgspec.structs.replace(req, resume=[], flushes=attempt_flushes(state, req.group_id))
-            for req, out in zip(reqs, outs) if out.status != "done"
-        ]
+        for *_, done in waiting:
+            if not done.done():
+                done.set_result(None)
+
+    def dropped(
+        self, reqs: list[GenerationRequest], err: BaseException | None
+    ) -> dict[str, list[ev.SegmentsDropped]]:
+        """Per group of a failed call: the ``SegmentsDropped`` its missing rows call for
+        (none, or one).
+
+        Only an attempt's first call (it carries ``resume``) reads recorded rows back;
+        when the data plane says some are missing, each group whose recorded segments
+        name a missing key drops them (appended right after its ``GroupFailed``). The
+        dropped samples' rows that are still there are deleted with the next batch of
+        scratch rows: deleting one before the event lands costs at most a second drop."""
+        if not isinstance(err, MissingPayloadError) or not err.keys:
+            return {}
+        journal, missing = self.journal, set(err.keys)
+        out: dict[str, list[ev.SegmentsDropped]] = {}
+        for req in reqs:
+            rec = journal.state.inflight.get(req.group_id) if req.resume else None
+            if rec is None:
+                continue
+            keys = [seg.key for f in rec.flushes for seg in f.segments if seg.key in missing]
+            if not keys:
+                continue
+            out[req.group_id] = [journal.make(
+                ev.SegmentsDropped,
+                event_id=ev.segments_dropped_id(req.group_id, req.attempt),
+                group_id=req.group_id, attempt=req.attempt, keys=keys,
+                reason=(f"{len(keys)} recorded segment row(s) gone from the data plane, "
+                        f"first {keys[0]}; those samples restart from the prompt "
+                        f"({error_line(err, 200)})"),
+            )]
+            samples, _ = lost_samples(rec, keys)
+            self.drop([seg.key for f in rec.flushes for seg in f.segments
+                       if seg.sample in samples and seg.key not in missing])
+        return out
 
     def drop(self, keys: list[str], *, now: bool = False) -> None:
         """Segment rows of committed groups are scratch (their final rows hold every

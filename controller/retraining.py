@@ -38,7 +38,8 @@ def microbatch_ref(state: RunState, group_ids: Iterable[str]) -> MicrobatchRef:
     """A recorded microbatch, rebuilt exactly as the loop built it."""
     keys, advantages, _ = policies.microbatch_advantages(state, group_ids)
     versions = policies.microbatch_versions(state, group_ids)
-    return MicrobatchRef(payload_keys=keys, advantages=advantages, versions=versions)
+    return MicrobatchRef(payload_keys=keys, advantages=advantages, versions=versions,
+                         turn_advantages=policies.microbatch_turn_advantages(state, group_ids))
 
 
 async def retrain_step(trainer: TrainerClient, state: RunState, record: StepRecord) -> str:

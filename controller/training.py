@@ -175,7 +175,8 @@ class TrainSide:
         index = len(open_step.microbatches)
         j.ensure_owner()
         versions = policies.microbatch_versions(j.state, ids)
-        ref = MicrobatchRef(payload_keys=keys, advantages=advantages, versions=versions)
+        ref = MicrobatchRef(payload_keys=keys, advantages=advantages, versions=versions,
+                            turn_advantages=policies.microbatch_turn_advantages(j.state, ids))
         out = await self._timed_trainer(self.trainer.train_microbatch(ref))
         crash_point("before_microbatch_trained", step)
         await j.append(

@@ -90,8 +90,10 @@ class Workers:
     def kill_worker(self, name: str) -> None:
         """Chaos hook: make a worker die as a crashed process would."""
         handle = self.trainer.handle if name == "trainer" else next(
-            g.handle for g in self.generators if g.name == name
+            (g.handle for g in self.generators if g.name == name), None
         )
+        if handle is None:
+            raise ValueError(f"chaos hook: no worker named {name!r}")
         if isinstance(handle, RayHandle):
             import os
             import signal

@@ -330,7 +330,7 @@ def _terminate(pid: int, timeout_s: float) -> bool:
 def stop_embedded_redis(data_dir: Path | str, *, timeout_s: float = 30.0) -> bool:
     """Shut down the embedded server of ``data_dir``; False when none was running."""
     files = _Files(Path(data_dir).resolve())
-    if not files.data_dir.exists():
+    if not files.data_dir.is_dir():  # absent, or a file: no server can live there
         return False
     with _locked(files):
         recorded = _recorded_server(files)

@@ -17,44 +17,48 @@ This module is pure data: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, NewType, Union
+from typing import Any, Final, Union
 
 import msgspec
 
-# Ids that mean something: the fields below are typed with them, so a step number is
-# not passed where a weight version belongs. On the wire they are the plain str / int.
-GroupId = NewType("GroupId", str)
-WeightVersion = NewType("WeightVersion", int)
-TrainerVersion = NewType("TrainerVersion", int)
-Epoch = NewType("Epoch", int)
-Position = NewType("Position", int)
+# The values events carry live in ``events.values``; re-exported here, where every
+# writer and reader has always imported them from.
+from events.values import (  # noqa: F401
+    Epoch,
+    EnvCall,
+    EnvResult,
+    GroupId,
+    Position,
+    Segment,
+    SegmentKind,
+    TrainerVersion,
+    WeightVersion,
+)
+
+# The id helpers live in ``events.event_ids``; re-exported here, where every writer has
+# always imported them from.
+from events.event_ids import (  # noqa: F401
+    run_started_id,
+    controller_started_id,
+    group_event_id,
+    segments_event_id,
+    segments_dropped_id,
+    env_steps_event_id,
+    episodes_restarted_id,
+    step_event_id,
+    microbatch_event_id,
+    weights_published_id,
+    checkpoint_saved_id,
+    checkpoint_rejected_id,
+    payloads_released_id,
+    run_rewound_id,
+    worker_lost_id,
+    run_finished_id,
+    run_stopped_id,
+)
 
 #: The schema version written by this code for every event type.
 CURRENT_SCHEMA_VERSION: Final = 1
-
-
-SegmentKind = Literal["model", "observation"]
-
-
-class Segment(msgspec.Struct, frozen=True, kw_only=True):
-    """One sample's contiguous tokens of one flush (``docs/segments.md``).
-
-    Not an event: ``SegmentsRecorded`` carries a list of them, and generators hand the
-    controller the same values (``workers.api``), so one shape serves both.
-    """
-
-    #: sample index in the group
-    sample: int
-    #: offset of the first token in the sample's completion (tokens after the prompt)
-    start: int
-    #: tokens in this segment (>= 1)
-    length: int
-    #: data-plane key of the segment row (tokens, logprobs)
-    key: str
-    #: episode turn (0 for single-turn rollouts)
-    turn: int = 0
-    #: the sample ended with this segment (EOS, budget, or the episode is done)
-    stopped: bool = False
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
@@ -129,6 +133,67 @@ class SegmentsRecorded(Event, frozen=True):
     #: one per sample with new tokens, each starting where the sample's recorded
     #: tokens end (across attempts)
     segments: list[Segment]
+
+
+class SegmentsDropped(Event, frozen=True):
+    """Fact: recorded segment rows of a failed attempt's group are gone from the data
+    plane (a resume could not read them). Every sample with a lost row loses all its
+    recorded segments and restarts from the prompt on the next attempt; the other
+    samples keep theirs (``docs/segments.md``, recovery rule 6)."""
+
+    group_id: GroupId
+    #: the attempt whose resume found the rows missing (it has failed)
+    attempt: int
+    #: the lost rows: data-plane keys of segments the group recorded
+    keys: list[str]
+    #: one line naming the missing key(s), as the data plane reported them
+    reason: str
+
+
+class EnvStepsRequested(Event, frozen=True):
+    """Intent: these environment/tool calls of a group's episodes are about to be made.
+
+    Written after the model turns they answer are recorded (``SegmentsRecorded``) and
+    before any of the calls runs; every call carries its idempotency key. A call whose
+    result never came is made again with the same key only if the environment declared
+    it deduplicates (``dedupes_by_key``); otherwise its episode is restarted instead."""
+
+    group_id: GroupId
+    attempt: int
+    #: 0, 1, 2, ... per (group, attempt) over this and ``EnvStepsCompleted``, gapless
+    index: int
+    #: the task that made the environment (``task.name``)
+    env: str
+    #: the environment's declaration: a call re-issued with the same key runs once
+    dedupes_by_key: bool
+    calls: list[EnvCall]
+
+
+class EnvStepsCompleted(Event, frozen=True):
+    """Fact: these environment/tool calls returned; their per-turn rewards. The
+    observations that follow them are the ``kind="observation"`` segments appended
+    right after this event."""
+
+    group_id: GroupId
+    attempt: int
+    #: shares the sequence of ``EnvStepsRequested.index``
+    index: int
+    results: list[EnvResult]
+
+
+class EpisodesRestarted(Event, frozen=True):
+    """Decision: these samples' episodes start again from the prompt, with new keys.
+
+    Each had a call whose outcome is unknown (intent, no result) to an environment that
+    cannot deduplicate: making it again could repeat its side effect, so it is never
+    made again. The samples' recorded tokens and calls are dropped; their next calls
+    carry ``restart + 1`` in their key."""
+
+    group_id: GroupId
+    #: the failed attempt the decision follows
+    attempt: int
+    samples: list[int]
+    reason: str
 
 
 class GroupFailed(Event, frozen=True):
@@ -254,6 +319,10 @@ AnyEvent = Union[
     RolloutAdmitted,
     GroupCommitted,
     SegmentsRecorded,
+    SegmentsDropped,
+    EnvStepsRequested,
+    EnvStepsCompleted,
+    EpisodesRestarted,
     GroupFailed,
     GroupEvicted,
     StepBegun,
@@ -280,71 +349,3 @@ class StoredEvent(msgspec.Struct, frozen=True):
 
     position: Position
     event: AnyEvent
-
-
-# Deterministic event ids: one helper per fact so every writer spells them the same way.
-
-
-def run_started_id(run_id: str) -> str:
-    return f"run:{run_id}:started"
-
-
-def controller_started_id(epoch: int) -> str:
-    return f"controller:{epoch}:started"
-
-
-def group_event_id(group_id: str, what: str, attempt: int | None = None) -> str:
-    suffix = "" if attempt is None else f":a{attempt}"
-    return f"group:{group_id}:{what}{suffix}"
-
-
-def segments_event_id(group_id: str, attempt: int, index: int) -> str:
-    return f"group:{group_id}:segments:a{attempt}:k{index}"
-
-
-def step_event_id(step: int, what: str) -> str:
-    # Step numbers are never reused: a step begun after an abort gets the next number,
-    # so ``step:K:begun`` names one fact for the whole life of the run.
-    return f"step:{step}:{what}"
-
-
-def microbatch_event_id(step: int, index: int) -> str:
-    return f"step:{step}:microbatch:{index}"
-
-
-# Facts that may be recorded again for the same subject (a version published twice, a
-# release after a restart) name the writer's epoch and the log position it appends at:
-# unique in the log, and the same on a retry of the same append.
-
-
-def weights_published_id(version: int, epoch: int, position: int) -> str:
-    return f"weights:{version}:published:e{epoch}:p{position}"
-
-
-def checkpoint_saved_id(version: int, epoch: int) -> str:
-    # the checkpoint's directory names the epoch too: one save per version and epoch
-    return f"checkpoint:{version}:saved:e{epoch}"
-
-
-def checkpoint_rejected_id(version: int, epoch: int, position: int) -> str:
-    return f"checkpoint:{version}:rejected:e{epoch}:p{position}"
-
-
-def payloads_released_id(version: int, epoch: int, position: int) -> str:
-    return f"payloads:released:v{version}:e{epoch}:p{position}"
-
-
-def run_rewound_id(epoch: int, position: int) -> str:
-    return f"run:rewound:e{epoch}:p{position}"
-
-
-def worker_lost_id(worker: str, epoch: int, position: int) -> str:
-    return f"worker:{worker}:lost:e{epoch}:p{position}"
-
-
-def run_finished_id(epoch: int, position: int) -> str:
-    return f"run:finished:e{epoch}:p{position}"
-
-
-def run_stopped_id(epoch: int, position: int) -> str:
-    return f"run:stopped:e{epoch}:p{position}"

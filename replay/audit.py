@@ -126,8 +126,19 @@ def build_report(result: Projection) -> AuditReport:
             ),
             "checkpoints": len(state.checkpoints),
             "restarts": max(0, len(state.epochs) - 1),
+            "episodes": episode_counts(state),
         },
     )
+
+
+def episode_counts(state: RunState) -> dict[str, int] | None:
+    """How many committed episodes and turns the log holds (None: no multi-turn group)."""
+    played = [g.episode for g in state.groups.values() if g.episode is not None]
+    if not played and not state.episodes:
+        return None
+    turns = [len(rewards) for e in played for rewards in e.rewards]
+    return {"groups": len(played), "episodes": len(turns), "turns": sum(turns),
+            "turns_max": max(turns, default=0), "groups_in_flight": len(state.episodes)}
 
 
 def _plain(record: Any) -> dict[str, Any]:

@@ -59,6 +59,9 @@ def parse_changes(items: Iterable[str], *, allowed: Iterable[str] | None = None)
                     f"--what-if {item!r}: expected key=value with key one of {', '.join(short)}"
                     + (" or a dotted config key" if allowed is None else "")
                 )
+            if out.get(dotted, value) != value:  # last-one-wins would hide a typo
+                raise WhatIfError(f"--what-if: {dotted} is given twice ({out[dotted]} and "
+                                  f"{value}); give each key once per scenario")
             out[dotted] = value
     return out
 

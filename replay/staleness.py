@@ -110,7 +110,7 @@ class Trace:
         live = len(state.admitted) + buffered + self._claimed
         closed = not policies.gate_open(
             live, state.trainer_version, dispatch_version=state.weight_version,
-            window=policies.dispatch_window(state, state.window_versions),
+            window=state.window_versions,
             groups_per_step=self._per_step, capacity=self._capacity,
         )
         self.ts.append(event.ts)
@@ -154,6 +154,8 @@ class StepStaleness:
     token_lag_mean: float = 0.0
     #: most versions one consumed sample spans (newest - oldest token)
     max_partial_span: int = 0
+    #: turns of the consumed episodes (0: single-turn rollouts)
+    turns: int = 0
 
 
 @dataclass
@@ -203,7 +205,7 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
     for record, evicted in zip(finished, evicted_per_step):
         ended_ts = record.ended_ts
         lags, tokens, step_waits, rewards = [], [], [], []
-        crossed = step_lag_tokens = step_token_lag = step_span = 0
+        crossed = step_lag_tokens = step_token_lag = step_span = step_turns = 0
         for gid in record.group_ids:
             g = groups[gid]
             lag = g.lag or 0
@@ -214,6 +216,8 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
             # sum over tokens of (T - v_t), T = the claiming step's base version
             step_token_lag += (lag + (g.weight_version_start or 0)) * n_tokens - g.version_token_sum
             step_span = max(step_span, g.partial_span)
+            if g.episode is not None:
+                step_turns += sum(len(r) for r in g.episode.rewards)
             step_waits.append(claim_ts.get(gid, ended_ts) - (g.committed_ts or 0.0))
             crossed += g.weight_version_end != g.weight_version_start
             group_rewards = g.rewards
@@ -238,6 +242,7 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
                 lost=record.lost,
                 token_lag_mean=step_token_lag / total if total else 0.0,
                 max_partial_span=step_span,
+                turns=step_turns,
             )
         )
         token_lag_sum += step_token_lag
@@ -251,6 +256,7 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
     summary = _summary(state, trace, rows, all_lags, waits, lag_tokens, tokens_total, crossed_total)
     summary["token_lag_mean"] = token_lag_sum / tokens_total if tokens_total else 0.0
     summary["max_partial_span"] = span_max
+    summary["turns"] = sum(r.turns for r in rows)
     summary["window_basis"] = state.window_basis
     return StalenessReport(
         run_id=state.run_id,

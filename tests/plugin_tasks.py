@@ -59,7 +59,7 @@ class RewardHeldWhileMarked(ReverseTask):
     def reward(self, example: Example, completion: str, stopped: bool) -> float:
         with _given_lock:
             index = next(_given)
-        marker = Path(os.environ[HOLD_ENV])
+        marker = Path(os.environ.get(HOLD_ENV) or "/nonexistent")  # unset: never held (a resume)
         while True:  # polls the file: what this waits on is the test changing it
             try:
                 allowed = int(marker.read_text())
@@ -69,3 +69,13 @@ class RewardHeldWhileMarked(ReverseTask):
                 break
             time.sleep(0.05)
         return super().reward(example, completion, stopped)
+
+
+#: the ``--set`` that makes a run's task RewardHeldWhileMarked
+HELD_TASK = ["--set", f'task.name="{RewardHeldWhileMarked.name}"']
+
+
+def held_env(hold: Path) -> dict[str, str]:
+    """What a run's environment needs for RewardHeldWhileMarked: the hold file, and this
+    repository on the path (its generators, Ray actors included, import the task)."""
+    return {HOLD_ENV: str(hold), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

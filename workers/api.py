@@ -17,7 +17,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from events.schema import Segment, SegmentKind
+from events.schema import EnvCall, EnvResult, Segment, SegmentKind
 from workers.fencing import EpochToken
 
 
@@ -56,6 +56,44 @@ class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):
     segments: list[Segment]
 
 
+class EpisodeFlush(msgspec.Struct, frozen=True, kw_only=True):
+    """An episode group's pause point (``workers.envs.durable``): what became durable
+    (rows in the data plane) since its last one. The controller records it in one
+    append, in this order: ``completed`` (``EnvStepsCompleted``), one
+    ``SegmentsRecorded`` per entry of ``segments`` (the observations that follow those
+    results, or model turns), ``requested`` (``EnvStepsRequested``: calls about to be
+    made, which wait for this append)."""
+
+    #: the task that made the environment, and its declaration
+    env: str
+    dedupes_by_key: bool
+    completed: list[EnvResult] = []
+    segments: list[SegmentFlush] = []
+    requested: list[EnvCall] = []
+
+    @property
+    def events(self) -> int:
+        """Events the controller appends for it (what ``GenerationRequest.flushes`` counts)."""
+        return bool(self.completed) + len(self.segments) + bool(self.requested)
+
+
+class RecordedCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One env call the log recorded, with its result once it came."""
+
+    call: EnvCall
+    result: EnvResult | None = None
+
+
+class EpisodeResume(msgspec.Struct, frozen=True, kw_only=True):
+    """What the log holds of an episode group's env calls (a resumed attempt's first
+    call carries it, beside the segment flushes in ``resume``)."""
+
+    #: per sample, times its episode was started over (part of its calls' keys)
+    restarts: list[int]
+    #: per sample, its recorded calls in turn order
+    calls: list[RecordedCall] = []
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str
     attempt: int
@@ -67,8 +105,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: first call; empty on the calls that continue a group the worker holds
     resume: list[SegmentFlush] = []
     #: partial rollouts: flushes of *this* attempt already recorded; a worker that does
-    #: not hold exactly these refuses to go on (it would sample recorded tokens again)
+    #: not hold exactly these refuses to go on (it would sample recorded tokens again).
+    #: For episodes: the attempt's ``SegmentsRecorded`` plus env events
     flushes: int = 0
+    #: episodes: what the log holds of the group's env calls (first call of an attempt)
+    episode: EpisodeResume | None = None
 
 
 #: done: the final rows are stored (commit it); flushed: new segments are stored and the
@@ -84,6 +125,8 @@ class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     weight_version_end: int
     status: GenerationStatus = "done"
     flush: SegmentFlush | None = None
+    #: episodes: a pause point's records (``flush`` stays None)
+    episode: EpisodeFlush | None = None
     #: per sample, token versions run-length encoded ``[v0, n0, v1, n1, ...]``
     version_runs: list[list[int]] = []
 
@@ -97,6 +140,10 @@ class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):
     #: the weight version each key's generation started at (its group's
     #: weight_version_start; the mismatch metrics use it); empty = unknown
     versions: list[int] = msgspec.field(default_factory=list)
+    #: per key, per-turn advantages ``[start_1, a_1, start_2, a_2, ...]``: completion
+    #: tokens from ``start_j`` to ``start_{j+1}`` get ``a_j`` (``[]``: the key's
+    #: ``advantages`` entry on every token); empty = per-sample advantages only
+    turn_advantages: list[list[float]] = msgspec.field(default_factory=list)
 
 
 class MicrobatchOutcome(msgspec.Struct, frozen=True, kw_only=True):

@@ -120,11 +120,15 @@ def collate(
     rows: TensorDictBase | Sequence[Mapping[str, torch.Tensor]],
     advantages: Sequence[float],
     versions: Sequence[int] | None = None,
+    turn_advantages: Sequence[Sequence[float]] | None = None,
 ) -> TrainBatch:
     """Right-pad sample rows (``ROW_FIELDS``; a batch TensorDict or one mapping per row)
     into a TrainBatch, with one advantage and (optionally) one weight version per row.
-    Rows that carry per-token ``token_versions`` keep them (padding is never a loss token)."""
+    Rows that carry per-token ``token_versions`` keep them (padding is never a loss token).
+    With ``turn_advantages`` (``workers.api.MicrobatchRef``) the advantages are [B, T]."""
     names = ["input_ids", "loss_mask", "generator_logprobs"]
+    if turn_advantages:
+        names.append("prompt_len")
     if not isinstance(rows, TensorDictBase):
         rows = list(rows)
         if not rows:
@@ -142,15 +146,38 @@ def collate(
         raise ValueError(f"{b} rows but {len(versions)} weight versions")
     ids = rows.get("input_ids")
     lengths = ids.offsets().diff() if ids.is_nested else torch.full((b,), ids.shape[1])
-    padded = rows.select(*names).to_padded_tensor(0)
+    padded = rows.select(*(n for n in names if n != "prompt_len")).to_padded_tensor(0)
     t = padded.get("input_ids").shape[1]
     token_versions = padded.get("token_versions", None)
+    adv = torch.tensor(advantages, dtype=torch.float32)
+    if turn_advantages:
+        if len(turn_advantages) != b:
+            raise ValueError(f"{b} rows but {len(turn_advantages)} per-turn advantage runs")
+        adv = _per_token(adv, turn_advantages, rows.get("prompt_len").reshape(-1).tolist(), t)
     return TrainBatch(
         input_ids=padded.get("input_ids").to(torch.int64),
         attention_mask=torch.arange(t) < lengths.unsqueeze(1),
         loss_mask=padded.get("loss_mask").to(torch.bool),
         generator_logprobs=padded.get("generator_logprobs").to(torch.float32),
-        advantages=torch.tensor(advantages, dtype=torch.float32),
+        advantages=adv,
         sample_versions=torch.tensor(versions, dtype=torch.int64) if versions else None,
         token_versions=None if token_versions is None else token_versions.to(torch.int64),
     )
+
+
+def _per_token(
+    per_sample: torch.Tensor, runs: Sequence[Sequence[float]], prompt_lens: Sequence[int], t: int
+) -> torch.Tensor:
+    """[B, T] advantages: a row's run ``[start_1, a_1, ...]`` gives completion tokens from
+    ``start_j`` on ``a_j`` (up to the next start); a row without a run has its per-sample
+    value everywhere. Positions off the loss mask are never read."""
+    out = per_sample.unsqueeze(1).expand(len(per_sample), t).clone()
+    for i, run in enumerate(runs):
+        if not run:
+            continue
+        p, starts, values = int(prompt_lens[i]), run[0::2], run[1::2]
+        out[i] = 0.0
+        for j, (start, value) in enumerate(zip(starts, values)):
+            end = p + int(starts[j + 1]) if j + 1 < len(starts) else t
+            out[i, p + int(start):end] = value
+    return out

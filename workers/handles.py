@@ -236,11 +236,15 @@ class Publisher:
         self.trainer = trainer  # the client, not its handle: a restart swaps the handle
         self.generators = generators
         self.transport = transport if transport is not None else BucketTransport()
+        # one send at a time: the trainer holds one prepared export, so a replaced
+        # generator's publish interleaved with a step's would take the other's buckets
+        self._sending = asyncio.Lock()
 
     async def publish(self, version: int, only: list[str] | None = None) -> list[str]:
         """Send the trainer's weights to every generator (or those named in ``only``)."""
         targets = [g.handle for g in self.generators if only is None or g.name in only]
-        acks = await self.transport.send(version, self.trainer.handle, targets)
+        async with self._sending:
+            acks = await self.transport.send(version, self.trainer.handle, targets)
         return [ack.generator for ack in acks]
 
 

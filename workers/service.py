@@ -36,6 +36,7 @@ from workers.dataplane.api import MissingPayloadError
 from workers.fencing import EpochFence, Fenced
 from workers.generator.config import MIB, PartialSection, VllmSection
 from workers.generator.generator import Generator
+from workers.generator.episodes import EpisodeGroups
 from workers.generator.inflight import InflightRunner
 from workers.generator.vllm_config import VllmRuntime
 from workers.loss import StepLoss
@@ -131,7 +132,8 @@ class TrainerWorker(Fenced):
         self.trainer.begin_train_step(step, self.loss)
 
     def train_microbatch(self, ref: MicrobatchRef) -> MicrobatchOutcome:
-        batch = collate(self._rows(ref.payload_keys), ref.advantages, ref.versions)
+        batch = collate(self._rows(ref.payload_keys), ref.advantages, ref.versions,
+                        ref.turn_advantages)
         result = self.trainer.train_microbatch(batch)
         return MicrobatchOutcome(num_sequences=result.num_sequences, num_tokens=result.num_tokens)
 
@@ -259,11 +261,14 @@ class GeneratorWorker(Fenced):
                 model, tokenizer, task, fenced_plane, spec.run_id, name=name,
                 kv_on_refit=spec.partial.kv_on_refit,
             )
-        #: partial rollouts: the groups paused at a flush point (``generator.inflight``)
-        self.inflight = (
-            InflightRunner(self.generator, spec.partial.segment_tokens)
-            if spec.partial.enabled else None
-        )
+        #: partial rollouts: the groups paused at a flush point (``generator.inflight``);
+        #: for an episode task, at every record point (``generator.episodes``)
+        self.inflight: InflightRunner | EpisodeGroups | None = None
+        if spec.partial.enabled:
+            self.inflight = (
+                EpisodeGroups(self.generator) if isinstance(task, EpisodeTask)
+                else InflightRunner(self.generator, spec.partial.segment_tokens)
+            )
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
         example = self.prompts[req.prompt_index % len(self.prompts)]

@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from controller.core.episodes import turn_advantages
 from controller.core.segments import WindowBasis
 from controller.core.decisions import Stamp, window_evictions
 from controller.core.state import GroupRecord, GroupStatus, RunState
@@ -97,18 +98,15 @@ def _live_unclaimed_in_admission_order(state: RunState) -> list[GroupRecord]:
 def admission(
     state: RunState, *, dispatch_version: int, window: int, groups_per_step: int, capacity: int
 ) -> Admission:
+    # The lag clause holds for either window basis: a group that ends before the next
+    # refit lands has its newest token at the dispatch version, so the clause is its
+    # newest-token lag too. Without it (capacity only, as this gate once was for
+    # ``newest_token``) groups admitted while a publish was pending were evicted by the
+    # dozen when the trainer was the bottleneck (docs/segments.md).
     return _gate(
         live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
-        window=dispatch_window(state, window), groups_per_step=groups_per_step, capacity=capacity,
+        window=window, groups_per_step=groups_per_step, capacity=capacity,
     )
-
-
-def dispatch_window(state: RunState, window: int) -> int | None:
-    """The window the dispatch-lag clause enforces; None when the window bounds each
-    group's newest token instead: a group generated across refits keeps its tail fresh
-    whenever it was dispatched, so only the capacity and the eviction at training
-    (``to_evict``) bound it."""
-    return None if state.window_basis == "newest_token" else window
 
 
 def admission_room(
@@ -123,9 +121,8 @@ def admission_room(
     """
     live = live_groups(state)
     room = 0
-    lag_window = dispatch_window(state, window)
     while room < limit and _gate(
-        live + room, state.trainer_version, dispatch_version=dispatch_version, window=lag_window,
+        live + room, state.trainer_version, dispatch_version=dispatch_version, window=window,
         groups_per_step=groups_per_step, capacity=capacity,
     ).allowed:
         room += 1
@@ -133,19 +130,16 @@ def admission_room(
 
 
 def gate_open(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int,
     groups_per_step: int, capacity: int,
 ) -> bool:
     """The admission gate on bare numbers: room in the buffer, and a group dispatched at
-    ``dispatch_version`` now would be trained within the window (module docstring;
-    ``window`` None: capacity only, see :func:`dispatch_window`)."""
-    return live < capacity and (
-        window is None or trainer_version + live // groups_per_step - dispatch_version <= window
-    )
+    ``dispatch_version`` now would be trained within the window (module docstring)."""
+    return live < capacity and trainer_version + live // groups_per_step - dispatch_version <= window
 
 
 def _gate(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int,
     groups_per_step: int, capacity: int,
 ) -> Admission:
     if gate_open(live, trainer_version, dispatch_version=dispatch_version, window=window,
@@ -292,6 +286,21 @@ def microbatch_advantages(
         keys.extend(group.payload_keys)
         advantages.extend(adv)
     return keys, advantages, zero_variance
+
+
+def microbatch_turn_advantages(state: RunState, group_ids: Iterable[str]) -> list[list[float]]:
+    """Per key of ``microbatch_advantages``, its per-turn advantages when its group's
+    episodes recorded per-turn rewards (``episodes.turn_advantages``: reward-to-go
+    against the group's mean return; ``[]`` for a sample without them); ``[]`` for a
+    microbatch without any -- the trainer then uses the per-sample ones alone."""
+    out: list[list[float]] = []
+    for gid in group_ids:
+        group = state.groups[gid]
+        if group.episode is None:
+            out.extend([] for _ in group.payload_keys)
+        else:
+            out.extend(turn_advantages(group.episode)[0])
+    return out if any(out) else []
 
 
 def microbatch_versions(state: RunState, group_ids: Iterable[str]) -> list[int]:

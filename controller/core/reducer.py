@@ -39,7 +39,13 @@ from controller.core.reducer_groups import (
     _on_group_failed,
     _on_payloads_released,
     _on_rollout_admitted,
+    _on_segments_dropped,
     _on_segments_recorded,
+)
+from controller.core.reducer_episodes import (
+    _on_env_steps_completed,
+    _on_env_steps_requested,
+    _on_episodes_restarted,
 )
 from controller.core.reducer_steps import (
     _on_microbatch_trained,
@@ -62,6 +68,9 @@ from events.schema import (
     CheckpointRejected,
     CheckpointSaved,
     ControllerStarted,
+    EnvStepsCompleted,
+    EnvStepsRequested,
+    EpisodesRestarted,
     GroupCommitted,
     GroupEvicted,
     GroupFailed,
@@ -72,6 +81,7 @@ from events.schema import (
     RunRewound,
     RunStarted,
     RunStopped,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -311,6 +321,10 @@ HANDLERS: dict[type, _Handler] = {
     RolloutAdmitted: _on_rollout_admitted,
     GroupCommitted: _on_group_committed,
     SegmentsRecorded: _on_segments_recorded,
+    SegmentsDropped: _on_segments_dropped,
+    EnvStepsRequested: _on_env_steps_requested,
+    EnvStepsCompleted: _on_env_steps_completed,
+    EpisodesRestarted: _on_episodes_restarted,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,
     StepBegun: _on_step_begun,

@@ -9,13 +9,16 @@ from __future__ import annotations
 import struct
 
 from controller.core import failures
+from controller.core import reducer_episodes as episodes
 from controller.core.errors import violation as _violation
 from controller.core.segments import (
     InflightSegments,
     commit_problem,
     commit_summary,
+    lost_samples,
     record_flush,
     segments_problem,
+    without_samples,
 )
 from controller.core.state import (
     GroupRecord,
@@ -31,6 +34,7 @@ from events.schema import (
     GroupFailed,
     PayloadsReleased,
     RolloutAdmitted,
+    SegmentsDropped,
     SegmentsRecorded,
 )
 
@@ -68,6 +72,8 @@ def _on_rollout_admitted(state: RunState, ev: RolloutAdmitted, pos: int) -> None
     rec = state.inflight.get(gid) if state.inflight else None
     if rec is not None:  # a re-admission resumes from what earlier attempts recorded
         rec.attempt, rec.attempt_flushes = ev.attempt, 0
+    if state.episodes:
+        episodes.on_readmitted(state, gid, ev.attempt)
 
 
 def _on_segments_recorded(state: RunState, ev: SegmentsRecorded, pos: int) -> None:
@@ -80,6 +86,29 @@ def _on_segments_recorded(state: RunState, ev: SegmentsRecorded, pos: int) -> No
         _violation(pos, ev, f"group {ev.group_id}: {problem}")
     record_flush(rec, ev)
     state.inflight[ev.group_id] = rec
+
+
+def _on_segments_dropped(state: RunState, ev: SegmentsDropped, pos: int) -> None:
+    """Only a failed attempt's group drops segments (no attempt is sampling after them),
+    and only segments it recorded; each sample that lost one restarts from the prompt."""
+    gid = ev.group_id
+    group = state.groups.get(gid)
+    if group is None or group.status is not _FAILED or group.attempt != ev.attempt:
+        status = "unknown" if group is None else f"{group.status.value} at attempt {group.attempt}"
+        _violation(pos, ev, f"segments of group {gid} dropped by attempt {ev.attempt}; only the "
+                            f"attempt that failed may drop them, the group is {status}")
+    rec = state.inflight.get(gid) if state.inflight else None
+    if rec is None or not ev.keys:
+        _violation(pos, ev, f"group {gid} has no recorded segments to drop" if rec is None
+                   else f"group {gid}: a drop names no key")
+    samples, unknown = lost_samples(rec, ev.keys)
+    if unknown:
+        _violation(pos, ev, f"group {gid}: {unknown[0]} is not a segment the group recorded")
+    kept = without_samples(rec, samples)
+    if kept is None:
+        del state.inflight[gid]
+    else:
+        state.inflight[gid] = kept
 
 
 def _check_admission(state: RunState, ev: RolloutAdmitted, pos: int) -> None:
@@ -136,10 +165,12 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
         packed_lengths = pack_i64(lengths)
     except struct.error:
         _violation(pos, ev, f"group {gid}: a length is not an int64")
+    played = episodes.check_commit(state, ev, pos) if state.episodes else None
     rec = state.inflight.pop(gid, None) if state.inflight else None
     if rec is not None and (problem := commit_problem(rec, lengths, start, end)):
         state.inflight[gid] = rec  # validate first: the state stays as it was
         _violation(pos, ev, f"group {gid}: {problem}")
+    episodes.on_committed(state, group, played, rec)
     group.version_token_sum, group.partial_span = commit_summary(rec, lengths, start, end)
     group.status = _COMMITTED
     group.committed_ts = ev.ts

@@ -18,6 +18,7 @@ import msgspec
 
 from controller.core.errors import SnapshotDecodeError
 from controller.core.failures import FailureRecord
+from controller.core.episodes import EpisodeSummary, InflightEpisodes
 from controller.core.segments import InflightSegments
 
 #: Bumped whenever the shape of ``RunState`` changes; an older snapshot is refused
@@ -25,7 +26,8 @@ from controller.core.segments import InflightSegments
 #: 2: a group's payload keys, rewards and lengths are packed (``GroupRecord``).
 #: 3: the failure streaks (``failures``, ``controller.core.failures``).
 #: 4: segments (``RunState.inflight``, per-token version sums, the window's basis).
-STATE_FORMAT_VERSION: Final = 4
+#: 5: episodes (``RunState.episodes``, ``GroupRecord.episode``).
+STATE_FORMAT_VERSION: Final = 5
 
 #: joins a committed group's payload keys into one string (see ``pack_keys``)
 KEY_SEPARATOR: Final = "\x00"
@@ -102,6 +104,8 @@ class GroupRecord(msgspec.Struct, kw_only=True, gc=False):
     #: most versions one sample spans (newest - oldest token)
     version_token_sum: int = 0
     partial_span: int = 0
+    #: an episode group's turns: first token and reward of each (``core.episodes``)
+    episode: EpisodeSummary | None = None
     # Packed, one object each instead of one per sample (read them through the
     # ``payload_keys`` / ``rewards`` / ``lengths`` properties). A long log's state holds
     # every group; per-sample strings, floats and ints were most of its memory (half of
@@ -155,17 +159,14 @@ def pack_i64(values: Sequence[int]) -> bytes:
     return _packer(_I64, "q", len(values)).pack(*values)
 
 
-# Little-endian on every machine, so a snapshot reads the same wherever it is decoded.
-# One compiled ``struct.Struct`` per sample count (a run has few distinct counts).
+# Little-endian everywhere (a snapshot reads the same on any machine); one compiled
+# ``struct.Struct`` per sample count (a run has few distinct counts).
 _F64: dict[int, struct.Struct] = {}
 _I64: dict[int, struct.Struct] = {}
 
 
 def _packer(cache: dict[int, struct.Struct], code: str, n: int) -> struct.Struct:
-    packer = cache.get(n)
-    if packer is None:
-        packer = cache[n] = struct.Struct(f"<{n}{code}")
-    return packer
+    return cache.get(n) or cache.setdefault(n, struct.Struct(f"<{n}{code}"))
 
 
 class OpenStep(msgspec.Struct, kw_only=True):
@@ -288,6 +289,8 @@ class RunState(msgspec.Struct, kw_only=True):
     admitted: dict[str, None] = {}
     #: uncommitted groups that recorded segments (partial rollouts)
     inflight: dict[str, InflightSegments] = {}
+    #: uncommitted groups that recorded environment calls (episodes)
+    episodes: dict[str, InflightEpisodes] = {}
     steps: dict[int, StepRecord] = {}
     #: trainer_version -> the (not lost) finished step that produced it
     version_steps: dict[int, int] = {}
@@ -311,17 +314,14 @@ class RunState(msgspec.Struct, kw_only=True):
 
     def committed_groups_in_order(self) -> list[GroupRecord]:
         """COMMITTED, unclaimed groups in commit order (what selection policies pick from)."""
-        groups = self.groups
-        return [groups[g] for g in self.buffer]
+        return [self.groups[g] for g in self.buffer]
 
     def iter_buffer(self) -> Iterator[GroupRecord]:
-        groups = self.groups
-        return (groups[g] for g in self.buffer)
+        return map(self.groups.__getitem__, self.buffer)
 
     def in_flight(self) -> list[GroupRecord]:
         """ADMITTED groups (dispatched, not yet committed or failed), in admission order."""
-        groups = self.groups
-        return [groups[g] for g in self.admitted]
+        return [self.groups[g] for g in self.admitted]
 
     def failed_groups(self) -> list[GroupRecord]:
         """FAILED groups awaiting re-admission (or dropped); O(groups)."""

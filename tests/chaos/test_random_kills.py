@@ -25,7 +25,10 @@ NATURAL = [
                  "after_worker_lost", "after_group_failed", "after_group_evicted",
                  "after_step_aborted", "before_payloads_released", "after_payloads_released",
                  # partial rollouts only (tests.chaos.test_partial_crashes)
-                 "before_segments_recorded", "after_segments_recorded"}
+                 "before_segments_recorded", "after_segments_recorded",
+                 # episodes only (tests.chaos.test_episode_crashes)
+                 "after_env_steps_requested", "before_env_steps_completed",
+                 "after_env_steps_completed", "after_episodes_restarted"}
 ]
 
 

@@ -44,7 +44,7 @@ from events.schema import GroupFailed, step_event_id
 from events.redis_store.sentinel import open_sentinel_store
 from controller.projector import Projector
 from tests.chaos.harness import TINY
-from tests.plugin_tasks import HOLD_ENV, hold_rewards_after
+from tests.plugin_tasks import HELD_TASK, held_env, hold_rewards_after
 from tests.redis_server import RedisServer
 from tests.sentinel_cluster import MASTER, SentinelCluster, find_redis_sentinel
 
@@ -57,7 +57,6 @@ RUN = "failover"
 STEPS = 6
 #: rewards per step under TINY: train.groups_per_step x rollout.samples_per_group
 STEP_REWARDS = 2 * 4
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli() -> list[str]:
@@ -72,7 +71,7 @@ def _store_args(cluster: SentinelCluster, data_dir: Path) -> list[str]:
 
 def _env(cluster: SentinelCluster, hold: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLC_")}
-    held = {HOLD_ENV: str(hold), "PYTHONPATH": str(ROOT)} if hold is not None else {}
+    held = held_env(hold) if hold is not None else {}
     return {**env, **cluster.env(), **held}
 
 
@@ -132,7 +131,7 @@ def test_primary_killed_mid_run(cluster: SentinelCluster, tmp_path: Path, replic
     proc = subprocess.Popen(
         [*_cli(), "run", "--run-id", RUN, "--steps", str(STEPS), *TINY,
          "--set", f"store.replicas={replicas}", "--set", "store.wait_timeout_s=2",
-         "--set", 'task.name="tests.plugin_tasks:RewardHeldWhileMarked"',
+         *HELD_TASK,
          *_store_args(cluster, data_dir)],
         env=_env(cluster, hold), stdout=out, stderr=subprocess.STDOUT,
     )

@@ -71,3 +71,10 @@ def test_a_data_dir_under_a_file_is_one_line(capsys, a_file: Path, monkeypatch) 
     assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--data-dir" in err and "is a file, not a directory" in err
     assert a_file.read_text() == "not a directory"
+
+
+def test_stop_server_of_a_file_says_none_runs_there(capsys, a_file: Path) -> None:
+    # it tried to make a lock directory inside the file: a FileExistsError traceback
+    assert main(["stop-server", "--data-dir", str(a_file)]) == 0
+    assert capsys.readouterr().out.startswith("no embedded redis-server is running for")
+    assert a_file.read_text() == "not a directory"

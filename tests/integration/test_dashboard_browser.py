@@ -3,7 +3,10 @@
 1. A real ``rl-controller run`` trains while the page is open: the reward/lag chart
    gains steps, the event table gains rows and the page's latency samples (arrival in
    the browser minus the ts the controller stamped right before each append) are
-   printed. Then the run ends and the page says so, with the audit status.
+   printed. Then the run ends and the page says so, with the audit status. The run is
+   held (``tests.plugin_tasks.RewardHeldWhileMarked``) after one step until the page is
+   open, then after two until the page has seen it progress, so "live" holds by
+   construction, not because the run is slower than the browser.
 2. A finished run, served under the read-only ACL user: every finished step is drawn,
    the type filter works, the trace of some steps is drawn by the page's viewer, and no
    page or answer carries the store's password.
@@ -33,13 +36,16 @@ from events.redis_store import RedisEventStore
 from events.redis_store.acl import acl_rules
 from tests.chaos.harness import TINY
 from tests.e2e.test_readonly_cli import write_log
+from tests.plugin_tasks import HELD_TASK, held_env, hold_rewards_after
 from tests.unit.log_builder import random_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-STEPS = 400  # a tiny run makes up to ~10 steps/s here: long enough to watch it live
+STEPS = 400  # enough live events for the latency figures (docs/observe.md)
+#: rewards per step under TINY: train.groups_per_step x rollout.samples_per_group
+STEP_REWARDS = 2 * 4
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +126,23 @@ def table_positions(driver: Any) -> list[int]:
 def test_a_live_run_updates_the_page(browser, redis_url: str, tmp_path: Path) -> None:
     store = RedisEventStore(redis_url)
     dashboard = Dashboard(redis_url)
-    # The browser is started and has loaded a page of this dashboard before the run
-    # starts: a tiny run trains fast, and the page must open while it is still going.
     browser.get(dashboard.url + "run/none-yet")
     log = tmp_path / "run.log"  # a file, not a pipe: a full pipe would stall the run
+    hold = tmp_path / "hold"
+    hold_rewards_after(hold, STEP_REWARDS)  # one step, until the page is open
     run = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "run", "--run-id", "live", "--steps", str(STEPS),
-         "--redis-url", redis_url, "--data-dir", str(tmp_path / "data"), *TINY],
-        cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+         "--redis-url", redis_url, "--data-dir", str(tmp_path / "data"), *TINY,
+         "--set", "controller.stall_timeout_s=600",
+         *HELD_TASK],
+        cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **held_env(hold)})
     try:
         wait_for("the run to start", lambda: store.run_exists("live") and store.last_position("live") >= 1)
         browser.get(dashboard.url + "run/live")
         wait_for("the snapshot", lambda: rlc(browser)["updates"] >= 1)
         steps0, last0 = rlc(browser)["steps"], max(table_positions(browser), default=0)
+        hold_rewards_after(hold, 2 * STEP_REWARDS)  # one more step, which the page must see
 
         def explain() -> str:
             screenshot(browser, "dashboard-stuck.png", tmp_path)
@@ -152,6 +162,7 @@ def test_a_live_run_updates_the_page(browser, redis_url: str, tmp_path: Path) ->
         assert run.poll() is None, "the run ended before the page saw it run"
         assert "live" in browser.find_element("id", "live").text
         screenshot(browser, "dashboard-live.png", tmp_path)
+        hold.unlink()  # on to the end
         assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
         end = store.last_position("live")
         wait_for("the run's last event in the page", lambda: rlc(browser)["position"] == end)

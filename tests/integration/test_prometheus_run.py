@@ -23,8 +23,7 @@ import pytest
 from events.embedded import free_port
 from events.redis_store import RedisEventStore
 from tests.chaos.harness import TINY
-from tests.integration.test_run_cli import ROOT as REPO
-from tests.plugin_tasks import HOLD_ENV, hold_rewards_after
+from tests.plugin_tasks import HELD_TASK, held_env, hold_rewards_after
 from tests.unit.test_prometheus import scrape
 
 pytestmark = pytest.mark.integration
@@ -40,9 +39,9 @@ def test_a_run_is_scraped_while_it_trains(redis_url: str, tmp_path: Path) -> Non
         [sys.executable, "-m", "cli.main", "run", "--run-id", "scraped", "--steps", "8",
          "--redis-url", redis_url, "--data-dir", str(tmp_path), *TINY,
          "--set", f"metrics.port={port}", "--set", "controller.stall_timeout_s=600",
-         "--set", 'task.name="tests.plugin_tasks:RewardHeldWhileMarked"'],
+         *HELD_TASK],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, HOLD_ENV: str(hold), "PYTHONPATH": str(REPO)},
+        env={**os.environ, **held_env(hold)},
     )
     got: dict = {}
     try:

@@ -28,7 +28,7 @@ import pytest
 
 from controller.settings import RolloutSection
 from events.embedded import stop_embedded_redis
-from tests.plugin_tasks import HOLD_ENV, hold_rewards_after
+from tests.plugin_tasks import HELD_TASK, held_env, hold_rewards_after
 from workers.trainer.config import TrainSection
 from tests.foreground import popen_foreground
 from tests.integration.test_run_cli import ROOT, _command, cli, runs
@@ -61,10 +61,10 @@ def test_ctrl_c_leaves_a_consistent_log_and_a_resume_command_that_finishes(tmp_p
     hold = tmp_path / "hold"
     hold_rewards_after(hold, 2 * TrainSection().groups_per_step * RolloutSection().samples_per_group)
     env = {**{k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"},
-           HOLD_ENV: str(hold), "PYTHONPATH": str(ROOT)}
+           **held_env(hold)}
     proc = popen_foreground(
         [*_command(), "run", "--steps", str(STEPS), "--run-id", RUN_ID, "--no-progress",
-         "--data-dir", str(data_dir), "--set", 'task.name="tests.plugin_tasks:RewardHeldWhileMarked"'],
+         "--data-dir", str(data_dir), *HELD_TASK],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.plugin_tasks import HELD_TASK, held_env, hold_rewards_after
 from tests.vllm_helpers import processes_with_env, vllm_skip_reason
 
 _why = vllm_skip_reason()
@@ -40,6 +41,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "RLC_TEST_PROCESS_MARK"
 RESUMED_TO = 8  # see test_kill_minus_9_of_the_whole_run_then_resume
+#: rewards per step: train.groups_per_step x rollout.samples_per_group (``_args``)
+STEP_REWARDS = 2 * 4
 
 
 def _args(model: Path, data_dir: Path) -> list[str]:
@@ -58,9 +61,12 @@ def _args(model: Path, data_dir: Path) -> list[str]:
     return out
 
 
-def _start(args: list[str], mark: str, log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
+def _start(
+    args: list[str], mark: str, log: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"} | (extra_env or {})
     env[MARK] = mark
+    env["PYTHONPATH"] = str(ROOT)  # a killed run's resume imports its (test) task too
     return subprocess.Popen(
         [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -133,8 +139,12 @@ def test_run_with_vllm_generator_then_audit(model_dir, data_dir, tmp_path):
 
 
 def _kill_after_two_steps(args: list[str], mark: str, run_dir: Path, tmp_path: Path) -> None:
-    """Start the run, SIGKILL its whole process group once two steps are reported."""
-    proc = _start(args, mark, tmp_path / "run.txt")
+    """Start the run, SIGKILL its whole process group once two steps are reported. Its
+    rewards are held after three steps' worth, so it is alive at the kill by
+    construction, not because three more steps take longer than a poll."""
+    hold = tmp_path / "hold"
+    hold_rewards_after(hold, 3 * STEP_REWARDS)
+    proc = _start([*args, *HELD_TASK], mark, tmp_path / "run.txt", held_env(hold))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 900
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -143,6 +153,7 @@ def _kill_after_two_steps(args: list[str], mark: str, run_dir: Path, tmp_path: P
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    hold.unlink()
     left = _left_behind(mark)
     assert left == [], f"after kill -9 of the run's process group: {left}"
 

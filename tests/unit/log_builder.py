@@ -33,6 +33,11 @@ from events.schema import (
     CheckpointRejected,
     CheckpointSaved,
     ControllerStarted,
+    EnvCall,
+    EnvResult,
+    EnvStepsCompleted,
+    EnvStepsRequested,
+    EpisodesRestarted,
     Event,
     GroupCommitted,
     GroupEvicted,
@@ -44,6 +49,7 @@ from events.schema import (
     RunRewound,
     RunStarted,
     Segment,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -52,9 +58,12 @@ from events.schema import (
     WeightsPublished,
     WorkerLost,
     controller_started_id,
+    env_steps_event_id,
+    episodes_restarted_id,
     group_event_id,
     microbatch_event_id,
     run_started_id,
+    segments_dropped_id,
     segments_event_id,
     step_event_id,
 )
@@ -100,6 +109,8 @@ class LogBuilder:
         self.attempts: dict[str, int] = {}
         #: flushes recorded per (group, attempt)
         self.flushes: dict[tuple[str, int], int] = {}
+        #: env events (requested + completed) per (group, attempt)
+        self.env_events: dict[tuple[str, int], int] = {}
         self.dispatch_versions: dict[str, int] = {}
         self.prompt_index = 0
         #: step -> (trainer_version, group ids) of finished steps, for rewind defaults
@@ -237,6 +248,7 @@ class LogBuilder:
         version: int | None = 0,
         index: int | None = None,
         kind: str = "model",
+        turn: int = 0,
         **overrides: Any,
     ) -> LogBuilder:
         """SegmentsRecorded: ``spans`` = {sample: (start, length[, stopped])}; the index
@@ -247,12 +259,52 @@ class LogBuilder:
         self.flushes[counted] = index + 1
         segments = [
             Segment(sample=i, start=span[0], length=span[1], key=f"{group_id}/a{attempt}/s{i}/k{index}",
-                    stopped=bool(span[2]) if len(span) > 2 else False)
+                    turn=turn, stopped=bool(span[2]) if len(span) > 2 else False)
             for i, span in spans.items()
         ]
         fields = dict(group_id=group_id, attempt=attempt, index=index, kind=kind,
                       weight_version=version, segments=segments)
         self._emit(SegmentsRecorded, segments_event_id(group_id, attempt, index), fields, overrides)
+        return self
+
+    def _env_index(self, group_id: str) -> tuple[int, int]:
+        attempt = self.attempts.get(group_id, 1)
+        index = self.env_events.get((group_id, attempt), 0)
+        self.env_events[(group_id, attempt)] = index + 1
+        return attempt, index
+
+    def request(
+        self, group_id: str, calls: dict[int, tuple[int, str]], *, env: str = "calc",
+        dedupes: bool = True, restart: int = 0, **overrides: Any,
+    ) -> LogBuilder:
+        """EnvStepsRequested: ``calls`` = {sample: (turn, request fingerprint)}."""
+        attempt, index = self._env_index(group_id)
+        fields = dict(group_id=group_id, attempt=attempt, index=index, env=env,
+                      dedupes_by_key=dedupes,
+                      calls=[EnvCall(sample=i, turn=t, request=r, restart=restart)
+                             for i, (t, r) in calls.items()])
+        self._emit(EnvStepsRequested, env_steps_event_id(group_id, "requested", attempt, index),
+                   fields, overrides)
+        return self
+
+    def complete(
+        self, group_id: str, results: dict[int, tuple[int, float, bool, int]], *,
+        restart: int = 0, **overrides: Any,
+    ) -> LogBuilder:
+        """EnvStepsCompleted: ``results`` = {sample: (turn, reward, ended, observation tokens)}."""
+        attempt, index = self._env_index(group_id)
+        fields = dict(group_id=group_id, attempt=attempt, index=index, results=[
+            EnvResult(sample=i, turn=t, reward=r, ended=e, end_reason="done" if e else "",
+                      observation_tokens=o, restart=restart)
+            for i, (t, r, e, o) in results.items()])
+        self._emit(EnvStepsCompleted, env_steps_event_id(group_id, "completed", attempt, index),
+                   fields, overrides)
+        return self
+
+    def restart_episodes(self, group_id: str, samples: list[int], **overrides: Any) -> LogBuilder:
+        attempt = self.attempts.get(group_id, 1)
+        fields = dict(group_id=group_id, attempt=attempt, samples=samples, reason="test")
+        self._emit(EpisodesRestarted, episodes_restarted_id(group_id, attempt), fields, overrides)
         return self
 
     def group(self, group_id: str, **commit_overrides: Any) -> LogBuilder:
@@ -263,6 +315,13 @@ class LogBuilder:
         attempt = self.attempts.get(group_id, 1) if attempt is None else attempt
         fields = dict(group_id=group_id, attempt=attempt, reason=reason)
         self._emit(GroupFailed, group_event_id(group_id, "failed", attempt), fields, overrides)
+        return self
+
+    def drop_segments(self, group_id: str, keys: list[str], **overrides: Any) -> LogBuilder:
+        """SegmentsDropped by the group's current (failed) attempt."""
+        attempt = self.attempts.get(group_id, 1)
+        fields = dict(group_id=group_id, attempt=attempt, keys=keys, reason=f"missing {keys[:1]}")
+        self._emit(SegmentsDropped, segments_dropped_id(group_id, attempt), fields, overrides)
         return self
 
     def evict(self, group_id: str, reason: str = "lag past window", lag: int = 0, **overrides: Any) -> LogBuilder:
@@ -556,3 +615,20 @@ def _simulate(
     if finish:
         b.finish_run()
     yield b
+
+
+def assert_violation(events: list[StoredEvent], message: str) -> None:
+    """Applying the last of ``events`` raises a violation matching ``message`` that names
+    its position, and leaves the state folded from the others exactly as it was."""
+    import pytest
+
+    from controller.core.errors import InvariantViolation
+    from controller.core.fold import fold
+    from controller.core.reducer import apply
+
+    before = fold(events[:-1])
+    snapshot = before.copy()
+    with pytest.raises(InvariantViolation, match=message) as info:
+        apply(before, events[-1])
+    assert info.value.position == events[-1].position
+    assert before == snapshot

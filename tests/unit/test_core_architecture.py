@@ -291,7 +291,7 @@ def test_the_projector_starts_from_a_snapshot_and_falls_back_to_the_log():
 
 
 DECISIONS = (ev.GroupEvicted, ev.GroupFailed, ev.StepAborted, ev.PayloadsReleased,
-             ev.RunRewound, ev.WorkerLost)
+             ev.RunRewound, ev.WorkerLost, ev.EpisodesRestarted)
 
 
 def test_decision_events_are_built_by_the_core_only():

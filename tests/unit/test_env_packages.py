@@ -12,7 +12,7 @@ import string
 import pytest
 import torch
 
-from workers.envs.base import Action, EnvError, StepKey, UnknownEnvError
+from workers.envs.base import Action, EnvError, EnvStep, Observation, StepKey, UnknownEnvError
 from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
@@ -131,6 +131,24 @@ def test_textarena_step_is_answered_once_per_key():
     assert "already guessed" in nxt.observation.text
 
 
+def test_a_resumed_textarena_game_is_rebuilt_by_restore_step_without_new_moves():
+    task = make_task("textarena/GuessTheNumber-v0", max_turns=8)
+    example = task.examples(1, seed=3)[0]
+    moves = [Action(f"[{g}]", (), True) for g in (10, 5, 15)]
+    played = task.make_env(example)
+    played.reset(KEY)
+    results = [played.step(m, KEY.at(t)) for t, m in enumerate(moves, start=1)]
+    fresh = task.make_env(example)  # after a crash: a new instance, the first two moves restored
+    fresh.reset(KEY)
+    for t, (move, result) in enumerate(zip(moves[:2], results[:2]), start=1):
+        fresh.restore_step(move, result, KEY.at(t))
+    assert fresh.step(moves[2], KEY.at(3)) == results[2]
+    with pytest.raises(EnvError, match="not deterministic on replay"):
+        other = task.make_env(example)
+        other.reset(KEY)
+        other.restore_step(moves[0], EnvStep(Observation(text=""), 1.0, True), KEY.at(1))
+
+
 def test_tiny_model_plays_a_textarena_game_with_exact_ids():
     task = make_task("textarena/GuessTheNumber-v0", max_turns=3)
     model = TinyCausalLM(TinyConfig(vocab_size=WIDE.vocab_size, context_len=1024, d_model=32, n_heads=2))
@@ -154,3 +172,21 @@ def test_unknown_or_multiplayer_textarena_games_are_refused_by_name():
     with pytest.raises(ValueError, match=r"invalid options \{'colour': 1\}"):
         make_task("textarena/GuessTheNumber-v0", colour=1)
 
+
+
+def test_the_ledger_tool_makes_a_keyed_call_once_unless_it_says_it_cannot_dedupe(tmp_path):
+    from workers.envs.ledger import read_ledger
+
+    path = tmp_path / "ledger.txt"
+    for dedupe, lines in ((True, 1), (False, 2)):
+        path.unlink(missing_ok=True)
+        task = make_task("ledger", path=str(path), turns=2, dedupe=dedupe)
+        env = task.make_env(task.examples(1, seed=0)[0])
+        assert env.dedupes_by_key is dedupe
+        env.reset(KEY)
+        first = env.step(Action("x", (1, 2), True), KEY.at(1))
+        again = env.step(Action("x", (1, 2), True), KEY.at(1))  # the same key, re-issued
+        assert [k for k, _ in read_ledger(path)] == [str(KEY.at(1))] * lines
+        assert (first == again) is dedupe and first.reward == 2 / 4 and not first.done
+    with pytest.raises(ValueError, match="task.options.path"):
+        make_task("ledger")

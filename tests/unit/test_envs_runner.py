@@ -4,6 +4,7 @@ recorder's replay, and errors that name the environment and the step."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,13 @@ from torch import nn
 
 from workers.envs.base import Action, EnvError, EnvStep, Observation, StepKey
 from workers.envs.calculator import CalculatorEnv
-from workers.envs.recorder import InMemoryTurnRecorder, ReplayMismatchError, TurnRequest
+from workers.envs.recorder import (
+    InMemoryTurnRecorder,
+    ReplayMismatchError,
+    StepCall,
+    StepOutcome,
+    TurnRequest,
+)
 from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.trajectory import per_token_advantages
@@ -118,7 +125,8 @@ def test_replay_through_the_recorder_makes_no_call_and_gives_the_same_trajectory
     assert calls["model"] == sum(len(t.turns) for t in first) and calls["reset"] == 4
     # another sampler seed: had anything been regenerated, the ids would differ
     again = runner(model, recorder, seed=99).run(KEYS, [calc_env() for _ in KEYS])
-    assert recorder.calls == calls
+    # no model turn or step made again; each fresh env instance was reset (that is not a call)
+    assert recorder.calls == dict(calls, reset=8)
     assert [t.input_ids for t in again] == [t.input_ids for t in first]
     assert [t.reward for t in again] == [t.reward for t in first]
 
@@ -131,15 +139,16 @@ def test_a_replayed_request_that_differs_from_the_record_is_refused():
     recorder.model_turns([TurnRequest(key, (5, 6), 4)], sampler.generate)
     with pytest.raises(ReplayMismatchError, match="run/g0/s0/t1"):
         recorder.model_turns([TurnRequest(key, (5, 7), 4)], sampler.generate)
-    step = EnvStep(Observation(text=""), 1.0, True)
-    recorder.env_step(key, Action("12", (3, 4), True), lambda: step)
-    with pytest.raises(ReplayMismatchError, match="different action"):
-        recorder.env_step(key, Action("13", (3, 5), True), lambda: step)
+    outcome = StepOutcome(1.0, True, "done", ())
+    call = StepCall(key, Action("12", (3, 4), True), "req-a", run=lambda: outcome)
+    assert recorder.env_steps([call]) == [outcome]
+    with pytest.raises(ReplayMismatchError, match="different request"):
+        recorder.env_steps([replace(call, request="req-b")])
 
 
 def test_an_env_that_raises_fails_the_group_naming_env_and_step():
     class Broken:
-        dedupes_by_key = False
+        dedupes_by_key = True
 
         def reset(self, key):  # type: ignore[no-untyped-def]
             return Observation(text="12*3=")
@@ -291,3 +300,54 @@ def test_a_bare_calculator_call_evaluates_the_question_as_asked():
     assert env.step(Action("44", (), True), KEYS[0].at(2)).reward == pytest.approx(0.8)
     with pytest.raises(ValueError, match="call must be 'expression' or 'bare'"):
         make_task("calculator", call="json")
+
+
+class _Counting:
+    """A two-turn env that counts the steps it really makes; ``restores`` adds restore_step."""
+
+    def __init__(self, dedupes: bool = True, drift: float = 0.0) -> None:
+        self.dedupes_by_key = dedupes
+        self.drift = drift
+        self.made: list[StepKey] = []
+
+    def reset(self, key):  # type: ignore[no-untyped-def]
+        return Observation(text="12*3=")
+
+    def step(self, action, key):  # type: ignore[no-untyped-def]
+        self.made.append(key)
+        return EnvStep(Observation(text=">36"), 0.5 + self.drift, key.turn >= 2)
+
+
+class _Restoring(_Counting):
+    def __init__(self, dedupes: bool = False) -> None:
+        super().__init__(dedupes)
+        self.restored: list[StepKey] = []
+
+    def restore_step(self, action, recorded, key):  # type: ignore[no-untyped-def]
+        self.restored.append(key)
+
+
+def _replay_twice(first_env, second_env):  # type: ignore[no-untyped-def]
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
+    recorder = InMemoryTurnRecorder()
+    first = runner(model, recorder).run(KEYS[:1], [first_env])
+    return first, runner(model, recorder, seed=5).run(KEYS[:1], [second_env])
+
+
+def test_a_served_step_is_restored_not_made_again_by_an_env_with_restore_step():
+    first, again = _replay_twice(_Restoring(), fresh := _Restoring())
+    assert fresh.made == [] and fresh.restored == [KEYS[0].at(1), KEYS[0].at(2)]
+    assert again[0].input_ids == first[0].input_ids
+
+
+def test_a_deduping_env_without_restore_step_is_re_issued_its_keys_and_checked():
+    _, again = _replay_twice(_Counting(), fresh := _Counting())
+    assert fresh.made == [KEYS[0].at(1), KEYS[0].at(2)]  # same keys: deduplicated by the env
+    with pytest.raises(EnvError, match=r"not deterministic on replay at run/g0/s0/t1.*reward 0.5"):
+        _replay_twice(_Counting(), _Counting(drift=0.25))
+
+
+def test_an_env_that_can_neither_dedupe_nor_restore_is_refused_naming_why():
+    model, _ = build_model(ModelSection(context_len=32, d_model=32, n_heads=2))
+    with pytest.raises(EnvError, match="dedupes_by_key = False and has no restore_step"):
+        runner(model).run(KEYS[:1], [_Counting(dedupes=False)])

@@ -27,6 +27,11 @@ from events.schema import (
     CheckpointRejected,
     CheckpointSaved,
     ControllerStarted,
+    EnvCall,
+    EnvResult,
+    EnvStepsCompleted,
+    EnvStepsRequested,
+    EpisodesRestarted,
     Event,
     GroupCommitted,
     GroupEvicted,
@@ -39,6 +44,7 @@ from events.schema import (
     RunStarted,
     RunStopped,
     Segment,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -79,6 +85,13 @@ GOLDEN: dict[str, Event] = {
             Segment(sample=0, start=64, length=64, key="r/g0042/a2/s0/k1", turn=3, stopped=False),
             Segment(sample=3, start=17, length=1, key="r/g0042/a2/s3/k1", turn=3, stopped=True),
         ],
+    ),
+    "SegmentsDropped": SegmentsDropped(
+        event_id="group:g0042:segments-dropped:a3", epoch=2, ts=_TS + 16.75, schema_version=1,
+        group_id="g0042", attempt=3, keys=["r/g0042/a2/s3/k1"],
+        reason="1 recorded segment row(s) gone from the data plane, first r/g0042/a2/s3/k1; "
+               "those samples restart from the prompt (MissingPayloadError: partition 'r': "
+               "missing keys ['r/g0042/a2/s3/k1'])",
     ),
     "GroupFailed": GroupFailed(
         event_id="group:g0043:failed:a1", epoch=1, ts=_TS + 4, schema_version=1, group_id="g0043",
@@ -134,6 +147,29 @@ GOLDEN: dict[str, Event] = {
         reason="32 groups failed in a row (none committed since log position 7), all with: "
                "ValueError: cannot sample from an empty prompt (on generator-0)",
         cause="ValueError: cannot sample from an empty prompt",
+    ),
+    "EnvStepsRequested": EnvStepsRequested(
+        event_id="group:g0042:env:requested:a2:k0", epoch=1, ts=_TS + 18, schema_version=1,
+        group_id="g0042", attempt=2, index=0, env="calculator", dedupes_by_key=True,
+        calls=[
+            EnvCall(sample=0, turn=1, request="3f2a9c0d1e4b5a67", restart=0),
+            EnvCall(sample=2, turn=1, request="0b1c2d3e4f506172", restart=1),
+        ],
+    ),
+    "EnvStepsCompleted": EnvStepsCompleted(
+        event_id="group:g0042:env:completed:a2:k1", epoch=1, ts=_TS + 19, schema_version=1,
+        group_id="g0042", attempt=2, index=1,
+        results=[
+            EnvResult(sample=0, turn=1, reward=0.125, ended=False, end_reason="",
+                      observation_tokens=5, info={"tool": "calculator"}, restart=0),
+            EnvResult(sample=2, turn=1, reward=0.0, ended=True, end_reason="done",
+                      observation_tokens=0, info={"error": "not a call"}, restart=1),
+        ],
+    ),
+    "EpisodesRestarted": EpisodesRestarted(
+        event_id="group:g0042:restarted:a2", epoch=1, ts=_TS + 20, schema_version=1,
+        group_id="g0042", attempt=2, samples=[1, 3],
+        reason="turn 2 of env 'ledger' has no result and the env cannot deduplicate",
     ),
 }
 

@@ -134,3 +134,7 @@ def test_a_misspelt_what_if_lists_the_short_names_and_never_mentions_set():
         scenario_config(load_config(None, []), parse_scenario("window=wide"), 5)
     assert str(err.value).startswith("--what-if staleness.window_versions=wide: ")
     assert "--set" not in str(err.value)
+    # one key twice (a short name and its dotted key here) was silently the last value
+    with pytest.raises(WhatIfError, match=r"staleness.window_versions is given twice \(1 and 2\)"):
+        parse_scenario("window=1,staleness.window_versions=2")
+    assert parse_scenario("window=1,window_versions=1") == {"staleness.window_versions": "1"}

@@ -6,12 +6,20 @@ An episode alternates model turns and environment steps::
     model turn 1 -> step(action, key turn 1) -> observation, reward, done
     model turn 2 -> step(action, key turn 2) -> ...            until done
 
-Every step carries an idempotency key (run, group, sample, turn). An environment
-declares whether it deduplicates by that key (``dedupes_by_key``): one that does
-executes a step's side effects at most once per key, however often the step is
-re-issued after a crash; one that does not must never be re-issued a step whose
-outcome was lost (the episode fails and is re-admitted instead). The capability is
-declared, never probed.
+Every step carries an idempotency key (run, group, sample, turn; plus ``restart`` once
+the episode was started over). An environment declares whether it deduplicates by that
+key (``dedupes_by_key``): one that does executes a step's side effects at most once per
+key, however often the step is re-issued after a crash; one that does not is never
+re-issued a step whose outcome was lost (the episode starts over, with new keys). The
+capability is declared, never probed.
+
+After a crash an episode resumes at its last recorded turn in a *fresh* instance
+(``docs/agents.md``): ``reset`` runs again (it must be deterministic given the example
+and free of side effects outside the instance), and the recorded steps are brought
+back into the instance without being made again -- by its own ``restore_step``
+(:class:`RestoresState`: TextArena re-applies the moves to a new game), or, for an
+environment that deduplicates by key and has no ``restore_step``, by re-issuing them
+with their keys (a pure environment such as the calculator just recomputes them).
 
 Observations are text or token ids. Text is encoded once, when the runner appends it;
 token ids are appended as they are (an environment that speaks the model's tokenizer
@@ -35,12 +43,15 @@ class StepKey:
     group: str
     sample: int
     turn: int
+    #: times the sample's episode was started over (its calls are then new calls)
+    restart: int = 0
 
     def __str__(self) -> str:
-        return f"{self.run}/{self.group}/s{self.sample}/t{self.turn}"
+        again = f".r{self.restart}" if self.restart else ""
+        return f"{self.run}/{self.group}/s{self.sample}{again}/t{self.turn}"
 
     def at(self, turn: int) -> StepKey:
-        return StepKey(self.run, self.group, self.sample, turn)
+        return StepKey(self.run, self.group, self.sample, turn, self.restart)
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,17 @@ class Environment(Protocol):
 
     def step(self, action: Action, key: StepKey) -> EnvStep:
         """Apply the model's turn ``key.turn``; returns what follows it."""
+        ...
+
+
+@runtime_checkable
+class RestoresState(Protocol):
+    """An environment that can take a recorded step back without making it again."""
+
+    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> None:
+        """Bring this instance (reset, then restored up to ``key.turn - 1``) to the state
+        after ``action``, whose result the log recorded, with no side effect outside the
+        instance."""
         ...
 
 

@@ -10,6 +10,7 @@ read at each turn's start and end; a refit lands between token steps or between 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -18,10 +19,11 @@ from torch import nn
 from workers.envs.base import StepKey
 from workers.envs.recorder import InMemoryTurnRecorder, TurnRecorder
 from workers.envs.runner import EpisodeRunner
-from workers.envs.sampler import TorchTurnSampler
+from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
 from workers.envs.task import EpisodeTask
 from workers.envs.trajectory import Trajectory
 from workers.dataplane.api import DataPlane
+from workers.generator.segments import version_runs
 from workers.models.config import SamplingSection
 from workers.models.factory import Tokenizer, context_len
 from workers.tasks.base import Example
@@ -41,8 +43,12 @@ class EpisodeHost(Protocol):
     weights: VersionedWeights
 
 
-def episode_keys(run_id: str, group_id: str, n: int) -> list[StepKey]:
-    return [StepKey(run_id, group_id, i, 0) for i in range(n)]
+def episode_keys(
+    run_id: str, group_id: str, n: int, restarts: Sequence[int] | None = None
+) -> list[StepKey]:
+    """The episodes' turn-0 keys (``restarts``: per sample, times it was started over)."""
+    again = restarts or [0] * n
+    return [StepKey(run_id, group_id, i, 0, again[i]) for i in range(n)]
 
 
 def run_episodes(
@@ -54,20 +60,27 @@ def run_episodes(
     sampling: SamplingSection,
     seed: int,
     recorder: TurnRecorder | None = None,
+    restarts: Sequence[int] | None = None,
 ) -> list[Trajectory]:
-    """Run the group's ``n`` episodes with the generator's model and weights."""
-    sampler = TorchTurnSampler(
+    """Run the group's ``n`` episodes with the generator's model and weights.
+
+    Without a recorder (in memory, the group in one call) the caller holds the weights
+    for the whole group; with one, each sampling call holds them, so a refit lands
+    while the episodes wait for the log or for an environment."""
+    sampler: TurnSampler = TorchTurnSampler(
         gen.model, gen.tokenizer.eos_id, sampling, torch.Generator().manual_seed(seed),
         version=lambda: gen.weights.version, between_steps=gen.weights.at_step_boundary,
         use_cache=gen.use_cache,
     )
+    if recorder is not None:
+        sampler = HoldingWeights(sampler, gen.weights)
     runner = EpisodeRunner(
         sampler, gen.tokenizer, recorder if recorder is not None else InMemoryTurnRecorder(),
         context_len=context_len(gen.model), max_new_tokens=sampling.max_new_tokens,
         max_turns=task.max_turns, env_name=task.name,
     )
     envs = [task.make_env(prompt) for _ in range(n)]
-    return runner.run(episode_keys(gen.run_id, group_id, n), envs)
+    return runner.run(episode_keys(gen.run_id, group_id, n, restarts), envs)
 
 
 def generate_episode_group(
@@ -79,20 +92,28 @@ def generate_episode_group(
     sampling: SamplingSection,
     seed: int,
     attempt: int = 0,
+    recorder: TurnRecorder | None = None,
+    restarts: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The episode counterpart of ``Generator.generate_group``: stores the rows under
-    ``keys`` and returns the ``GroupResult`` fields (same result, same keys)."""
+    ``keys`` and returns the ``GroupResult`` fields (same result, same keys). The
+    group's versions are its oldest and newest model token's."""
     task = gen.task
     assert isinstance(task, EpisodeTask)
-    start = gen.weights.begin_group()
-    try:
-        trajs = run_episodes(gen, task, group_id, prompt, n, sampling, seed)
-    finally:
-        end = gen.weights.end_group()
+    if recorder is None:
+        gen.weights.begin_group()
+        try:
+            trajs = run_episodes(gen, task, group_id, prompt, n, sampling, seed)
+        finally:
+            gen.weights.end_group()
+    else:
+        trajs = run_episodes(gen, task, group_id, prompt, n, sampling, seed, recorder, restarts)
     rewards = [t.reward for t in trajs]
     bad = [r for r in rewards if not math.isfinite(r)]
     if bad:
         raise ValueError(f"task {task.name!r} returned non-finite rewards {bad}")
+    seen = [v for t in trajs for v in t.versions if v >= 0] or [gen.weights.version]
+    start, end = min(seen), max(seen)
     tag = {"group": group_id, "attempt": attempt, "v_start": start, "v_end": end}
     gen.dataplane.put(gen.run_id, keys, [t.row() for t in trajs],
                       [dict(tag, sample=i, turns=len(t.turns)) for i, t in enumerate(trajs)])
@@ -101,4 +122,5 @@ def generate_episode_group(
         "rewards": rewards, "completion_lens": [t.completion_len for t in trajs],
         "prompt_len": trajs[0].prompt_len, "weight_version_start": start,
         "weight_version_end": end,
+        "version_runs": [version_runs(t.versions[t.prompt_len:]) for t in trajs],
     }

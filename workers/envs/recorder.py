@@ -4,9 +4,9 @@ The episode runner never calls the sampler or an environment directly; it asks t
 recorder, handing it the call to make. A recorder that has seen the key before answers
 from its record and makes no call; otherwise it makes the call and records the
 outcome. That is the shape of durable execution (Temporal, Restate): the in-memory
-recorder here keeps its record in a dict, a durable one keeps it in the event log
-(an intent before an env step, its result after; a model turn as segments) and so
-survives a crash of the process that drives the episode.
+recorder here keeps its record in a dict; the durable one (``workers.envs.durable``)
+keeps it in the event log -- a model turn as segments, an intent before the env calls
+of a turn and their results after -- and so survives a crash of any process.
 
 Replay must be faithful: a recorded key asked again with a different request (other
 context ids, another action) is a :class:`ReplayMismatchError`, never silently served
@@ -17,11 +17,11 @@ step that follows it share the turn number but are recorded under separate kinds
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from workers.envs.base import Action, EnvStep, Observation, StepKey
+from workers.envs.base import Action, Observation, StepKey
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,39 @@ class ModelTurn:
     #: weight version when the turn started / finished (differ if a refit landed mid-turn)
     version_start: int
     version_end: int
+    #: the version that sampled each token (empty: every token has ``version_start``)
+    versions: tuple[int, ...] = ()
+
+    def token_versions(self) -> tuple[int, ...]:
+        return self.versions or (self.version_start,) * len(self.tokens)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one env call did to its episode: the turn's reward and how it goes on."""
+
+    reward: float
+    #: the episode ends here (the env said done, or the turn budget or context ran out)
+    ended: bool
+    #: "done", "max_turns", "context"; "" while it goes on
+    end_reason: str
+    #: the observation's exact ids, appended after the turn (empty when it ended)
+    observation: tuple[int, ...]
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One env call as the runner hands it to the recorder."""
+
+    key: StepKey
+    action: Action
+    #: fingerprint of the request (context and action): a replay must ask the same
+    request: str
+    #: make the call (the recorder calls it at most once, when nothing is recorded)
+    run: Callable[[], StepOutcome]
+    #: told of a recorded outcome it serves instead (the runner rebuilds the env's state)
+    replayed: Callable[[StepOutcome], None] = lambda outcome: None
 
 
 class ReplayMismatchError(RuntimeError):
@@ -66,7 +99,9 @@ class TurnRecorder(Protocol):
 
     def env_reset(self, key: StepKey, reset: Callable[[], Observation]) -> Observation: ...
 
-    def env_step(self, key: StepKey, action: Action, step: Callable[[], EnvStep]) -> EnvStep: ...
+    def env_steps(self, calls: Sequence[StepCall]) -> list[StepOutcome]:
+        """One outcome per call: recorded ones are served (``replayed``), others run."""
+        ...
 
 
 def digest(*parts: object) -> str:
@@ -88,7 +123,7 @@ class InMemoryTurnRecorder:
 
     turns: dict[StepKey, tuple[str, ModelTurn]] = field(default_factory=dict)
     resets: dict[StepKey, Observation] = field(default_factory=dict)
-    steps: dict[StepKey, tuple[str, EnvStep]] = field(default_factory=dict)
+    steps: dict[StepKey, tuple[str, StepOutcome]] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=lambda: {"model": 0, "reset": 0, "step": 0})
 
     def model_turns(
@@ -123,21 +158,32 @@ class InMemoryTurnRecorder:
         return record[1]
 
     def env_reset(self, key: StepKey, reset: Callable[[], Observation]) -> Observation:
-        if key not in self.resets:
-            self.resets[key] = reset()
-            self.calls["reset"] += 1
-        return self.resets[key]
+        """Always runs: a reset builds the fresh instance's state (``workers.envs.base``);
+        on replay it must show the recorded first observation again."""
+        obs = reset()
+        self.calls["reset"] += 1
+        if self.resets.setdefault(key, obs) != obs:
+            raise ReplayMismatchError(
+                f"env reset {key}: the first observation differs from the recorded one "
+                "(reset must be deterministic given the example)"
+            )
+        return obs
 
-    def env_step(self, key: StepKey, action: Action, step: Callable[[], EnvStep]) -> EnvStep:
-        want = digest(action.token_ids, action.text, action.stopped)
-        record = self.steps.get(key)
-        if record is not None:
-            if record[0] != want:
-                raise ReplayMismatchError(
-                    f"env step {key}: the agent sent a different action than the recorded one"
-                )
-            return record[1]
-        result = step()
-        self.calls["step"] += 1
-        self.steps[key] = (want, result)
-        return result
+    def env_steps(self, calls: Sequence[StepCall]) -> list[StepOutcome]:
+        out = []
+        for call in calls:
+            record = self.steps.get(call.key)
+            if record is not None:
+                if record[0] != call.request:
+                    raise ReplayMismatchError(
+                        f"env step {call.key}: the agent sent a different request than the "
+                        "recorded one"
+                    )
+                call.replayed(record[1])
+                out.append(record[1])
+                continue
+            outcome = call.run()
+            self.calls["step"] += 1
+            self.steps[call.key] = (call.request, outcome)
+            out.append(outcome)
+        return out

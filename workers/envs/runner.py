@@ -6,15 +6,18 @@ one batch where their contexts agree)::
     for each episode: obs = recorder.env_reset(key t0, env.reset)     -> trajectory
     while some episode is active:
         turns = recorder.model_turns(requests of the active ones, sampler.generate)
-        for each: append the turn's ids; step = recorder.env_step(key, action, env.step)
-                  the reward goes to the turn; done / max_turns / full context ends it,
-                  else the observation's ids are appended
+        append each turn's ids; outcomes = recorder.env_steps(one call per episode)
+        each outcome: the turn's reward, and the observation's ids appended -- or the
+        episode ends (done, max_turns, or no room left in the context)
 
 Every model turn and env step passes through the :class:`TurnRecorder` (the durable
-implementation records and replays them); nothing here calls the sampler or an env
-directly. An observation given as text is encoded once; given as ids, it is appended
-as is. An env that raises, or whose observation the tokenizer cannot encode, fails the
-group with an :class:`EnvError` naming the environment and the step.
+one records them in the log and serves them on replay); nothing here calls the sampler
+or an env directly. A served step is not made again: the env instance is brought to
+the state after it by its ``restore_step``, or, for an env that deduplicates by key, by
+re-issuing it with its key and checking the result is the recorded one. An observation
+given as text is encoded once; given as ids, it is appended as is. An env that raises,
+or whose observation the tokenizer cannot encode, fails the group with an
+:class:`EnvError` naming the environment and the step.
 """
 
 from __future__ import annotations
@@ -22,8 +25,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.envs.base import Action, EnvError, EnvStep, Environment, Observation, StepKey
-from workers.envs.recorder import ModelTurn, TurnRecorder, TurnRequest
+from workers.envs.base import (
+    Action,
+    EnvError,
+    EnvStep,
+    Environment,
+    Observation,
+    RestoresState,
+    StepKey,
+)
+from workers.envs.recorder import (
+    ModelTurn,
+    StepCall,
+    StepOutcome,
+    TurnRecorder,
+    TurnRequest,
+    digest,
+)
 from workers.envs.sampler import TurnSampler
 from workers.envs.trajectory import Trajectory
 from workers.models.factory import Tokenizer
@@ -51,14 +69,22 @@ class EpisodeRunner:
         while active:
             requests = [self._request(trajs[i], turn) for i in active]
             turns = self.recorder.model_turns(requests, self.sampler.generate)
-            active = [
-                i for i, model_turn in zip(active, turns)
-                if self._advance(trajs[i], envs[i], turn, model_turn)
+            calls = [
+                self._call_of(trajs[i], envs[i], request, model_turn)
+                for i, request, model_turn in zip(active, requests, turns)
             ]
+            outcomes = self.recorder.env_steps(calls)
+            active = [i for i, out in zip(active, outcomes) if self._apply(trajs[i], out)]
             turn += 1
         return trajs
 
     def _start(self, key: StepKey, env: Environment) -> Trajectory:
+        if not env.dedupes_by_key and not isinstance(env, RestoresState):
+            raise EnvError(
+                f"{self.env_name}: the environment declares dedupes_by_key = False and has no "
+                "restore_step, so an episode resumed after a crash could neither re-issue its "
+                "calls nor rebuild its state; implement restore_step (docs/agents.md)"
+            )
         obs = self.recorder.env_reset(key, lambda: self._call(env.reset, key))
         ids = self._ids(obs, key)
         if len(ids) + 1 > self.context_len or not ids:
@@ -74,26 +100,60 @@ class EpisodeRunner:
         room = self.context_len - len(traj.input_ids)
         return TurnRequest(traj.key.at(turn), tuple(traj.input_ids), min(self.max_new_tokens, room))
 
-    def _advance(self, traj: Trajectory, env: Environment, turn: int, model_turn: ModelTurn) -> bool:
-        """Append the turn and the env's answer; True if the episode goes on."""
-        traj.append_turn(turn, model_turn)
-        key = traj.key.at(turn)
+    def _call_of(
+        self, traj: Trajectory, env: Environment, request: TurnRequest, model_turn: ModelTurn
+    ) -> StepCall:
+        """Append the turn; the env call that answers it."""
+        key = request.key
+        traj.append_turn(key.turn, model_turn)
         action = Action(self.tokenizer.decode(list(model_turn.tokens)), model_turn.tokens,
                         model_turn.stopped)
-        result = self.recorder.env_step(key, action, lambda: self._call(env.step, action, key))
+        return StepCall(
+            key, action, digest(request.context, model_turn.tokens, model_turn.stopped),
+            run=lambda: self._outcome(traj, env, action, key),
+            replayed=lambda outcome: self._restore(env, action, outcome, key),
+        )
+
+    def _outcome(self, traj: Trajectory, env: Environment, action: Action, key: StepKey) -> StepOutcome:
+        """Make the env call; what it means for the episode."""
+        result = self._call(env.step, action, key)
         if result.done:
-            traj.close_turn(result.reward, (), result.info)
-            traj.end_reason = "done"
-            return False
+            return StepOutcome(result.reward, True, "done", (), dict(result.info))
         obs_ids = self._ids(result.observation, key)
         # the observation is appended only if a model turn can still follow it
         full = len(traj.input_ids) + len(obs_ids) + 1 > self.context_len
-        if turn >= self.max_turns or full:
-            traj.close_turn(result.reward, (), result.info)
-            traj.end_reason = "max_turns" if turn >= self.max_turns else "context"
-            return False
-        traj.close_turn(result.reward, obs_ids, result.info)
-        return True
+        if key.turn >= self.max_turns or full:
+            reason = "max_turns" if key.turn >= self.max_turns else "context"
+            return StepOutcome(result.reward, True, reason, (), dict(result.info))
+        return StepOutcome(result.reward, False, "", obs_ids, dict(result.info))
+
+    def _apply(self, traj: Trajectory, outcome: StepOutcome) -> bool:
+        """The outcome onto the trajectory; True if the episode goes on."""
+        traj.close_turn(outcome.reward, outcome.observation, outcome.info)
+        if outcome.ended:
+            traj.end_reason = outcome.end_reason
+        return not outcome.ended
+
+    def _restore(self, env: Environment, action: Action, outcome: StepOutcome, key: StepKey) -> None:
+        """A recorded step, served: bring the fresh env instance to the state after it."""
+        recorded = EnvStep(Observation(token_ids=outcome.observation), outcome.reward,
+                           outcome.end_reason == "done", outcome.info)
+        if isinstance(env, RestoresState):
+            def restore(a: Action, k: StepKey) -> EnvStep:
+                env.restore_step(a, recorded, k)
+                return recorded
+
+            self._call(restore, action, key)
+            return
+        again = self._call(env.step, action, key)  # deduplicated by key: no second effect
+        ids = self._ids(again.observation, key) if outcome.observation else ()
+        if (again.reward, again.done, ids) != (outcome.reward, recorded.done, outcome.observation):
+            raise EnvError(
+                f"{self.env_name} is not deterministic on replay at {key}: the log recorded "
+                f"reward {outcome.reward}, done={recorded.done}, {len(outcome.observation)} "
+                f"observation ids; re-issued, it returned reward {again.reward}, "
+                f"done={again.done}, {len(ids)} ids"
+            )
 
     def _ids(self, obs: Observation, key: StepKey) -> tuple[int, ...]:
         if obs.token_ids is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -56,15 +56,34 @@ class TorchTurnSampler:
             completions = sample(
                 self.model, prompt, len(members), cfg, self.generator, self.eos_id,
                 use_cache=self.use_cache, between_steps=self.between_steps,
+                version=self.version,
             )
             end = self.version()
             for i, c in zip(members, completions):
+                versions = () if c.versions is None else tuple(int(v) for v in c.versions.tolist())
                 out[i] = ModelTurn(
                     tokens=tuple(c.tokens),
                     logprobs=tuple(float(x) for x in c.logprobs.tolist()),
                     stopped=c.stopped,
-                    version_start=start,
-                    version_end=end,
+                    version_start=min(versions, default=start),
+                    version_end=max(versions, default=end),
+                    versions=versions,
                 )
         return [t for t in out if t is not None]
 
+
+@dataclass
+class HoldingWeights:
+    """A sampler that marks the generator's weights in use while it samples (and only
+    then: an episode paused between turns, or an idle endpoint, lets a refit land)."""
+
+    sampler: TurnSampler
+    #: ``workers.weight_sync.VersionedWeights``
+    weights: Any
+
+    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]:
+        self.weights.begin_group()
+        try:
+            return self.sampler.generate(requests)
+        finally:
+            self.weights.end_group()

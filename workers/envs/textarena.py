@@ -79,7 +79,8 @@ class TextArenaEnv:
     seed: int
     options: Mapping[str, Any] = field(default_factory=dict)
     #: a game is an in-process simulation: a step already applied (same key) is
-    #: answered from this instance's record, never applied twice
+    #: answered from this instance's record, never applied twice; a resumed game is
+    #: rebuilt by ``restore_step``
     dedupes_by_key: bool = True
 
     def reset(self, key: StepKey) -> Observation:
@@ -122,6 +123,21 @@ class TextArenaEnv:
                              _jsonable(dict(info or {})))
         self._results[key] = result
         return result
+
+    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> None:
+        """A recorded move, re-applied to this fresh game (``workers.envs.base``): the game
+        is an in-process simulation seeded by the example, so replaying the moves on a
+        new instance rebuilds its state with no effect outside it; the recorded result
+        stands (a game that answers otherwise fails the episode at its next move)."""
+        done, _ = self._env.step(action.text)
+        self._results[key] = recorded
+        if not done:
+            self._env.get_observation()  # taken, as the live step took it: not shown again
+        if bool(done) != recorded.done:
+            raise EnvError(
+                f"{PREFIX}{self.env_id} is not deterministic on replay at {key}: the log "
+                f"recorded done={recorded.done}, the re-applied move gave done={bool(done)}"
+            )
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

@@ -47,6 +47,8 @@ class Trajectory:
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    #: the weight version of each model token, -1 on observation tokens
+    versions: list[int] = field(default_factory=list)
     turns: list[TurnSpan] = field(default_factory=list)
     prompt_len: int = 0
     #: why the episode ended: "done" (the env said so), "max_turns", "context"
@@ -58,6 +60,7 @@ class Trajectory:
         self.input_ids.extend(ids)
         self.loss_mask.extend([False] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
 
     def append_turn(self, turn_no: int, turn: ModelTurn) -> None:
         if len(turn.logprobs) != len(turn.tokens):
@@ -66,6 +69,7 @@ class Trajectory:
         self.input_ids.extend(turn.tokens)
         self.loss_mask.extend([True] * len(turn.tokens))
         self.logprobs.extend(turn.logprobs)
+        self.versions.extend(turn.token_versions())
         end = len(self.input_ids)
         self.turns.append(
             TurnSpan(turn_no, start, end, 0.0, turn.version_start, turn.version_end, end, end)
@@ -78,6 +82,7 @@ class Trajectory:
         self.input_ids.extend(obs_ids)
         self.loss_mask.extend([False] * len(obs_ids))
         self.logprobs.extend([0.0] * len(obs_ids))
+        self.versions.extend([-1] * len(obs_ids))
         self.turns[-1] = TurnSpan(
             last.turn, last.start, last.end, float(reward), last.version_start,
             last.version_end, obs_start, len(self.input_ids), dict(info),
@@ -106,6 +111,7 @@ class Trajectory:
             "input_ids": torch.tensor(self.input_ids, dtype=torch.int64),
             "loss_mask": torch.tensor(self.loss_mask, dtype=torch.bool),
             "generator_logprobs": torch.tensor(self.logprobs, dtype=torch.float32),
+            "token_versions": torch.tensor(self.versions, dtype=torch.int64),
             "reward": torch.tensor(self.reward, dtype=torch.float32),
             "prompt_len": torch.tensor(self.prompt_len, dtype=torch.int64),
             "completion_len": torch.tensor(self.completion_len, dtype=torch.int64),

@@ -26,8 +26,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -35,8 +34,8 @@ import torch
 
 from workers.envs.base import StepKey
 from workers.envs.chat import ChatRequestError, ChatSession, PlainTemplate, serve_turn
-from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder, TurnRequest
-from workers.envs.sampler import TorchTurnSampler, TurnSampler
+from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder
+from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
 from workers.models.config import SamplingSection
@@ -88,7 +87,7 @@ class OpenAIServer:
             use_cache=gen.use_cache,
         )
         kwargs.setdefault("run_id", gen.run_id)
-        return cls(_HoldingWeights(sampler, gen.weights), PlainTemplate(gen.tokenizer, tools),
+        return cls(HoldingWeights(sampler, gen.weights), PlainTemplate(gen.tokenizer, tools),
                    context_len(gen.model), temperature=sampling.temperature,
                    max_tokens=sampling.max_new_tokens, **kwargs)
 
@@ -172,21 +171,6 @@ class OpenAIServer:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ChatRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         return max_tokens
-
-
-@dataclass
-class _HoldingWeights:
-    """A sampler that marks the generator's weights in use while it samples."""
-
-    sampler: TurnSampler
-    weights: Any
-
-    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]:
-        self.weights.begin_group()
-        try:
-            return self.sampler.generate(requests)
-        finally:
-            self.weights.end_group()
 
 
 def _response(

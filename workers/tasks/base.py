@@ -78,6 +78,7 @@ def register_task(name: str) -> Callable[[T], T]:
 _ELSEWHERE: dict[str, str] = {
     "calculator": "workers.envs.calculator:CalculatorTask",
     "calculator-notool": "workers.envs.calculator:CalculatorNoToolTask",
+    "ledger": "workers.envs.ledger:LedgerTask",
 }
 
 #: task families named "<prefix><name>" (e.g. "reasoning-gym/leg_counting"): prefix ->

@@ -1,0 +1,290 @@
+"""Episodes in the folded state: what an in-flight group's environment calls recorded.
+
+A multi-turn sample is an episode (``docs/agents.md``): model turns, recorded as
+``SegmentsRecorded`` (``controller.core.segments``), alternating with environment or
+tool calls, recorded write-ahead -- ``EnvStepsRequested`` (the intent, with each call's
+idempotency key) before the calls run, ``EnvStepsCompleted`` (the results, with each
+turn's reward) after. The state keeps, per group that recorded any call and is not
+committed, an :class:`InflightEpisodes`: per sample its turns (the request
+fingerprint, which attempt asked last, the result once it came) and its restart count.
+
+The rules the reducer enforces with it:
+
+* a sample's calls come in turn order, one at a time: turn ``t + 1`` only once turn
+  ``t`` has a result, nothing after the result that ended the episode;
+* a call without a result may be requested again only by a later attempt, with the
+  same request, and only for an environment that deduplicates by key -- one that
+  cannot is never asked twice (``EpisodesRestarted`` starts that episode over instead,
+  with new keys);
+* a result answers the call its attempt requested;
+* at the commit every episode has ended, and each sample's committed reward is the sum
+  of its turns' rewards.
+
+At the commit the record becomes an :class:`EpisodeSummary` on the group (each turn's
+first completion token and its reward): enough for per-token advantages
+(:func:`turn_advantages`) and for ``replay --episode``.
+
+Pure: no I/O, no clock, no randomness, no logging.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+from controller.core.segments import InflightSegments, record_flush
+from events.schema import (
+    EnvCall,
+    EnvResult,
+    EnvStepsCompleted,
+    EnvStepsRequested,
+    EpisodesRestarted,
+)
+
+
+class TurnRecord(msgspec.Struct, kw_only=True, gc=False):
+    """One call of one episode: its intent, and its result once it came."""
+
+    turn: int
+    #: the request fingerprint the intent recorded (a replay must ask the same)
+    request: str
+    #: the attempt whose intent is the latest for this call
+    attempt: int
+    result: EnvResult | None = None
+
+
+class SampleEpisode(msgspec.Struct, kw_only=True):
+    """One sample's episode as the log has it."""
+
+    #: times it was started again from the prompt (part of its calls' keys)
+    restart: int = 0
+    turns: list[TurnRecord] = []
+
+    @property
+    def ended(self) -> bool:
+        last = self.turns[-1] if self.turns else None
+        return last is not None and last.result is not None and last.result.ended
+
+    def pending(self) -> TurnRecord | None:
+        """The call asked for whose result never came (None when there is none)."""
+        last = self.turns[-1] if self.turns else None
+        return last if last is not None and last.result is None else None
+
+
+class InflightEpisodes(msgspec.Struct, kw_only=True):
+    """What an uncommitted group's environment calls recorded, over all its attempts."""
+
+    #: the task that made the environment, and its declaration
+    env: str
+    dedupes_by_key: bool
+    samples: list[SampleEpisode]
+    #: the attempt now admitted, and its env events so far (the next one's index)
+    attempt: int
+    attempt_events: int = 0
+
+    @classmethod
+    def empty(cls, n_samples: int, attempt: int, env: str, dedupes_by_key: bool) -> InflightEpisodes:
+        return cls(env=env, dedupes_by_key=dedupes_by_key, attempt=attempt,
+                   samples=[SampleEpisode() for _ in range(n_samples)])
+
+
+class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
+    """A committed group's turns: per sample, each turn's first completion token (its
+    offset after the prompt) and its reward, in turn order."""
+
+    starts: list[list[int]]
+    rewards: list[list[float]]
+
+
+def _sample_of(rec: InflightEpisodes, sample: int, restart: int, seen: set[int]) -> str:
+    n = len(rec.samples)
+    if not 0 <= sample < n or sample in seen:
+        return f"sample {sample} is outside the group of {n} or twice in one event"
+    seen.add(sample)
+    if restart != rec.samples[sample].restart:
+        return (f"sample {sample}: restart {restart} in the key, but the episode is at "
+                f"restart {rec.samples[sample].restart}")
+    return ""
+
+
+def _check_each(rec: InflightEpisodes, ev: EnvStepsRequested | EnvStepsCompleted,
+                items: Sequence[EnvCall] | Sequence[EnvResult], check) -> str:  # type: ignore[no-untyped-def]
+    """The rules every env event shares (index, samples, keys), then ``check`` per item."""
+    if ev.index != rec.attempt_events:
+        return f"env event index {ev.index}, expected {rec.attempt_events} for attempt {ev.attempt}"
+    if not items:
+        return f"a {type(ev).__name__} with no calls"
+    seen: set[int] = set()
+    for item in items:
+        problem = _sample_of(rec, item.sample, item.restart, seen) or check(
+            item, rec.samples[item.sample], f"sample {item.sample} turn {item.turn}")
+        if problem:
+            return problem
+    return ""
+
+
+def requested_problem(rec: InflightEpisodes, ev: EnvStepsRequested) -> str:
+    """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
+    if (ev.env, ev.dedupes_by_key) != (rec.env, rec.dedupes_by_key):
+        return (f"env {ev.env!r} (dedupes_by_key={ev.dedupes_by_key}) after calls to "
+                f"{rec.env!r} (dedupes_by_key={rec.dedupes_by_key})")
+
+    def check(call: EnvCall, episode: SampleEpisode, where: str) -> str:
+        pending = episode.pending()
+        if episode.ended:
+            return f"{where}: the episode already ended"
+        if pending is None:
+            want = episode.turns[-1].turn + 1 if episode.turns else 1
+            return f"{where}: the next call of this episode is turn {want}" if call.turn != want else ""
+        if call.turn != pending.turn:
+            return f"{where}: turn {pending.turn} was requested and has no result yet"
+        if not rec.dedupes_by_key:
+            return (f"{where}: asked again with the same key, but env {rec.env!r} cannot "
+                    "deduplicate (a second call could repeat its side effect)")
+        if pending.attempt >= ev.attempt:
+            return f"{where}: already requested by attempt {pending.attempt}"
+        if call.request != pending.request:
+            return (f"{where}: re-issued with request {call.request}, but the log recorded "
+                    f"{pending.request} (a replayed agent must make the same call)")
+        return ""
+
+    return _check_each(rec, ev, ev.calls, check)
+
+
+def record_requested(rec: InflightEpisodes, ev: EnvStepsRequested) -> None:
+    """Fold a checked intent into ``rec``."""
+    rec.attempt_events += 1
+    for call in ev.calls:
+        episode = rec.samples[call.sample]
+        pending = episode.pending()
+        if pending is not None:  # re-issued with the same key
+            pending.attempt = ev.attempt
+        else:
+            episode.turns.append(TurnRecord(turn=call.turn, request=call.request, attempt=ev.attempt))
+
+
+def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
+    """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
+
+    def check(result: EnvResult, episode: SampleEpisode, where: str) -> str:
+        pending = episode.pending()
+        if pending is None or pending.turn != result.turn or pending.attempt != ev.attempt:
+            return f"{where}: a result for a call attempt {ev.attempt} did not request"
+        if not math.isfinite(result.reward):
+            return f"{where}: reward {result.reward} is not finite"
+        if result.observation_tokens < 0 or (result.ended and result.observation_tokens):
+            return f"{where}: {result.observation_tokens} observation tokens" + (
+                " after the episode ended" if result.ended else "")
+        return ""
+
+    return _check_each(rec, ev, ev.results, check)
+
+
+def record_completed(rec: InflightEpisodes, ev: EnvStepsCompleted) -> None:
+    rec.attempt_events += 1
+    for result in ev.results:
+        pending = rec.samples[result.sample].pending()
+        assert pending is not None  # checked by completed_problem
+        pending.result = result
+
+
+def unresolved(rec: InflightEpisodes) -> list[int]:
+    """Samples with a call that was asked for and has no result."""
+    return [i for i, e in enumerate(rec.samples) if e.pending() is not None]
+
+
+def restart_problem(rec: InflightEpisodes | None, ev: EpisodesRestarted) -> str:
+    if rec is None:
+        return "no environment call was recorded"
+    if not ev.samples or len(set(ev.samples)) != len(ev.samples):
+        return f"samples {ev.samples} must be distinct and not empty"
+    stuck = set(unresolved(rec))
+    extra = [i for i in ev.samples if i not in stuck]
+    if extra:
+        return f"samples {extra} have no call without a result: nothing to restart"
+    return ""
+
+
+def restart(
+    rec: InflightEpisodes, segments: InflightSegments | None, samples: Sequence[int]
+) -> InflightSegments | None:
+    """Start ``samples`` over: their calls and recorded tokens are dropped, their restart
+    count goes up. Returns the group's segment record without their segments (folded
+    again from the flushes that are left, so every count and version sum is exact)."""
+    drop = set(samples)
+    for i in drop:
+        rec.samples[i] = SampleEpisode(restart=rec.samples[i].restart + 1)
+    if segments is None:
+        return None
+    kept = InflightSegments.empty(len(segments.recorded), segments.attempt)
+    for flush in segments.flushes:
+        left = [s for s in flush.segments if s.sample not in drop]
+        if left:
+            record_flush(kept, msgspec.structs.replace(flush, segments=left))
+    kept.attempt_flushes = segments.attempt_flushes  # the flush index runs on
+    return kept
+
+
+def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
+    """Why a commit with these rewards disagrees with the recorded calls."""
+    if len(rewards) != len(rec.samples):
+        return f"{len(rewards)} samples committed, {len(rec.samples)} have episodes"
+    for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
+        if not episode.ended:
+            return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
+        total = sum(t.result.reward for t in episode.turns if t.result is not None)
+        if total != reward:
+            return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
+    return ""
+
+
+def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> EpisodeSummary | None:
+    """Each turn's first model token and reward; None without the turns' segments."""
+    if segments is None:
+        return None
+    first: dict[tuple[int, int], int] = {}
+    for flush in segments.flushes:
+        if flush.kind == "model":
+            for seg in flush.segments:
+                key = (seg.sample, seg.turn)
+                first[key] = min(first.get(key, seg.start), seg.start)
+    starts: list[list[int]] = []
+    rewards: list[list[float]] = []
+    for i, episode in enumerate(rec.samples):
+        turns = [t for t in episode.turns if t.result is not None]
+        if any((i, t.turn) not in first for t in turns):
+            return None  # a turn without its tokens: no per-turn credit, the return stands
+        starts.append([first[(i, t.turn)] for t in turns])
+        rewards.append([t.result.reward for t in turns])  # type: ignore[union-attr]
+    return EpisodeSummary(starts=starts, rewards=rewards)
+
+
+def turn_advantages(summary: EpisodeSummary, eps: float = 1e-6) -> tuple[list[list[float]], bool]:
+    """Per-token GRPO advantages of one group, one value per turn; (runs, zero_variance).
+
+    Each sample's run is flat ``[start_1, a_1, start_2, a_2, ...]``: the completion's
+    tokens from ``start_j`` up to ``start_{j+1}`` (the turn's model tokens; the
+    observation after it is loss-masked) get ``a_j`` = (reward-to-go from turn j -
+    the group's mean return) / (its std + eps). Exactly
+    ``workers.envs.trajectory.per_token_advantages`` on the model tokens, in the same
+    float64 operations in the same order; all returns equal gives exactly 0.
+    """
+    returns = [sum(r) for r in summary.rewards]
+    n = len(returns)
+    if n == 0:
+        raise ValueError("a group needs at least one sample")
+    mean = sum(returns) / n
+    std = (sum((g - mean) ** 2 for g in returns) / n) ** 0.5
+    runs: list[list[float]] = []
+    for starts, rewards in zip(summary.starts, summary.rewards):
+        values = [0.0] * len(rewards)
+        if std >= eps:
+            to_go = 0.0
+            for j in range(len(rewards) - 1, -1, -1):
+                to_go += rewards[j]
+                values[j] = (to_go - mean) / (std + eps)
+        runs.append([x for pair in zip(map(float, starts), values) for x in pair])
+    return runs, std < eps
+
