@@ -221,6 +221,9 @@ def task_options(args: argparse.Namespace) -> dict[str, Any]:
         "judge_sigma": args.judge_sigma,
         "seed": args.seed,
         "decode_in_steps": args.decode_in_steps,
+        "length_dist": args.length_dist,
+        "alpha": args.alpha,
+        "max_tokens": args.max_tokens,
     }
 
 
@@ -320,11 +323,20 @@ COLUMNS = [
     ("ctrl CPU ms/group", "ctrl_cpu_ms", "{:16.3f}"),
     ("(log appends)", "append_cpu_ms", "{:13.3f}"),
     ("lag mean/max", "lag", "{:>12}"),
-    ("token lag", "token_lag", "{:9.2f}"),
+    ("token lag mean", "token_lag", "{:14.2f}"),
     ("tokens/s", "tokens_per_s", "{:8.0f}"),
     ("trainer idle", "trainer_idle", "{:12.1%}"),
     ("evicted", "evicted", "{:7.0f}"),
 ]
+
+
+def length_law(args: argparse.Namespace) -> str:
+    cap = f", capped at {args.max_tokens}"
+    if args.sigma_tokens == 0:
+        return f"{args.median_tokens:g} tok each (no tail)"
+    if args.length_dist == "pareto":
+        return f"pareto(median {args.median_tokens:g} tok, alpha {args.alpha:g}{cap})"
+    return f"lognormal(median {args.median_tokens:g} tok, sigma {args.sigma_tokens:g}{cap})"
 
 
 def print_table(rows: dict[str, dict[str, float]]) -> None:
@@ -375,7 +387,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=4,
                     help="tokens the tiny model really decodes (the reverse task needs 4)")
     ap.add_argument("--median-tokens", type=float, default=16.0, help="simulated completion length, median")
-    ap.add_argument("--sigma-tokens", type=float, default=1.5, help="lognormal sigma of the length (tail)")
+    ap.add_argument("--sigma-tokens", type=float, default=1.5,
+                    help="lognormal sigma of the length (tail); 0: every length the median")
+    ap.add_argument("--length-dist", choices=["lognormal", "pareto"], default="lognormal",
+                    help="law of the simulated lengths (bench/latency_task.py)")
+    ap.add_argument("--alpha", type=float, default=1.2, help="the Pareto law's shape")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="longest simulated completion")
     ap.add_argument("--decode-us-per-token", type=float, default=60.0, help="simulated decode time")
     ap.add_argument("--judge-median-ms", type=float, default=1.0, help="reward call latency, median")
     ap.add_argument("--judge-sigma", type=float, default=0.5)
@@ -390,8 +407,9 @@ def parse_args() -> argparse.Namespace:
                     help="skip the third mode: async with controller.publish = behind")
     ap.add_argument("--no-inflight", dest="inflight", action="store_false",
                     help="skip the fourth mode: async with partial rollouts (in-flight refits)")
-    ap.add_argument("--segment-tokens", type=int, default=2,
-                    help="rollout.partial.segment_tokens of the in-flight mode")
+    ap.add_argument("--segment-tokens", type=int, default=64,
+                    help="rollout.partial.segment_tokens of the in-flight mode (the tiny model "
+                         "decodes --max-new-tokens real tokens: at 64 a group flushes at refits only)")
     ap.add_argument("--selection", default="ready_first",
                     help="staleness.selection of every mode (ready_first: a straggler past the "
                          "window is evicted, not waited for)")
@@ -435,10 +453,12 @@ def main() -> None:
     print(f"{args.generators} {where} generators ({args.groups_per_call} group(s)/call), "
           f"{args.groups_per_step} groups/step x "
           f"{args.samples} samples, {args.steps} steps, {args.rounds} round(s), log in {args.store}; "
-          f"simulated latency: length lognormal(median {args.median_tokens:g} tok, sigma "
-          f"{args.sigma_tokens:g}) x {args.decode_us_per_token:g} us/tok + judge lognormal(median "
+          f"simulated latency: length {length_law(args)} x {args.decode_us_per_token:g} us/tok "
+          f"+ judge lognormal(median "
           f"{args.judge_median_ms:g} ms, sigma {args.judge_sigma:g}) per completion")
     print_table(rows)
+    print("lag: of each consumed group's oldest token (its max is the largest lag of any token "
+          "trained); token lag mean: every token at its own version (docs/segments.md)")
     sync, asyn = rows["sync (w=0)"], rows[f"async (w={args.window})"]
     ratio = asyn["groups_per_s"] / sync["groups_per_s"]
     per_round = [a["groups_per_s"] / s["groups_per_s"] for s, a in zip(results["sync"], results["async"])]

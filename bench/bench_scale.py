@@ -23,12 +23,8 @@ up to 1024 generators; CPU per group at 1024 <= 1.5x that at 8.
 ``--saturate`` then shrinks the generation times at the largest fleet until the
 controller is the bottleneck (idle caused > 1%): the group rate it sustains.
 
-``--partial`` adds, per fleet size, today's async against async with partial rollouts
-(``rollout.partial``, ``staleness.window_basis = "newest_token"``, ``docs/segments.md``)
-on long-tailed lengths (a group's length follows its generation time, sigma
-``--partial-sigma``): groups per virtual second of each and their ratio in free virtual
-time, evicted groups, events per group, mean/max oldest-token lag and token-weighted lag,
-and, charged on redis, the controller's CPU per group with partial rollouts on.
+In-flight updates and partial rollouts at scale (sync / async / async with refits between
+calls / in-flight, long-tailed lengths) are ``bench/bench_partial_scale.py``'s.
 
     python bench/bench_scale.py                       # the sweep (a few minutes)
     python bench/bench_scale.py --generators 8,64 --groups 1000
@@ -39,7 +35,6 @@ and, charged on redis, the controller's CPU per group with partial rollouts on.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import tempfile
@@ -189,81 +184,6 @@ def overlap_point(args: argparse.Namespace, generators: int, sigma: float) -> di
     return {"generators": generators, "bound": bound, "ratio": ratio, "fraction": ratio / bound}
 
 
-PARTIAL = ("rollout.partial.enabled=true", "staleness.window_basis=newest_token")
-
-
-def _token_lags(state) -> tuple[float, float, int]:
-    """(mean oldest-token lag, token-weighted mean lag, max partial span) of consumed groups."""
-    lags, token_lag, tokens, span = [], 0.0, 0, 0
-    for g in state.groups.values():
-        if g.consumed_step is None or g.lag is None:
-            continue
-        n = sum(g.lengths)
-        lags.append(g.lag)
-        token_lag += (g.lag + g.weight_version_start) * n - g.version_token_sum
-        tokens += n
-        span = max(span, g.partial_span)
-    return sum(lags) / max(1, len(lags)), token_lag / max(1, tokens), span
-
-
-def partial_point(args: argparse.Namespace, server: RedisServer, generators: int) -> dict[str, float]:
-    """Today's async vs partial rollouts on long-tailed lengths (see the docstring)."""
-    row: dict[str, float] = {"generators": generators}
-    base = config_for(generators, args.groups, 1, args.selection)
-    for mode, extra in (("today", ()), ("partial", PARTIAL)):
-        cfg = load_config(None, [*_overrides(base), *extra,
-                                 f"rollout.partial.segment_tokens={args.segment_tokens}"])
-        timings = timings_for(cfg, args.median_s, args.partial_sigma, args.trainer_ratio)
-        timings = dataclasses.replace(timings, lengths_follow_time=True)
-        store = MemoryEventStore()
-        out = simulate(store, SimSpec(config=cfg, timings=timings, run_id=mode))
-        tl, _ = timeline_of(store, mode)
-        lag, token_lag, span = _token_lags(out.writer.state)
-        row.update({f"{mode}_rate": tl.groups_consumed / tl.wall_s, f"{mode}_evicted": tl.evicted,
-                    f"{mode}_events": out.events / max(1, tl.groups_consumed),
-                    f"{mode}_lag": lag, f"{mode}_lag_max": max(tl.lags, default=0),
-                    f"{mode}_token_lag": token_lag, f"{mode}_span": span})
-        if mode == "partial":
-            charged = RedisEventStore(server.url)
-            run_id = f"partial-g{generators}"
-            got = simulate(charged, SimSpec(config=cfg, timings=timings, run_id=run_id,
-                                            charge_real_time=True))
-            _, _, groups = _idle(charged, run_id)
-            charged.close()
-            row["partial_cpu_ms"] = 1e3 * got.controller_cpu_s / max(1, groups)
-    row["ratio"] = row["partial_rate"] / row["today_rate"]
-    return row
-
-
-def _overrides(cfg: Config) -> list[str]:
-    """The ``--set`` items that rebuild ``cfg``'s run shape."""
-    return [
-        f"run.steps={cfg.run.steps}", f"rollout.num_generators={cfg.rollout.num_generators}",
-        f"rollout.samples_per_group={cfg.rollout.samples_per_group}", "rollout.groups_per_call=1",
-        f"train.groups_per_step={cfg.train.groups_per_step}",
-        f"train.groups_per_microbatch={cfg.train.groups_per_microbatch}",
-        f"staleness.window_versions={cfg.staleness.window_versions}",
-        f"staleness.selection={cfg.staleness.selection}", "checkpoint.every_steps=10",
-        "checkpoint.retain_payloads=until_checkpoint", "task.num_prompts=1000000",
-    ]
-
-
-def print_partial(rows: list[dict[str, float]]) -> None:
-    header = (f"{'gens':>5} {'today grp/s':>11} {'partial grp/s':>13} {'ratio':>6} "
-              f"{'evicted t/p':>11} {'events/grp t/p':>14} {'lag mean t/p':>12} "
-              f"{'lag max t/p':>11} {'token lag t/p':>13} {'span':>4} {'CPU ms/grp':>10}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['generators']:>5} {r['today_rate']:>11.2f} {r['partial_rate']:>13.2f} "
-              f"{r['ratio']:>6.2f} {r['today_evicted']:>5}/{r['partial_evicted']:<5} "
-              f"{r['today_events']:>6.1f}/{r['partial_events']:<7.1f} "
-              f"{r['today_lag']:>5.2f}/{r['partial_lag']:<6.2f} "
-              f"{r['today_lag_max']:>5}/{r['partial_lag_max']:<5} "
-              f"{r['today_token_lag']:>6.2f}/{r['partial_token_lag']:<6.2f} {r['partial_span']:>4} "
-              f"{r['partial_cpu_ms']:>10.3f}")
-
-
 def print_table(rows: list[dict[str, float]]) -> None:
     header = (f"{'gens':>5} {'grp/step':>8} {'groups':>7} {'CPU ms/grp':>10} {'ev/s busy':>10} "
               f"{'ev/s virt':>9} {'redis ms/grp':>12} {'idle caused':>11} {'idle free':>9} "
@@ -291,14 +211,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--selection", default="ready_first")
     ap.add_argument("--saturate", action="store_true",
                     help="at the largest fleet, shrink generation times until the controller is late")
-    ap.add_argument("--partial", action="store_true",
-                    help="also compare today's async with partial rollouts on long-tailed lengths")
-    ap.add_argument("--only-partial", action="store_true", help="only the --partial comparison")
-    ap.add_argument("--partial-sigma", type=float, default=1.0,
-                    help="lognormal sigma of generation time and length in the --partial rows")
-    ap.add_argument("--segment-tokens", type=int, default=256,
-                    help="rollout.partial.segment_tokens in the --partial rows (lengths are "
-                         "256 tokens at the median)")
     ap.add_argument("--profile", type=int, metavar="GENERATORS",
                     help="cProfile one charged run at this fleet size and print the top entries")
     return ap.parse_args()
@@ -321,14 +233,6 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             return
-        if args.partial or args.only_partial:
-            rows = [partial_point(args, server, n) for n in fleets]
-            print(f"\ntoday's async vs partial rollouts, window 1, {args.selection}, generation "
-                  f"and length lognormal(sigma {args.partial_sigma:g}), segment_tokens "
-                  f"{args.segment_tokens}; free virtual time (CPU: charged, redis)")
-            print_partial(rows)
-            if args.only_partial:
-                return
         one_point(argparse.Namespace(**{**vars(args), "groups": 256}), server, 8, args.median_s, "warmup")
         rows = []
         for n in fleets:

@@ -7,10 +7,19 @@ release the CPU as a remote inference server or a remote judge would):
 
 1. **Long-tail decode time.** Completion lengths of reasoning models are heavy-tailed:
    most groups are short, a few run to the token budget. Every prompt draws a
-   would-be completion length ``L ~ lognormal(log(median_tokens), sigma_tokens)``
-   (capped at ``max_tokens``); every completion of it varies by +-25 % around that,
-   and costs ``L * decode_s_per_token``. The draw is a pure function of the prompt
-   text and ``seed``, so two runs over the same prompts see the same tail.
+   would-be completion length ``L`` (capped at ``max_tokens``); every completion of it
+   varies by +-25 % around that, and costs ``L * decode_s_per_token``. The draw is a
+   pure function of the prompt text and ``seed``, so two runs over the same prompts see
+   the same tail. ``length_dist`` picks its law, both with median ``median_tokens``:
+
+   * ``"lognormal"``: ``L = median_tokens * exp(sigma_tokens * z)``, z standard normal
+     (sigma 1.5: 6 % of prompts beyond 10x the median, 1 % beyond 33x);
+   * ``"pareto"``: ``P(L > x) = (x_m / x)^alpha`` above ``x_m = median_tokens /
+     2^(1/alpha)``, a power law: with ``alpha = 1.2``, 3.2 % of prompts beyond 10x the
+     median, 0.2 % beyond 100x, 0.014 % beyond 1000x -- where a lognormal's tail has
+     long died out (reasoning traces that run to the budget).
+
+   ``sigma_tokens`` 0 gives every prompt the median (no tail) with either law.
 2. **Environment / reward latency.** Each completion's reward call sleeps
    ``lognormal(log(judge_median_s), judge_sigma)`` seconds, like a code sandbox or
    an LLM judge; seeded by (prompt, completion, ``seed``).
@@ -46,6 +55,9 @@ class LatencyTask:
     median_tokens: float = 64.0
     sigma_tokens: float = 1.0
     max_tokens: int = 2048
+    #: the law of the lengths: "lognormal" (sigma_tokens) or "pareto" (alpha)
+    length_dist: str = "lognormal"
+    alpha: float = 1.2
     #: simulated decode time per token of a remote inference server
     decode_s_per_token: float = 2e-5
     #: per-completion reward/environment call: lognormal median and sigma
@@ -62,6 +74,9 @@ class LatencyTask:
             raise ValueError("LatencyTask: median_tokens must be > 0 and max_tokens >= 1")
         if min(self.sigma_tokens, self.decode_s_per_token, self.judge_median_s, self.judge_sigma) < 0:
             raise ValueError("LatencyTask: sigmas, per-token time and judge median must be >= 0")
+        if self.length_dist not in ("lognormal", "pareto") or self.alpha <= 0:
+            raise ValueError(f"LatencyTask: length_dist must be 'lognormal' or 'pareto' and alpha "
+                             f"> 0, got {self.length_dist!r}, {self.alpha}")
         self._task = make_task(self.base)
 
     def examples(self, count: int, seed: int) -> list[Example]:
@@ -69,8 +84,14 @@ class LatencyTask:
 
     def prompt_tokens(self, example: Example) -> int:
         """The would-be completion length of this prompt (its place in the long tail)."""
-        z = _rng("len", self.seed, example.prompt).gauss(0.0, 1.0)
-        return min(self.max_tokens, max(1, round(self.median_tokens * math.exp(self.sigma_tokens * z))))
+        rng = _rng("len", self.seed, example.prompt)
+        if self.sigma_tokens == 0:
+            scale = 1.0
+        elif self.length_dist == "pareto":  # inverse CDF, u in (0, 1]; the median at u = 1/2
+            scale = (2 * (1.0 - rng.random())) ** (-1 / self.alpha)
+        else:
+            scale = math.exp(self.sigma_tokens * rng.gauss(0.0, 1.0))
+        return min(self.max_tokens, max(1, round(self.median_tokens * scale)))
 
     def latency_s(self, example: Example, completion: str) -> float:
         """Simulated decode + reward-call time of one completion (deterministic)."""
@@ -81,7 +102,7 @@ class LatencyTask:
 
     def step_latency_s(self, example: Example, max_steps: int) -> float:
         """With ``decode_in_steps``: the group's decode time, spread over the real token
-        steps (the generator sleeps it after each; ``Generator.simulated_decode``)."""
+        steps (the generator sleeps it before each; ``Generator.simulated_decode``)."""
         if not self.decode_in_steps:
             return 0.0
         return self.prompt_tokens(example) * self.decode_s_per_token / max(1, max_steps)

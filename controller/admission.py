@@ -100,7 +100,7 @@ class AdmissionSide:
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
         #: partial rollouts: records flushes (calls share appends), deletes segment rows
-        self.segment_rows = PartialRecorder(journal, payloads, tasks=self.tasks, linger_s=rollout.partial.record_linger_s)
+        self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s)
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
@@ -281,7 +281,7 @@ class AdmissionSide:
                     return
                 except Exception as err:  # a worker failure is data, not a crash
                     self._release_slot(gen)
-                    await self._on_generation_failed(gen, reqs, error_line(err))
+                    await self._on_generation_failed(gen, reqs, error_line(err), err)
                     return
                 if all(out.status == "done" for out in outcomes):
                     break
@@ -322,10 +322,8 @@ class AdmissionSide:
         if not pending:
             return
         try:
-            await self._commit(
-                [req for reqs, _ in pending for req in reqs],
-                [out for _, outs in pending for out in outs],
-            )
+            await self._commit([req for reqs, _ in pending for req in reqs],
+                               [out for _, outs in pending for out in outs])
         except Exception as err:  # fenced, or the store is gone: stop the run
             self._stop_with(err)
 
@@ -337,9 +335,7 @@ class AdmissionSide:
         await self.journal.append(*self._commit_events(reqs, outs))
         self.segment_rows.drop(scratch)
 
-    def _commit_events(
-        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
-    ) -> list[ev.GroupCommitted]:
+    def _commit_events(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]):
         return [
             self.journal.make(
                 ev.GroupCommitted,
@@ -356,18 +352,21 @@ class AdmissionSide:
         ]
 
     async def _on_generation_failed(
-        self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str
+        self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str,
+        err: BaseException | None = None,
     ) -> None:
-        """A call failed: each of its groups' attempt failed (one append each), then
-        :meth:`_retry_later` decides its next attempt -- unless the failure budget ran
-        out: then ``RunStopped`` is appended and the run stops with
-        :class:`RunStoppedError` (``decisions.run_stopped``)."""
+        """A call failed: each of its groups' attempt failed (one append each, with its
+        ``SegmentsDropped`` if recorded rows were missing), then :meth:`_retry_later`
+        decides its next attempt -- unless the failure budget ran out: then ``RunStopped``
+        is appended and the run stops with :class:`RunStoppedError` (``decisions.run_stopped``)."""
         j = self.journal
         reason = f"{gen.name}: {cause}"
+        dropped = self.segment_rows.dropped(reqs, err)
         for req in reqs:
             log.warning("generation_failed", group_id=req.group_id, attempt=req.attempt,
                         reason=reason)
-            await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()))
+            await j.append(decisions.group_failed(req.group_id, req.attempt, reason, j.stamp()),
+                           *dropped.get(req.group_id, ()))
             j.timers.failed += 1
             self._retry_later(req)
         if self.on_failure is not None:

@@ -3,24 +3,27 @@
 A generator call with ``rollout.partial`` on returns at every flush point; the admission
 side records each flush as a ``SegmentsRecorded`` event (built here) before the call
 that lets the paused group go on, and a re-admitted group's first call carries what its
-earlier attempts recorded (:func:`resume_flushes`), read from the folded state.
+earlier attempts recorded (:func:`resume_flushes`), read from the folded state. A resume
+that finds recorded rows gone from the data plane fails its attempt, and
+:meth:`PartialRecorder.dropped` names the lost rows so that the next attempt restarts those
+samples from the prompt instead of failing the same way until the group is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import msgspec
 import structlog
 
-from controller.core.segments import InflightSegments, segment_keys
+from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
 from controller import episodes
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
-from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush
+from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
+from workers.dataplane.api import MissingPayloadError
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -73,38 +76,40 @@ def next_requests(
     ]
 
 
-@dataclass
-class _Call:
-    """One returned generator call waiting for the shared append of its flushes."""
-
-    reqs: list[GenerationRequest]
-    outs: list[GenerationOutcome]
-    commits: list[ev.GroupCommitted]
-    done: asyncio.Future
-
-
 class PartialRecorder:
-    """Records calls' flushes, and deletes the segment rows of committed groups."""
+    """Records calls' flushes, and deletes the segment rows of committed groups.
+
+    Flushes come in bursts: a refit lands on every generator at once, and each of their
+    calls returns its groups' flushes. The calls that return in the same turn of the
+    event loop are recorded in ONE append (one store round trip and one fsync for all of
+    them, as ``AdmissionSide`` does for commits): each caller awaits its share, and every
+    paused group goes on as soon as that append landed. The events are exactly those
+    one append per call would write, in the order the calls returned.
+
+    Every pause of a durable episode is a flush too, and a large fleet's pauses come a
+    few hundred microseconds apart, not in one turn: with ``linger_s`` the first call
+    waits that long, and every call returning meanwhile shares its append.
+    """
 
     #: segment rows deleted together (one data-plane call, not one per commit: deletes
     #: go through the trainer worker's fence and would queue between its microbatches)
     DELETE_BATCH = 512
 
-    def __init__(self, journal: Journal, payloads: PayloadStore | None, *, linger_s: float = 0.0,
-                 tasks: set[asyncio.Task] | None = None) -> None:
+    def __init__(self, journal: Journal, payloads: PayloadStore | None, *, linger_s: float = 0.0) -> None:
         self.journal = journal
-        #: where the shared appends' tasks are held (the owner drains or cancels them)
-        self.tasks: set[asyncio.Task] = set() if tasks is None else tasks
+        #: how long the first waiting call holds the append for others (0: this turn only)
+        self.linger_s = linger_s
         #: where segment rows are deleted (None: left to recovery's orphan sweep)
         self.payloads = payloads
-        #: how long the first flush waits for others to share its append (0: only the
-        #: calls that returned in the same turn of the loop share it)
-        self.linger_s = linger_s
         self.deletes: set[asyncio.Task] = set()
         self._scratch: list[str] = []
-        self._queued: list[_Call] = []
-        #: appends made / calls they recorded (what the batching buys)
-        self.appends = self.calls = 0
+        #: calls waiting for the shared append: (requests, outcomes, commits, result)
+        self._waiting: list[tuple[list[GenerationRequest], list[GenerationOutcome],
+                                  list[ev.GroupCommitted], asyncio.Future]] = []
+        self._appending: set[asyncio.Task] = set()
+        #: appends made, calls they recorded (``bench_scale`` prints the ratio)
+        self.appends = 0
+        self.calls = 0
 
     async def record(
         self,
@@ -112,66 +117,101 @@ class PartialRecorder:
         outs: list[GenerationOutcome],
         commits: list[ev.GroupCommitted],
     ) -> list[GenerationRequest]:
-        """Record a call's flushes and the ``commits`` of its finished groups; returns the
-        requests that let its paused groups go on, once the log has them.
-
-        Group commit: every pause of an episode is one flush, and a fleet's calls return
-        a few hundred microseconds apart, so the calls queued until the append runs
-        (``linger_s`` after the first, or the next turn of the loop) share it -- one
-        store round trip and one fold instead of one per call. Each call still waits
-        for the append holding its flush before its groups go on (write-ahead)."""
+        """A SegmentsRecorded per flushed group and the ``commits`` of the finished
+        ones, appended with the other calls of this turn. Returns the requests that let
+        the paused groups go on."""
         if not any(out.status == "flushed" for out in outs):
             raise RuntimeError("a generator call returned unfinished groups without a flush")
-        call = _Call(reqs, outs, commits, asyncio.get_running_loop().create_future())
-        self._queued.append(call)
-        if len(self._queued) == 1:
-            task = asyncio.get_running_loop().create_task(self._append_queued())
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        return await call.done
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._waiting.append((reqs, outs, commits, done))
+        if len(self._waiting) == 1:
+            # a task's first step runs like ``call_soon``: after every call of this turn
+            task = loop.create_task(self._append_waiting())
+            self._appending.add(task)  # a reference until it is done
+            task.add_done_callback(self._appending.discard)
+        await done
+        return next_requests(self.journal.state, reqs, outs)
 
-    async def _append_queued(self) -> None:
-        calls: list[_Call] = []
-        try:
-            if self.linger_s > 0:
+    async def _append_waiting(self) -> None:
+        if self.linger_s > 0:
+            try:
                 await asyncio.sleep(self.linger_s)
-            calls, self._queued = self._queued, []
-            await self._append(calls)
-        except asyncio.CancelledError:
-            calls, self._queued = calls + self._queued, []  # the run stopped (fenced, drained): no call goes on
-            for c in calls:
-                c.done.cancel()
-            raise
-        except Exception as err:  # each waiting call fails as its own append would have
-            for c in calls:
-                if not c.done.done():
-                    c.done.set_exception(err)
+            except asyncio.CancelledError:  # the run stopped: no waiting call goes on
+                waiting, self._waiting = self._waiting, []
+                for *_, done in waiting:
+                    done.cancel()
+                raise
+        waiting, self._waiting = self._waiting, []
+        journal = self.journal
+        try:
+            events: list[ev.Event] = []
+            finished: list[str] = []
+            for reqs, outs, commits, _ in waiting:
+                flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
+                for req, out in flushed:
+                    crash_point("before_segments_recorded", req.group_id)
+                    if out.episode is not None and out.episode.completed:  # ran, unrecorded
+                        crash_point("before_env_steps_completed", req.group_id)
+                for c in commits:
+                    crash_point("before_group_committed", c.group_id)
+                # built in turn: a group is in one call only, so indices never collide
+                events += [e for req, out in flushed for e in (
+                    episodes.flush_events(journal, req, out.episode) if out.episode is not None
+                    else [segments_event(journal, req, out)])]
+                events += commits
+                finished += [c.group_id for c in commits]
+            scratch = segment_keys(journal.state.inflight, finished)
+            # the writer fires after_segments_recorded / after_group_committed once acknowledged
+            await journal.append(*events)
+        except BaseException as err:
+            for *_, done in waiting:
+                if not done.done():
+                    done.set_exception(err)
+            if not isinstance(err, Exception):
+                raise
             return
-        state = self.journal.state
-        for c in calls:
-            if not c.done.done():  # a call cancelled meanwhile (the run stopped) is not resumed
-                c.done.set_result(next_requests(state, c.reqs, c.outs))
-
-    async def _append(self, calls: list[_Call]) -> None:
-        """One append: a flush's events per flushed group, then the finished groups'
-        commits, of every call in ``calls``."""
-        state, journal = self.journal.state, self.journal
-        flushed = [(r, o) for c in calls for r, o in zip(c.reqs, c.outs) if o.status == "flushed"]
-        commits = [e for c in calls for e in c.commits]
-        for req, out in flushed:
-            crash_point("before_segments_recorded", req.group_id)
-            if out.episode is not None and out.episode.completed:  # the calls ran, unrecorded
-                crash_point("before_env_steps_completed", req.group_id)
-        for e in commits:
-            crash_point("before_group_committed", e.group_id)
-        scratch = segment_keys(state.inflight, [e.group_id for e in commits])
-        # the writer fires after_segments_recorded / after_group_committed once acknowledged
-        made = [e for req, out in flushed for e in (
-            episodes.flush_events(journal, req, out.episode) if out.episode is not None
-            else [segments_event(journal, req, out)])]
-        await journal.append(*made, *commits)
-        self.appends, self.calls = self.appends + 1, self.calls + len(calls)
+        self.appends += 1
+        self.calls += len(waiting)
         self.drop(scratch)
+        for *_, done in waiting:
+            if not done.done():
+                done.set_result(None)
+
+    def dropped(
+        self, reqs: list[GenerationRequest], err: BaseException | None
+    ) -> dict[str, list[ev.SegmentsDropped]]:
+        """Per group of a failed call: the ``SegmentsDropped`` its missing rows call for
+        (none, or one).
+
+        Only an attempt's first call (it carries ``resume``) reads recorded rows back;
+        when the data plane says some are missing, each group whose recorded segments
+        name a missing key drops them (appended right after its ``GroupFailed``). The
+        dropped samples' rows that are still there are deleted with the next batch of
+        scratch rows: deleting one before the event lands costs at most a second drop."""
+        if not isinstance(err, MissingPayloadError) or not err.keys:
+            return {}
+        journal, missing = self.journal, set(err.keys)
+        out: dict[str, list[ev.SegmentsDropped]] = {}
+        for req in reqs:
+            rec = journal.state.inflight.get(req.group_id) if req.resume else None
+            if rec is None:
+                continue
+            keys = [seg.key for f in rec.flushes for seg in f.segments if seg.key in missing]
+            if not keys:
+                continue
+            out[req.group_id] = [journal.make(
+                ev.SegmentsDropped,
+                event_id=ev.segments_dropped_id(req.group_id, req.attempt),
+                group_id=req.group_id, attempt=req.attempt, keys=keys,
+                reason=(f"{len(keys)} recorded segment row(s) gone from the data plane, "
+                        f"first {keys[0]}; those samples restart from the prompt "
+                        f"({error_line(err, 200)})"),
+            )]
+            samples, _ = lost_samples(rec, keys)
+            self.drop([seg.key for f in rec.flushes for seg in f.segments
+                       if seg.sample in samples and seg.key not in missing])
+        return out
 
     def drop(self, keys: list[str], *, now: bool = False) -> None:
         """Segment rows of committed groups are scratch (their final rows hold every

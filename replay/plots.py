@@ -9,7 +9,10 @@ or a 3000-step one:
 
 * lag per step: the window as a shaded band (the allowed region) under the lines, so
   a max lag sitting exactly on the window stays visible; max lag as a step line with
-  markers on top, mean lag under it;
+  markers on top, mean lag under it (both a group's *oldest* token's), and the
+  token-weighted mean lag -- every token at its own version (``docs/segments.md``) --
+  dashed: with partial rollouts a straggler's later tokens are fresher than its first,
+  and the title gives the most versions one sample spanned;
 * buffer occupancy over time: binned into at most ``OCCUPANCY_BINS`` intervals, the
   mean as a line and the min..max of each bin as a band (a point per event would draw
   a solid block), against the capacity;
@@ -93,6 +96,8 @@ def plot_data(report: StalenessReport) -> dict[str, dict[str, list[Any]]]:
             "step": [r.step for r in report.steps],
             "lag_mean": [r.lag_mean for r in report.steps],
             "lag_max": [r.lag_max for r in report.steps],
+            "token_lag_mean": [r.token_lag_mean for r in report.steps],
+            "max_partial_span": [r.max_partial_span for r in report.steps],
         },
         "occupancy": occupancy,
         "occupancy_binned": bin_occupancy(occupancy["t_s"], occupancy["live"], occupancy["buffered"]),
@@ -108,14 +113,19 @@ def _lag_panel(ax: Any, data: dict[str, list[Any]], window: int) -> None:
     ax.axhspan(-0.5, window, color="tab:green", alpha=0.08, zorder=0,
                label=f"within window ({window})")
     ax.axhline(window, color="tab:red", ls="--", lw=1, zorder=1, label=f"window {window}")
-    ax.plot(steps, data["lag_mean"], color="tab:blue", lw=1.2, zorder=2, label="mean lag")
+    ax.plot(steps, data["lag_mean"], color="tab:blue", lw=1.2, zorder=2,
+            label="mean lag (oldest token)")
+    ax.plot(steps, data["token_lag_mean"], color="tab:purple", lw=1.2, ls="--", zorder=2,
+            label="token-weighted mean lag")
     ax.step(steps, data["lag_max"], where="mid", color="black", lw=1.6, zorder=3,
             marker="o" if len(steps) <= 60 else None, ms=3, label="max lag")
     top = max([window, *data["lag_max"]] or [1])
     ax.set_ylim(-0.3, top + 0.8)
-    ax.set_yticks(range(0, top + 1))
+    ax.set_yticks(range(0, top + 1, max(1, (top + 1) // 12)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(xlabel="step", ylabel="lag (versions)", title="lag per step")
+    span = max(data["max_partial_span"], default=0)
+    title = "lag per step" + (f" (a sample spanned up to {span} version{'s' * (span > 1)})" if span else "")
+    ax.set(xlabel="step", ylabel="lag (versions)", title=title)
     ax.legend(loc="upper left", fontsize=8, ncol=2)
 
 

@@ -110,7 +110,7 @@ class Trace:
         live = len(state.admitted) + buffered + self._claimed
         closed = not policies.gate_open(
             live, state.trainer_version, dispatch_version=state.weight_version,
-            window=policies.dispatch_window(state, state.window_versions),
+            window=state.window_versions,
             groups_per_step=self._per_step, capacity=self._capacity,
         )
         self.ts.append(event.ts)

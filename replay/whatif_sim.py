@@ -29,6 +29,7 @@ from events.schema import (
     GroupFailed,
     MicrobatchTrained,
     RolloutAdmitted,
+    SegmentsDropped,
     SegmentsRecorded,
     RunRewound,
     RunStarted,
@@ -75,7 +76,9 @@ class SimResult:
         return [s for s in self.steps if s.status == "finished"]
 
 
-_GROUP_EVENTS = (RolloutAdmitted, GroupCommitted, GroupFailed, SegmentsRecorded)
+_GROUP_EVENTS = (
+    RolloutAdmitted, GroupCommitted, GroupFailed, SegmentsRecorded, SegmentsDropped,
+)
 _TRAINER_EVENTS = (StepBegun, MicrobatchTrained, StepFinished, StepAborted)
 #: every event type :meth:`Simulation.feed` acts on
 FED_EVENTS = (*_GROUP_EVENTS, *_TRAINER_EVENTS, RunRewound)
@@ -163,6 +166,11 @@ class Simulation:
                 return  # the reducer already vetted the log; nothing sane to do here
             self._apply(msgspec.structs.replace(event, epoch=_EPOCH))
             self.shift[event.group_id] = self.recorded_tv - state.trainer_version
+            return
+        if type(event) is SegmentsDropped:  # a failed attempt's lost rows: as recorded
+            failed = group is not None and group.status is GroupStatus.FAILED
+            if failed and group.attempt == event.attempt and event.group_id in state.inflight:
+                self._apply(msgspec.structs.replace(event, epoch=_EPOCH))
             return
         if group is None or group.status is not GroupStatus.ADMITTED or group.attempt != event.attempt:
             return

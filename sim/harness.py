@@ -29,7 +29,14 @@ from sim.clock import VirtualTimeLoop
 from sim.episodes import SimEpisodeGenerator
 from sim.timings import Timings
 from sim.partial import SimPartialGenerator
-from sim.workers import Fleet, SimGenerator, SimPayloads, SimPublisher, SimTrainer
+from sim.workers import (
+    Fleet,
+    SimGenerator,
+    SimGroupBoundaryGenerator,
+    SimPayloads,
+    SimPublisher,
+    SimTrainer,
+)
 
 CODE_VERSION = "rl-controller simulate (virtual time)"
 
@@ -79,6 +86,30 @@ class SimOutcome:
         return self.writer.state.position
 
 
+def refits_between_calls(cfg: Config) -> bool:
+    """Whether the configured generators change weights only between calls: vLLM without
+    chunks or partial rollouts (``docs/backends.md``); the torch sampler lands a refit
+    between two tokens."""
+    rollout = cfg.rollout
+    vllm_whole_groups = rollout.backend == "vllm" and not rollout.vllm.chunk_tokens
+    return vllm_whole_groups and not rollout.partial.enabled
+
+
+def _generators(cfg: Config, spec: SimSpec, fleet: Fleet, names: list[str]) -> list:
+    """The simulated generators the config asks for: episodes, partial rollouts, refits
+    only between calls (vLLM without chunks), or the torch sampler."""
+    partial = cfg.rollout.partial
+    if spec.episode_turns and not partial.enabled:
+        raise ValueError("sim: episodes are recorded by partial rollouts (rollout.partial.enabled)")
+    if spec.episode_turns:
+        return [SimEpisodeGenerator(n, fleet, spec.episode_turns) for n in names]
+    if partial.enabled:
+        return [SimPartialGenerator(n, fleet, partial.segment_tokens) for n in names]
+    if refits_between_calls(cfg):
+        return [SimGroupBoundaryGenerator(n, fleet) for n in names]
+    return [SimGenerator(n, fleet) for n in names]
+
+
 def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     cfg = spec.config
     writer = create_run(
@@ -104,16 +135,9 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     fleet = Fleet(loop=loop, timings=spec.timings)
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
-    publisher = SimPublisher(fleet, names)
-    partial = cfg.rollout.partial
-    if spec.episode_turns and not partial.enabled:
-        raise ValueError("sim: episodes are recorded by partial rollouts (rollout.partial.enabled)")
-    generators = [
-        SimEpisodeGenerator(n, fleet, spec.episode_turns) if spec.episode_turns
-        else SimPartialGenerator(n, fleet, partial.segment_tokens) if partial.enabled
-        else SimGenerator(n, fleet)
-        for n in names
-    ]
+    generators = _generators(cfg, spec, fleet, names)
+    waits_for = [g for g in generators if isinstance(g, SimGroupBoundaryGenerator)]
+    publisher = SimPublisher(fleet, names, waits_for)
     controller = Controller(
         writer, run_cfg, trainer, generators, publisher,  # type: ignore[arg-type]
         SimPayloads(fleet, trainer), checkpoint_dir=f"sim-checkpoints/{spec.run_id}",

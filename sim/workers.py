@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from workers.api import (
@@ -52,11 +52,17 @@ class Fleet:
 
 
 class SimGenerator:
-    """A generator whose calls end after their slowest group's generation time."""
+    """A generator whose calls end after their slowest group's generation time; a refit
+    lands between two tokens (the torch sampler), so it never waits for a call."""
 
     def __init__(self, name: str, fleet: Fleet) -> None:
         self.name = name
         self.fleet = fleet
+
+    @property
+    def version(self) -> int:
+        """The weights it samples with now."""
+        return self.fleet.weight_version
 
     def generate(self, requests: list[GenerationRequest]) -> asyncio.Future:
         fleet = self.fleet
@@ -65,13 +71,14 @@ class SimGenerator:
             duration = max(fleet.timings.generation_s(r.group_id, r.attempt) for r in requests)
             fleet.calls += 1
             fleet.generator_busy_s += duration
-            fleet.loop.call_later(duration, self._done, fut, requests, fleet.weight_version)
+            fleet.loop.call_later(duration, self._done, fut, requests, self.version)
         return fut
 
     def _done(self, fut: asyncio.Future, requests: list[GenerationRequest], start: int) -> None:
         if fut.done():
             return  # cancelled (the run stopped)
         fleet = self.fleet
+        end = self.version
         with fleet.loop.uncharged():
             outcomes = []
             for r in requests:
@@ -85,13 +92,55 @@ class SimGenerator:
                     rewards=fleet.timings.group_rewards(r.group_id, r.n_samples),
                     lengths=lengths,
                     weight_version_start=start,
-                    weight_version_end=fleet.weight_version,
+                    weight_version_end=end,
                 ))
             fleet.groups += len(requests)
             fut.set_result(outcomes)
 
     async def weight_version(self) -> int:
         return self.fleet.weight_version
+
+
+class SimGroupBoundaryGenerator(SimGenerator):
+    """A generator whose weights change only between calls: our vLLM backend with
+    ``rollout.vllm.chunk_tokens = 0`` (``LLM.generate`` cannot pause), and peers without
+    in-flight updates. A refit that arrives during a call waits for its end, so the
+    call's groups hold one version; the publish -- which an in-line publishing trainer
+    awaits -- ends when the longest call in flight does (:meth:`refit`)."""
+
+    def __init__(self, name: str, fleet: Fleet) -> None:
+        super().__init__(name, fleet)
+        self._version = fleet.weight_version
+        self._busy = 0
+        self._waiting: list[tuple[int, asyncio.Future]] = []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, requests: list[GenerationRequest]) -> asyncio.Future:
+        self._busy += 1
+        fut = super().generate(requests)
+        fut.add_done_callback(self._call_ended)
+        return fut
+
+    def _call_ended(self, _fut: asyncio.Future) -> None:
+        self._busy -= 1
+        if self._busy == 0 and self._waiting:  # the refits that waited land now
+            self._version = max([self._version, *(v for v, _ in self._waiting)])
+            for _, waiter in self._waiting:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._waiting = []
+
+    async def refit(self, version: int) -> None:
+        """Load ``version``: at once when idle, else once the call in flight has ended."""
+        if self._busy == 0:
+            self._version = max(self._version, version)
+            return
+        waiter = self.fleet.loop.create_future()
+        self._waiting.append((version, waiter))
+        await waiter
 
 
 class SimTrainer:
@@ -180,11 +229,16 @@ class SimTrainer:
 
 
 class SimPublisher:
-    """Refit: the generators hold ``version`` after the simulated publish time."""
+    """Refit: the generators hold ``version`` after the simulated publish time (and, for
+    generators that change weights only between calls, once each of those has ended)."""
 
-    def __init__(self, fleet: Fleet, names: list[str]) -> None:
+    def __init__(
+        self, fleet: Fleet, names: list[str],
+        between_calls: Sequence[SimGroupBoundaryGenerator] = (),
+    ) -> None:
         self.fleet = fleet
         self.names = names
+        self.between_calls = list(between_calls)
         self.busy_s = 0.0
 
     async def publish(self, version: int, only: list[str] | None = None) -> list[str]:
@@ -197,6 +251,11 @@ class SimPublisher:
             fleet.weight_version = version
             for notify in list(fleet.on_refit):
                 notify()
+        if self.between_calls:
+            started = fleet.loop.time()
+            await asyncio.gather(*(g.refit(version) for g in self.between_calls
+                                   if only is None or g.name in only))
+            self.busy_s += fleet.loop.time() - started
         return list(self.names if only is None else only)
 
 

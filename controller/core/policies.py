@@ -98,18 +98,15 @@ def _live_unclaimed_in_admission_order(state: RunState) -> list[GroupRecord]:
 def admission(
     state: RunState, *, dispatch_version: int, window: int, groups_per_step: int, capacity: int
 ) -> Admission:
+    # The lag clause holds for either window basis: a group that ends before the next
+    # refit lands has its newest token at the dispatch version, so the clause is its
+    # newest-token lag too. Without it (capacity only, as this gate once was for
+    # ``newest_token``) groups admitted while a publish was pending were evicted by the
+    # dozen when the trainer was the bottleneck (docs/segments.md).
     return _gate(
         live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
-        window=dispatch_window(state, window), groups_per_step=groups_per_step, capacity=capacity,
+        window=window, groups_per_step=groups_per_step, capacity=capacity,
     )
-
-
-def dispatch_window(state: RunState, window: int) -> int | None:
-    """The window the dispatch-lag clause enforces; None when the window bounds each
-    group's newest token instead: a group generated across refits keeps its tail fresh
-    whenever it was dispatched, so only the capacity and the eviction at training
-    (``to_evict``) bound it."""
-    return None if state.window_basis == "newest_token" else window
 
 
 def admission_room(
@@ -124,9 +121,8 @@ def admission_room(
     """
     live = live_groups(state)
     room = 0
-    lag_window = dispatch_window(state, window)
     while room < limit and _gate(
-        live + room, state.trainer_version, dispatch_version=dispatch_version, window=lag_window,
+        live + room, state.trainer_version, dispatch_version=dispatch_version, window=window,
         groups_per_step=groups_per_step, capacity=capacity,
     ).allowed:
         room += 1
@@ -134,19 +130,16 @@ def admission_room(
 
 
 def gate_open(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int,
     groups_per_step: int, capacity: int,
 ) -> bool:
     """The admission gate on bare numbers: room in the buffer, and a group dispatched at
-    ``dispatch_version`` now would be trained within the window (module docstring;
-    ``window`` None: capacity only, see :func:`dispatch_window`)."""
-    return live < capacity and (
-        window is None or trainer_version + live // groups_per_step - dispatch_version <= window
-    )
+    ``dispatch_version`` now would be trained within the window (module docstring)."""
+    return live < capacity and trainer_version + live // groups_per_step - dispatch_version <= window
 
 
 def _gate(
-    live: int, trainer_version: int, *, dispatch_version: int, window: int | None,
+    live: int, trainer_version: int, *, dispatch_version: int, window: int,
     groups_per_step: int, capacity: int,
 ) -> Admission:
     if gate_open(live, trainer_version, dispatch_version=dispatch_version, window=window,

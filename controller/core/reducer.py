@@ -39,6 +39,7 @@ from controller.core.reducer_groups import (
     _on_group_failed,
     _on_payloads_released,
     _on_rollout_admitted,
+    _on_segments_dropped,
     _on_segments_recorded,
 )
 from controller.core.reducer_episodes import (
@@ -80,6 +81,7 @@ from events.schema import (
     RunRewound,
     RunStarted,
     RunStopped,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -319,6 +321,7 @@ HANDLERS: dict[type, _Handler] = {
     RolloutAdmitted: _on_rollout_admitted,
     GroupCommitted: _on_group_committed,
     SegmentsRecorded: _on_segments_recorded,
+    SegmentsDropped: _on_segments_dropped,
     EnvStepsRequested: _on_env_steps_requested,
     EnvStepsCompleted: _on_env_steps_completed,
     EpisodesRestarted: _on_episodes_restarted,

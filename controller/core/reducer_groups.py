@@ -15,8 +15,10 @@ from controller.core.segments import (
     InflightSegments,
     commit_problem,
     commit_summary,
+    lost_samples,
     record_flush,
     segments_problem,
+    without_samples,
 )
 from controller.core.state import (
     GroupRecord,
@@ -32,6 +34,7 @@ from events.schema import (
     GroupFailed,
     PayloadsReleased,
     RolloutAdmitted,
+    SegmentsDropped,
     SegmentsRecorded,
 )
 
@@ -83,6 +86,29 @@ def _on_segments_recorded(state: RunState, ev: SegmentsRecorded, pos: int) -> No
         _violation(pos, ev, f"group {ev.group_id}: {problem}")
     record_flush(rec, ev)
     state.inflight[ev.group_id] = rec
+
+
+def _on_segments_dropped(state: RunState, ev: SegmentsDropped, pos: int) -> None:
+    """Only a failed attempt's group drops segments (no attempt is sampling after them),
+    and only segments it recorded; each sample that lost one restarts from the prompt."""
+    gid = ev.group_id
+    group = state.groups.get(gid)
+    if group is None or group.status is not _FAILED or group.attempt != ev.attempt:
+        status = "unknown" if group is None else f"{group.status.value} at attempt {group.attempt}"
+        _violation(pos, ev, f"segments of group {gid} dropped by attempt {ev.attempt}; only the "
+                            f"attempt that failed may drop them, the group is {status}")
+    rec = state.inflight.get(gid) if state.inflight else None
+    if rec is None or not ev.keys:
+        _violation(pos, ev, f"group {gid} has no recorded segments to drop" if rec is None
+                   else f"group {gid}: a drop names no key")
+    samples, unknown = lost_samples(rec, ev.keys)
+    if unknown:
+        _violation(pos, ev, f"group {gid}: {unknown[0]} is not a segment the group recorded")
+    kept = without_samples(rec, samples)
+    if kept is None:
+        del state.inflight[gid]
+    else:
+        state.inflight[gid] = kept
 
 
 def _check_admission(state: RunState, ev: RolloutAdmitted, pos: int) -> None:

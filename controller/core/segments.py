@@ -112,6 +112,32 @@ def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
             rec.model_tokens += seg.length
 
 
+def lost_samples(rec: InflightSegments, keys: Iterable[str]) -> tuple[set[int], list[str]]:
+    """(samples with a segment among ``keys``, the keys that are no segment of ``rec``)."""
+    owner = {seg.key: seg.sample for f in rec.flushes for seg in f.segments}
+    samples, unknown = set(), []
+    for key in keys:
+        if key in owner:
+            samples.add(owner[key])
+        else:
+            unknown.append(key)
+    return samples, unknown
+
+
+def without_samples(rec: InflightSegments, samples: set[int]) -> InflightSegments | None:
+    """``rec`` with every segment of ``samples`` dropped (they restart from the prompt),
+    rebuilt flush by flush; None when nothing recorded is left."""
+    out = InflightSegments.empty(len(rec.recorded), rec.attempt)
+    for f in rec.flushes:
+        kept = [seg for seg in f.segments if seg.sample not in samples]
+        if kept:
+            record_flush(out, f if len(kept) == len(f.segments) else msgspec.structs.replace(f, segments=kept))
+    if not out.flushes:
+        return None
+    out.attempt_flushes = rec.attempt_flushes
+    return out
+
+
 def commit_problem(
     rec: InflightSegments, lengths: Sequence[int], start: int, end: int
 ) -> str:

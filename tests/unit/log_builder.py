@@ -49,6 +49,7 @@ from events.schema import (
     RunRewound,
     RunStarted,
     Segment,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -62,6 +63,7 @@ from events.schema import (
     group_event_id,
     microbatch_event_id,
     run_started_id,
+    segments_dropped_id,
     segments_event_id,
     step_event_id,
 )
@@ -313,6 +315,13 @@ class LogBuilder:
         attempt = self.attempts.get(group_id, 1) if attempt is None else attempt
         fields = dict(group_id=group_id, attempt=attempt, reason=reason)
         self._emit(GroupFailed, group_event_id(group_id, "failed", attempt), fields, overrides)
+        return self
+
+    def drop_segments(self, group_id: str, keys: list[str], **overrides: Any) -> LogBuilder:
+        """SegmentsDropped by the group's current (failed) attempt."""
+        attempt = self.attempts.get(group_id, 1)
+        fields = dict(group_id=group_id, attempt=attempt, keys=keys, reason=f"missing {keys[:1]}")
+        self._emit(SegmentsDropped, segments_dropped_id(group_id, attempt), fields, overrides)
         return self
 
     def evict(self, group_id: str, reason: str = "lag past window", lag: int = 0, **overrides: Any) -> LogBuilder:

@@ -44,6 +44,7 @@ from events.schema import (
     RunStarted,
     RunStopped,
     Segment,
+    SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
     StepBegun,
@@ -84,6 +85,13 @@ GOLDEN: dict[str, Event] = {
             Segment(sample=0, start=64, length=64, key="r/g0042/a2/s0/k1", turn=3, stopped=False),
             Segment(sample=3, start=17, length=1, key="r/g0042/a2/s3/k1", turn=3, stopped=True),
         ],
+    ),
+    "SegmentsDropped": SegmentsDropped(
+        event_id="group:g0042:segments-dropped:a3", epoch=2, ts=_TS + 16.75, schema_version=1,
+        group_id="g0042", attempt=3, keys=["r/g0042/a2/s3/k1"],
+        reason="1 recorded segment row(s) gone from the data plane, first r/g0042/a2/s3/k1; "
+               "those samples restart from the prompt (MissingPayloadError: partition 'r': "
+               "missing keys ['r/g0042/a2/s3/k1'])",
     ),
     "GroupFailed": GroupFailed(
         event_id="group:g0043:failed:a1", epoch=1, ts=_TS + 4, schema_version=1, group_id="g0043",

@@ -220,3 +220,46 @@ def test_the_loss_weighs_each_token_by_its_own_versions_behaviour_logprob():
     assert by_version[1] == pytest.approx(1.0, abs=1e-5)
     assert by_version[0] == pytest.approx(float(ratios.mean()), rel=1e-5)
     assert float((ratios - 1).abs().max()) > 0.05  # the versions really differ per token
+
+
+class _CountedDecode:
+    """The ``reverse`` task standing in for a slower model (``SimulatesDecode``) whose
+    per-step time is zero: it counts how often a generator asks for that time."""
+
+    def __init__(self) -> None:
+        self.inner = make_task("reverse")
+        self.name = self.inner.name
+        self.asked = 0
+
+    def examples(self, count, seed):
+        return self.inner.examples(count, seed)
+
+    def reward(self, example, completion, stopped):
+        return self.inner.reward(example, completion, stopped)
+
+    def step_latency_s(self, example, max_steps):
+        self.asked += 1
+        return 0.0
+
+
+def test_both_paths_spend_a_slower_models_time_once_per_token_step():
+    """Before, the one-call path skipped the time after its last token and the partial
+    path did not: partial rollouts paid up to one step more per group in benchmarks."""
+    steps = {}
+    for path in ("one call", "partial"):
+        model, tok = build_model(CFG, SEED)
+        task = _CountedDecode()
+        gen = Generator(model, tok, task, MemoryDataPlane(), "run-1")
+        if path == "one call":
+            result = gen.generate_group("g1", EXAMPLE, 5, SAMPLING, 17, attempt=1)
+            lengths = result.completion_lens
+        else:
+            runner = InflightRunner(gen, segment_tokens=4)
+            counted = [0]
+            runner.on_step = lambda _gid: counted.__setitem__(0, counted[0] + 1)
+            flushes, done = _drive(runner)
+            lengths = done.lengths
+            assert len(flushes) >= 2 and counted[0] == max(lengths)  # flushes cost no time
+        steps[path] = (task.asked, max(lengths))
+    assert steps["one call"] == steps["partial"]
+    assert all(asked == longest for asked, longest in steps.values())

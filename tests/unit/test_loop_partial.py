@@ -78,3 +78,33 @@ def test_a_lost_group_is_resumed_from_its_recorded_tokens(tmp_path):
         p = int(row["prompt_len"])
         assert row["token_versions"][p:p + seg.length].eq(first[0].weight_version).all()
         assert commit.lengths[seg.sample] >= seg.length
+
+
+class RowLosingGenerator(LosingGenerator):
+    """Also loses the group's recorded segment rows (a data plane without its spill)."""
+
+    def generate_groups(self, reqs):
+        plane = self.generator.dataplane
+        for req in reqs:
+            if req.group_id in self.lose and req.attempt == 1 and req.flushes == 1:
+                prefix = f"{RUN}/{req.group_id}/a1/"
+                plane.clear(RUN, [k for k in plane.list(RUN) if k.startswith(prefix) and "/k" in k])
+        return super().generate_groups(reqs)
+
+
+def test_a_group_whose_recorded_rows_are_gone_restarts_from_the_prompt(tmp_path):
+    cfg = make_config("run.steps=2", *PARTIAL)
+    h = Harness(cfg, tmp_path, generator=RowLosingGenerator, lose=frozenset({"g000001"}))
+    assert _run(h) == "completed"
+    h.check_log()
+    (drop,) = h.events(ev.SegmentsDropped)
+    (recorded,) = [e for e in h.events(ev.SegmentsRecorded) if e.group_id == "g000001" and e.attempt == 1]
+    lost = [s.key for s in recorded.segments]
+    assert drop.group_id == "g000001" and drop.attempt == 2 and drop.keys == lost
+    assert lost[0] in drop.reason and "restart from the prompt" in drop.reason
+    failed = [e for e in h.events(ev.GroupFailed) if e.group_id == "g000001"]
+    assert [f.attempt for f in failed] == [1, 2] and "MissingPayloadError" in failed[1].reason
+    third = [e for e in h.events(ev.SegmentsRecorded) if e.group_id == "g000001" and e.attempt == 3]
+    assert third and all(s.start == 0 for s in third[0].segments)  # from the prompt
+    (commit,) = [e for e in h.events(ev.GroupCommitted) if e.group_id == "g000001"]
+    assert commit.attempt == 3

@@ -59,6 +59,23 @@ def test_admission(name, build, dispatch, window, allowed, reason_part):
     assert reason_part in got.reason
 
 
+@pytest.mark.parametrize("basis", ["oldest_token", "newest_token"])
+def test_the_lag_clause_holds_for_either_window_basis(basis):
+    """A group dispatched at v0 while the trainer is at v1 with a step's worth ahead of
+    it ends, if short, with every token at v0 and is trained at v2: lag 2 by its newest
+    token as well. Before, the newest basis kept only the capacity clause and admitted
+    it, and eviction threw it away."""
+    b = LogBuilder(window=1, groups_per_step=2).start(config={"staleness": {"window_basis": basis}})
+    b.admit("g1").commit("g1").admit("g2").commit("g2")
+    b.begin_step().microbatch(["g1", "g2"]).finish_step().admit("g3").admit("g4")
+    state = b.fold()
+    assert state.window_basis == basis and state.trainer_version == 1
+    got = policies.admission(state, dispatch_version=0, window=1, groups_per_step=2, capacity=4)
+    assert not got.allowed and "window closed" in got.reason
+    assert policies.admission(state, dispatch_version=1, window=1, groups_per_step=2,
+                              capacity=4).allowed
+
+
 _ROOM_LOGS = {
     "empty": lambda b: b,
     "two buffered": lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2"),

@@ -39,6 +39,11 @@ VIOLATIONS = [
     pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 30)}).commit("g1"), "sample 0: 16 tokens committed but 30 were recorded", id="commit-shorter"),
     pytest.param(lambda b: b.admit("g1").flush("g1", {1: (0, 3, True)}).commit("g1"), "sample 1: 17 tokens committed but 3 were recorded and it had stopped", id="commit-after-stop"),
     pytest.param(lambda b: _at_version(b, 2).admit("g1").flush("g1", {0: (0, 3)}, version=1).commit("g1", start=2, end=2), "recorded versions 1..1 outside the commit's 2..2", id="commit-versions"),
+    pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}).drop_segments("g1", ["g1/a1/s0/k0"]), "only the attempt that failed may drop them, the group is admitted", id="drop-while-sampling"),
+    pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}).fail("g1").drop_segments("g1", ["g1/a1/s1/k0"]), "g1/a1/s1/k0 is not a segment the group recorded", id="drop-unknown-key"),
+    pytest.param(lambda b: b.admit("g1").fail("g1").drop_segments("g1", ["g1/a1/s0/k0"]), "no recorded segments to drop", id="drop-nothing-recorded"),
+    pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}).fail("g1").drop_segments("g1", []), "a drop names no key", id="drop-no-key"),
+    pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}).fail("g1").admit("g1").fail("g1").drop_segments("g1", ["g1/a1/s0/k0"], attempt=1), "dropped by attempt 1; only the attempt that failed", id="drop-by-an-older-attempt"),
 ]
 
 
@@ -89,3 +94,28 @@ def test_the_window_bounds_the_oldest_or_the_newest_token(basis, claimable):
     else:
         with pytest.raises(InvariantViolation, match="lag 2 at trainer_version 2 is outside"):
             b.fold()
+
+
+def test_a_dropped_sample_restarts_from_the_prompt_and_the_others_keep_their_tokens():
+    b = _at_version(_b(), 2)
+    b.admit("g1").flush("g1", {0: (0, 4), 1: (0, 4)}, version=1).flush("g1", {0: (4, 2), 1: (4, 2)}, version=2)
+    b.fail("g1").admit("g1").fail("g1", reason="MissingPayloadError")
+    b.drop_segments("g1", ["g1/a1/s1/k1"])  # sample 1 lost a row: all its segments go
+    state = b.fold()
+    rec = state.inflight["g1"]
+    assert rec.recorded == [6, 0] and rec.first_version == [1, -1] and rec.last_version == [2, -1]
+    assert (rec.version_token_sum, rec.model_tokens) == (1 * 4 + 2 * 2, 6)
+    assert [[s.sample for s in f.segments] for f in rec.flushes] == [[0], [0]]
+    # attempt 3: sample 1 starts again at token 0 (shorter than it had been), sample 0 at 6
+    b.admit("g1").flush("g1", {1: (0, 3), 0: (6, 1)}, version=2, index=0)
+    b.commit("g1", start=1, end=2, lengths=[7, 3])
+    g = b.fold().groups["g1"]
+    assert g.version_token_sum == 1 * 4 + 2 * 2 + 2 * 3 + 2 * 1
+
+
+def test_dropping_every_recorded_sample_forgets_the_group_s_segments():
+    b = _b().admit("g1").flush("g1", {0: (0, 3), 1: (0, 2)}).fail("g1")
+    state = b.drop_segments("g1", ["g1/a1/s0/k0", "g1/a1/s1/k0"]).fold()
+    assert "g1" not in state.inflight
+    b.admit("g1").flush("g1", {0: (0, 1)}, index=0)  # a fresh start is accepted
+    assert b.fold().inflight["g1"].recorded == [1, 0]

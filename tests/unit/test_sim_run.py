@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import msgspec
@@ -14,18 +15,22 @@ from events.codec import encode
 from events.memory_store import MemoryEventStore
 from sim.harness import simulate, SimSpec
 from sim.timeline import timeline_of
-from sim.timings import Lognormal, SyntheticTimings
+from sim.timings import Lognormal, Pareto, SyntheticTimings
 
 #: fields that depend on the machine or the wall clock, not on the simulation
 WALL_CLOCK_FIELDS = ("ts", "host", "pid")
 
 
-def _config(window: int = 1, steps: int = 6, generators: int = 8):
-    return load_config(None, [
+def _config_items(window: int = 1, steps: int = 6, generators: int = 8) -> list[str]:
+    return [
         f"run.steps={steps}", f"rollout.num_generators={generators}", "rollout.groups_per_call=1",
         "train.groups_per_step=8", "train.groups_per_microbatch=4",
         f"staleness.window_versions={window}", "checkpoint.every_steps=3",
-    ])
+    ]
+
+
+def _config(window: int = 1, steps: int = 6, generators: int = 8):
+    return load_config(None, _config_items(window, steps, generators))
 
 
 def _timings(seed: int) -> SyntheticTimings:
@@ -83,6 +88,36 @@ def test_a_wider_window_trains_faster_and_staler():
         tl[name], _ = timeline_of(out.writer.store, "sim")
     assert tl["async"].wall_s < tl["sync"].wall_s
     assert max(tl["sync"].lags) == 0 < max(tl["async"].lags)
+
+
+def test_generators_that_refit_only_between_calls_make_the_publish_wait():
+    """vLLM without chunks: no group spans a refit, and each publish waits for the calls
+    in flight -- the torch sampler's publish takes its own time only."""
+    vllm = ("rollout.backend=vllm", "model.kind=hf", "model.path=unused")
+    runs = {}
+    for name, extra in (("torch", ()), ("vllm", vllm)):
+        cfg = load_config(None, [*_config_items(), *extra])
+        store = MemoryEventStore()
+        runs[name] = (store, simulate(store, SimSpec(config=cfg, timings=_timings(5), run_id=name)))
+    spans = {name: [(g.weight_version_start, g.weight_version_end)
+                    for g in out.writer.state.groups.values() if g.weight_version_end is not None]
+             for name, (_, out) in runs.items()}
+    assert any(a != b for a, b in spans["torch"]) and all(a == b for a, b in spans["vllm"])
+    published = 2.0 * (1 + 6)  # the first weights, then one publish per version
+    assert runs["torch"][1].refit_s == pytest.approx(published)
+    assert runs["vllm"][1].refit_s > published + 10.0
+
+
+def test_pareto_has_its_median_and_its_capped_mean():
+    law = Pareto(20.0, alpha=1.2, cap_s=400.0)
+    assert law.scale_s * 0.5 ** (-1 / law.alpha) == pytest.approx(20.0, rel=1e-12)
+    # E[min(X, cap)] = integral of P(X > x) over [0, cap]: 1 below the scale, (x_m/x)^a above
+    n, xm = 200_000, law.scale_s
+    h = (law.cap_s - xm) / n
+    tail = sum((xm / (xm + (i + 0.5) * h)) ** law.alpha for i in range(n)) * h  # midpoint rule
+    assert law.mean_s == pytest.approx(xm + tail, rel=1e-6)
+    draws = [law.draw(random.Random(i)) for i in range(2000)]
+    assert max(draws) == 400.0 and min(draws) >= xm
 
 
 @pytest.mark.parametrize("per_call", [1, 3])

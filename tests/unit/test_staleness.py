@@ -141,3 +141,20 @@ def test_plot_summaries_per_lag_mean_and_bounded_occupancy_bins():
     data = plot_data(report)
     assert len(data["occupancy_binned"]["t_s"]) <= OCCUPANCY_BINS
     assert sum(data["reward_by_lag"]["count"]) == len(data["reward_vs_lag"]["lag"])
+
+
+def test_the_lag_panel_has_each_token_at_its_own_version(tmp_path):
+    """g1's samples record 4 tokens each at v0, then sample 0 runs 2 more at v2 (a flush
+    at every refit): trained at base 2, the group's lag is 2 but its 10 tokens' mean is
+    (8 x 2 + 2 x 0) / 10, and sample 0 spans v0..v2."""
+    b = LogBuilder(window=3, groups_per_step=1, samples_per_group=2, dt=1.0, t0=0.0).start()
+    b.group("w0").train_step(["w0"]).publish()  # v1
+    b.admit("g1", weight_version=0).flush("g1", {0: (0, 4), 1: (0, 4, True)}, version=0)
+    b.group("w1").train_step(["w1"]).publish()  # v2
+    b.commit("g1", start=0, end=2, lengths=[6, 4])
+    b.train_step(["g1"]).publish()
+    data = plot_data(analyze(b))["lag_per_step"]
+    assert data["step"][-1] == 2 and data["lag_max"][-1] == 2
+    assert data["token_lag_mean"][-1] == pytest.approx(16 / 10)
+    assert data["max_partial_span"] == [0, 0, 2]
+    assert write_plot(analyze(b), tmp_path / "s.png").stat().st_size > 10_000

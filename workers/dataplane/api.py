@@ -74,6 +74,9 @@ class MissingPayloadError(KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
 
+    def __reduce__(self):  # pickled (a Ray task's error) with its keys, not its message
+        return type(self), (self.partition, self.keys, self.fields)
+
 
 @runtime_checkable
 class DataPlane(Protocol):

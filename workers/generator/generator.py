@@ -158,10 +158,14 @@ class Generator:
                 self.on_step(step)
             step += 1
             self.weights.at_step_boundary()
-            self.simulated_decode(prompt, sampling)
+            self.simulated_decode(prompt, sampling)  # the next token's time
 
         start = self.weights.begin_group()
         try:
+            # a token's simulated time comes before it (as a real step's compute does), so a
+            # refit that lands meanwhile is the version that samples it, and the last token
+            # carries the version of the group's end (``InflightRunner._run`` does the same)
+            self.simulated_decode(prompt, sampling)
             completions = sample(
                 self.model,
                 prompt_ids,
@@ -182,8 +186,9 @@ class Generator:
 
     def simulated_decode(self, example: Example, sampling: SamplingSection) -> None:
         """A task that simulates a slower model (``step_latency_s``, benchmarks only) adds
-        that time after each token step, in slices between which a pending refit lands,
-        as it would between the tokens of a real model that slow."""
+        that time before each token step, in slices between which a pending refit lands,
+        as it would between the tokens of a real model that slow. Every path spends it
+        once per token step (``tests/unit/test_inflight.py``), so modes compare fairly."""
         if not isinstance(self.task, SimulatesDecode):
             return
         left = float(self.task.step_latency_s(example, sampling.max_new_tokens))

@@ -70,6 +70,8 @@ class _Held:
     flushes: int
     #: per sample, tokens already durable (recorded flushes, resumed prefixes included)
     durable: list[int]
+    #: the next token step's simulated time is spent (a flush may come between the two)
+    decode_paid: bool = False
 
 
 def _tokens(rows: Sequence[RowPrefix]) -> int:
@@ -145,6 +147,13 @@ class InflightRunner:
             while not held.decoder.done:
                 if self._flush_due(held, weights.version):
                     return self._flush(req, held)
+                if not held.decode_paid:
+                    # the next token's simulated time first; a refit landing in it closes
+                    # the segment before that token (the check above, once more)
+                    self.gen.simulated_decode(held.example, sampling)
+                    held.decode_paid = True
+                    continue
+                held.decode_paid = False
                 before = _tokens(held.decoder.rows)
                 held.decoder.step(weights.version)
                 sampled = _tokens(held.decoder.rows) - before
@@ -154,7 +163,6 @@ class InflightRunner:
                 if self.on_step is not None:
                     self.on_step(req.group_id)
                 weights.at_step_boundary()
-                self.gen.simulated_decode(held.example, sampling)
         finally:
             weights.end_group()
         self.held.pop(req.group_id).decoder.close()
