@@ -14,6 +14,7 @@ Single-turn tasks (``reverse``, ``reasoning-gym/...``) run as one-turn episodes.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import sys
@@ -30,11 +31,12 @@ from workers.envs.runner import EpisodeRunner
 from workers.envs.sampler import TorchTurnSampler
 from workers.envs.task import as_episode_task
 from workers.envs.trajectory import describe, per_token_advantages
-from workers.loss import StepLoss
+from workers.loss import LossOptions, StepLoss
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
 from workers.models.tokenizer import EOS_ID
 from workers.tasks import make_task
+from workers.tasks.config import with_task_defaults
 from workers.trainer.config import BuiltModelFactory, TrainerRuntime, TrainSection
 from workers.trainer.torch_backend import TorchTrainer
 
@@ -51,19 +53,42 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (the loss scales logits by the same)")
-    p.add_argument("--context-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--entropy-coef", type=float, default=None,
+                   help="entropy bonus (default: the task's run default, else 0)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="model context (default: the task's run default, else 32)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per model turn (default: the task's run default, else 6)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--alphabet", default=None, help="tokenizer alphabet (default: the tiny one's)")
+    p.add_argument("--alphabet", default=None,
+                   help="tokenizer alphabet (default: the task's run default, else the tiny one's)")
     p.add_argument("--prompts", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--advantages", choices=("sample", "token"), default="sample",
                    help="GRPO per sample, or reward-to-go per token (needs per-token TrainBatch)")
+    p.add_argument("--stop-at", type=float, default=None, metavar="RETURN",
+                   help="stop once the mean return of the last 10 steps reaches this")
     p.add_argument("--show", type=int, default=0, help="print an episode every N steps")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    with_run_defaults(args)
+    return args
+
+
+def with_run_defaults(args: argparse.Namespace) -> None:
+    """Fill the options left unset from the task's run defaults, as ``rl-controller run``
+    does (``workers.tasks.config.with_task_defaults``), else from the run's own."""
+    tables = with_task_defaults({"task": {"name": args.task}})
+    model, sampling = tables.get("model", {}), tables.get("sampling", {})
+    loss = tables.get("train", {}).get("loss", {})
+    for attr, value in (("alphabet", model.get("alphabet")),
+                        ("context_len", model.get("context_len", 32)),
+                        ("max_new_tokens", sampling.get("max_new_tokens", 6)),
+                        ("entropy_coef", loss.get("entropy_coef", 0.0))):
+        if getattr(args, attr) is None:
+            setattr(args, attr, value)
 
 
 def task_options(pairs: list[str]) -> dict[str, object]:
@@ -137,12 +162,12 @@ def main(argv: list[str]) -> int:
     trainer, tokenizer = build(args)
     prompts = task.examples(args.prompts, args.seed)
     sampling = SamplingSection(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    loss = StepLoss(sampling=sampling)
+    loss = StepLoss(LossOptions(entropy_coef=args.entropy_coef), sampling)
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     out = args.out.open("a") if args.out else None
     t0, c0 = time.perf_counter(), time.process_time()
-    step = 0
+    step, recent = 0, collections.deque(maxlen=10)
     while step < args.max_steps and time.perf_counter() - t0 < args.budget_s:
         trainer.model.eval()
         # every group of the step in one runner call: turns batch across groups
@@ -168,11 +193,15 @@ def main(argv: list[str]) -> int:
             "grad_norm": result.grad_norm,
         }
         print(json.dumps(line), flush=True)
+        recent.append(line["reward"])
         if args.show and step % args.show == 0:
-            print(describe(trajs[0], tokenizer.decode), flush=True)
+            for t in trajs[:args.n]:
+                print(describe(t, tokenizer.decode), flush=True)
         if out:
             out.write(json.dumps(line) + "\n")
             out.flush()
+        if args.stop_at is not None and len(recent) == 10 and sum(recent) / 10 >= args.stop_at:
+            break
     return 0
 
 

@@ -41,6 +41,7 @@ from events import schema as ev
 from events.errors import FencedError
 from replay.settings import with_changes
 from workers.loss.metrics import mismatch_warning
+from workers.tasks.config import task_defaults_in_effect
 
 log = structlog.get_logger("rl_controller.run")
 
@@ -216,6 +217,10 @@ def _train(args, cfg: Config, writer, exporter) -> int:
         f"run [bold]{writer.run_id}[/] epoch {writer.epoch}: trainer_version "
         f"{writer.state.trainer_version} -> {cfg.run.steps}, log at position {writer.position}"
     )
+    taken = task_defaults_in_effect(cfg.task.name, config_to_dict(cfg))
+    if taken:  # said, so that a run's settings never surprise (a key you set wins)
+        progress.console.print(f"task {cfg.task.name}: its run defaults {', '.join(taken)}",
+                               markup=False, highlight=False)
     from controller.wiring import WorkerStartError
 
     try:

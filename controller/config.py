@@ -19,8 +19,9 @@ the very types they own (``controller.wiring.worker_spec``). Loading a config im
 none of the loop, asyncio, structlog, redis, Ray or torch
 (``tests/unit/test_architecture.py``).
 
-A config comes from defaults, then an optional TOML file, then ``--set key=value``
-overrides (dotted keys, TOML literals: ``--set train.lr=3e-4``,
+A config comes from defaults, then the settings its task is tuned for (a built-in
+task's ``run_defaults``, e.g. the calculator's alphabet), then an optional TOML file,
+then ``--set key=value`` overrides (dotted keys, TOML literals: ``--set train.lr=3e-4``,
 ``--set staleness.selection=oldest_first``). Every error names the offending key.
 The resolved config is written into ``RunStarted`` so a log describes its own run.
 """
@@ -44,7 +45,7 @@ from controller.settings import (
 from events.store_config import StoreConfig
 from workers.dataplane.config import DataPlaneSection
 from workers.models.config import ModelSection, SamplingSection
-from workers.tasks.config import TaskSection
+from workers.tasks.config import TaskSection, with_task_defaults
 from workers.trainer.config import TrainSection
 
 __all__ = [
@@ -178,7 +179,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if overrides:
         data = apply_overrides(data, overrides)
         source = f"{source} + --set"
-    return _convert(data, source)
+    # under both: the settings the named task is tuned for (e.g. the calculator's
+    # small alphabet); anything the file or --set says wins
+    return _convert(with_task_defaults(data), source)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -51,3 +51,37 @@ def test_episode_tasks_are_refused_on_the_vllm_generator(tmp_path):
                                  'model.kind="hf"', f'model.path="{path}"'])
     with pytest.raises(CliError, match=r"runs multi-turn episodes.*rollout.backend = \"torch\""):
         check_config(cfg)
+
+
+def test_a_task_s_run_defaults_fill_only_what_the_user_left_unset(tmp_path):
+    from workers.envs.calculator import CALCULATOR_ALPHABET
+
+    cfg = load_config(overrides=['task.name="calculator"'])
+    assert cfg.model.alphabet == CALCULATOR_ALPHABET and cfg.train.loss.entropy_coef == 0.08
+    assert cfg.model.context_len == 32 and cfg.train.lr == 3e-3  # what it does not name
+    mine = load_config(overrides=['task.name="calculator"', "train.loss.entropy_coef=0.0",
+                                  'model.alphabet="0123456789+-*=>x"'])
+    assert mine.model.alphabet.endswith("x") and mine.train.loss.entropy_coef == 0.0
+    # a file counts as the user's too, and the task may be named there
+    path = tmp_path / "run.toml"
+    path.write_text('[task]\nname = "calculator-notool"\n[train.loss]\nentropy_coef = 0.01\n')
+    from_file = load_config(path)
+    assert from_file.model.alphabet == CALCULATOR_ALPHABET
+    assert from_file.train.loss.entropy_coef == 0.01
+    # a task that declares none leaves the run's defaults alone
+    assert load_config().model.alphabet == "" and load_config().train.loss.entropy_coef == 0.0
+
+
+def test_a_run_says_which_of_its_task_s_defaults_it_took():
+    from controller.config import config_to_dict
+    from workers.tasks.config import task_defaults_in_effect
+
+    def taken(*overrides: str) -> list[str]:
+        cfg = load_config(overrides=['task.name="calculator"', *overrides])
+        return task_defaults_in_effect(cfg.task.name, config_to_dict(cfg))
+
+    alphabet = "model.alphabet='0123456789+-*=>c'"
+    assert taken() == [alphabet, "train.loss.entropy_coef=0.08"]
+    assert taken("train.loss.entropy_coef=0.01") == [alphabet]
+    assert task_defaults_in_effect("reverse", config_to_dict(load_config())) == []
+    assert task_defaults_in_effect("no-such-task", config_to_dict(load_config())) == []

@@ -3,6 +3,7 @@ recorder's replay, and errors that name the environment and the step."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -213,14 +214,46 @@ def test_equal_returns_give_exactly_zero_advantages():
 def test_calculator_tasks_register_and_answer_in_the_right_number_of_turns():
     tool, plain = make_task("calculator"), make_task("calculator-notool")
     assert (tool.max_turns, plain.max_turns) == (2, 1)
-    examples = tool.examples(30, seed=0)
-    assert {e.prompt[2] for e in examples} == {"+", "-", "*"}
+    examples = tool.examples(4096, seed=0)
+    assert examples == plain.examples(4096, seed=0)  # the same questions, with or without
+    assert {e.prompt[1] for e in examples} == {"+", "-", "*"}
     for e in examples:
-        assert e.answer == str(eval(e.prompt.rstrip("="))) and 10 <= int(e.prompt[:2]) <= 99
+        assert e.answer == str(eval(e.prompt.rstrip("="))) and len(e.answer) == 2
+        assert e.prompt[0].isdigit() and e.prompt[2].isdigit() and len(e.prompt) == 4
+    # every one-digit question with a two-character result: 58 products of 10 or more
+    # (81 less the 23 under 10), 45 sums of 10 or more and 36 differences below 0
+    distinct = {e.prompt: e for e in examples}.values()
+    assert sorted(Counter(e.prompt[1] for e in distinct).items()) == [("*", 58), ("+", 45), ("-", 36)]
     ex = examples[0]
     assert plain.reward(ex, ex.answer, True) == pytest.approx(1.0)
     # with the tool, a first-turn answer is no call: it earns nothing for the answer
     assert tool.reward(ex, ex.answer, True) < 0.2
+    wide = make_task("calculator", digits=2, result_len=0).examples(200, seed=0)
+    assert {len(e.answer) for e in wide} >= {3, 4} and all(len(e.prompt) == 6 for e in wide)
+
+
+def test_a_calculator_result_length_that_cannot_occur_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"result_len = 2 is impossible with digits = 2 and "
+                                         r"ops '\*' \(results have \[3, 4\] characters\)"):
+        make_task("calculator", digits=2, ops="*")
+
+
+def test_a_calculator_turn_with_tokens_that_are_not_text_earns_nothing():
+    env = calc_env("7*8=", "56")
+    env.reset(KEYS[0])
+    call = env.step(Action("7*8", tuple(TOK.encode("7*8")) + (EOS_ID,), True), KEYS[0].at(1))
+    assert call.observation.text == ">56" and call.reward == pytest.approx(0.2)
+    # "56" then padding: decoding drops the padding, so the text alone looks right
+    padded = tuple(TOK.encode("56")) + (TOK.pad_id, TOK.pad_id)
+    assert TOK.decode(list(padded)) == "56"
+    step = env.step(Action("56", padded, False), KEYS[0].at(2))
+    assert step.done and step.reward == 0.0
+    assert step.info["error"] == "the turn holds 2 token(s) that are not text"
+    clean = calc_env("7*8=", "56")
+    clean.reset(KEYS[0])
+    clean.step(Action("7*8", tuple(TOK.encode("7*8")) + (EOS_ID,), True), KEYS[0].at(1))
+    answer = clean.step(Action("56", tuple(TOK.encode("56")) + (EOS_ID,), True), KEYS[0].at(2))
+    assert answer.reward == pytest.approx(0.8)
 
 
 def test_calculator_call_that_does_not_parse_ends_the_episode_naming_why():

@@ -7,6 +7,7 @@ name; a user task is named ``"package.module:ClassName"`` and loaded on demand.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -117,6 +118,19 @@ def make_task(spec: str, **options: Any) -> Task:
             "(needs a 'name' attribute and 'examples' and 'reward' methods)"
         )
     return task
+
+
+def task_run_defaults(spec: str) -> dict[str, Any]:
+    """The run settings a built-in task is tuned for (its class's ``run_defaults``: config
+    tables, e.g. ``{"model": {"context_len": 16}}``); {} for a task that declares none,
+    a family or a plugin (a user's module is imported only when the run builds its task)."""
+    if spec in _REGISTRY:
+        cls: Any = _REGISTRY[spec]
+    elif spec in _ELSEWHERE:
+        cls = _load_plugin(_ELSEWHERE[spec])
+    else:
+        return {}
+    return copy.deepcopy(dict(getattr(cls, "run_defaults", {})))
 
 
 def _load_plugin(spec: str) -> Callable[..., Any]:
