@@ -2,16 +2,20 @@
 
 For each fleet size (default 8 and 1024 simulated generators, groups of 16 samples,
 steps of 64-512 groups as ``bench_scale``), the real ``Controller`` runs on the virtual
-clock twice, side by side on the same timings and the same real redis-server:
+clock three times, side by side on the same timings and the same real redis-server:
 
   (a) single-turn -- partial rollouts on, one flush per group (``sim.partial``);
   (b) episodes    -- ``--turns``-turn episodes (``sim.episodes``): per turn the model
                      segments and the calls' intent, then the results and observations,
-                     each appended before the episode goes on (4 events per turn).
+                     each appended before the episode goes on (4 events per turn),
+                     with ``rollout.partial.record_linger_s = 0``: a pause shares its
+                     append only with calls that returned in the same turn of the loop;
+  (c) the same episodes with the configured linger (``--linger-s``, the default 5 ms):
+                     the pauses of the fleet that come within it share one append.
 
 Printed per fleet size and mode: the controller's real CPU per group (loop thread,
-simulated workers excluded) and per episode turn, events per group, and the fold time
-of the log. The target: with 1024 generators running 10-turn episodes the controller
+simulated workers excluded) and per episode turn, events and appends per group, and the
+fold time of the log. The target: with 1024 generators running 10-turn episodes the controller
 stays <= 1 ms CPU per group.
 
     python bench/bench_episodes.py                    # 8 and 1024 generators, 10 turns
@@ -35,6 +39,7 @@ from controller.config import Config  # noqa: E402
 from controller.projector import Projector  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
+from workers.generator.config import PartialSection  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 
@@ -43,11 +48,18 @@ def with_partial(cfg: Config) -> Config:
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, partial=partial))
 
 
-def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: int) -> dict[str, float]:
+def with_linger(cfg: Config, linger_s: float) -> Config:
+    partial = msgspec.structs.replace(cfg.rollout.partial, record_linger_s=linger_s)
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, partial=partial))
+
+
+def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: int,
+        linger_s: float) -> dict[str, float]:
     cfg = with_partial(config_for(generators, args.groups, window=2, selection="oldest_first"))
+    cfg = with_linger(cfg, linger_s)
     timings = timings_for(cfg, args.median_s, 0.5, 1.05)
     store = RedisEventStore(server.url)
-    run_id = f"ep-{generators}-{turns}"
+    run_id = f"ep-{generators}-{turns}-{linger_s}"
     try:
         out = simulate(store, SimSpec(config=cfg, timings=timings, run_id=run_id,
                                       charge_real_time=True, episode_turns=turns))
@@ -64,7 +76,7 @@ def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: i
     cpu_ms = 1e3 * out.controller_cpu_s / groups
     return {"generators": generators, "turns": turns, "groups": groups, "cpu_ms": cpu_ms,
             "cpu_us_per_turn": 1e3 * cpu_ms / max(1, turns), "events_per_group": out.events / groups,
-            "fold_s": fold_s}
+            "appends_per_group": out.appends / groups, "fold_s": fold_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,20 +85,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--groups", type=int, default=2048, help="groups per run (at least 4 steps)")
     p.add_argument("--median-s", type=float, default=30.0, help="median generation time of a group")
+    p.add_argument("--linger-s", type=float, default=PartialSection().record_linger_s,
+                   help="rollout.partial.record_linger_s of mode (c)")
     args = p.parse_args(argv)
     if args.turns < 1:
         p.error(f"--turns must be >= 1, got {args.turns}")
+    if args.linger_s < 0:
+        p.error(f"--linger-s must be >= 0, got {args.linger_s}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp), appendfsync="always") as server:
         for n in (int(x) for x in args.generators.split(",")):
-            single, episodes = one(server, args, n, 0), one(server, args, n, args.turns)
-            rows.append((single, episodes))
-            print(f"{n:>5} generators, {episodes['groups']} groups: controller CPU per group "
-                  f"single-turn {single['cpu_ms']:.3f} ms, {args.turns}-turn episodes "
-                  f"{episodes['cpu_ms']:.3f} ms (x{episodes['cpu_ms'] / single['cpu_ms']:.2f}; "
-                  f"{episodes['cpu_us_per_turn']:.1f} us per turn); events per group "
-                  f"{single['events_per_group']:.1f} vs {episodes['events_per_group']:.1f}; "
-                  f"fold {single['fold_s']:.2f} s vs {episodes['fold_s']:.2f} s", flush=True)
+            single = one(server, args, n, 0, args.linger_s)
+            apart, shared = one(server, args, n, args.turns, 0.0), one(server, args, n, args.turns, args.linger_s)
+            rows.append((single, shared))
+            print(f"{n:>5} generators, {shared['groups']} groups: controller CPU per group: "
+                  f"single-turn {single['cpu_ms']:.3f} ms; {args.turns}-turn episodes, linger 0: "
+                  f"{apart['cpu_ms']:.3f} ms ({apart['cpu_us_per_turn']:.1f} us per turn), linger "
+                  f"{args.linger_s:g} s: {shared['cpu_ms']:.3f} ms ({shared['cpu_us_per_turn']:.1f} us "
+                  f"per turn, x{apart['cpu_ms'] / shared['cpu_ms']:.2f} less)", flush=True)
+            print(f"       events per group {single['events_per_group']:.1f} / "
+                  f"{apart['events_per_group']:.1f} / {shared['events_per_group']:.1f}; appends per "
+                  f"group {single['appends_per_group']:.1f} / {apart['appends_per_group']:.1f} / "
+                  f"{shared['appends_per_group']:.1f}; fold {single['fold_s']:.2f} s / "
+                  f"{apart['fold_s']:.2f} s / {shared['fold_s']:.2f} s", flush=True)
     worst = max(e["cpu_ms"] for _, e in rows)
     print(f"target: <= 1 ms controller CPU per group with episodes: worst {worst:.3f} ms -> "
           + ("met" if worst <= 1.0 else "MISSED"))

@@ -99,8 +99,8 @@ class AdmissionSide:
         #: why the gate is closed ("" when open), for the stall watchdog
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
-        #: partial rollouts: records flushes, deletes committed groups' segment rows
-        self.segment_rows = PartialRecorder(journal, payloads)
+        #: partial rollouts: records flushes (calls share appends), deletes segment rows
+        self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s)
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append

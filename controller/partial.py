@@ -85,14 +85,20 @@ class PartialRecorder:
     them, as ``AdmissionSide`` does for commits): each caller awaits its share, and every
     paused group goes on as soon as that append landed. The events are exactly those
     one append per call would write, in the order the calls returned.
+
+    Every pause of a durable episode is a flush too, and a large fleet's pauses come a
+    few hundred microseconds apart, not in one turn: with ``linger_s`` the first call
+    waits that long, and every call returning meanwhile shares its append.
     """
 
     #: segment rows deleted together (one data-plane call, not one per commit: deletes
     #: go through the trainer worker's fence and would queue between its microbatches)
     DELETE_BATCH = 512
 
-    def __init__(self, journal: Journal, payloads: PayloadStore | None) -> None:
+    def __init__(self, journal: Journal, payloads: PayloadStore | None, *, linger_s: float = 0.0) -> None:
         self.journal = journal
+        #: how long the first waiting call holds the append for others (0: this turn only)
+        self.linger_s = linger_s
         #: where segment rows are deleted (None: left to recovery's orphan sweep)
         self.payloads = payloads
         self.deletes: set[asyncio.Task] = set()
@@ -128,6 +134,14 @@ class PartialRecorder:
         return next_requests(self.journal.state, reqs, outs)
 
     async def _append_waiting(self) -> None:
+        if self.linger_s > 0:
+            try:
+                await asyncio.sleep(self.linger_s)
+            except asyncio.CancelledError:  # the run stopped: no waiting call goes on
+                waiting, self._waiting = self._waiting, []
+                for *_, done in waiting:
+                    done.cancel()
+                raise
         waiting, self._waiting = self._waiting, []
         journal = self.journal
         try:

@@ -222,7 +222,12 @@ class TrainSide:
             and not closing.checkpoint_due(version)
         )
         if not behind:
-            await closing.close(step, result, group_ids)  # record, publish, checkpoint
+            # not a trainer call: a stall here is a publish (or the checkpoint after it)
+            self.waiting_for = f"train pump publishing v{version} in line (then a due checkpoint)"
+            try:
+                await closing.close(step, result, group_ids)  # record, publish, checkpoint
+            finally:
+                self.waiting_for = ""
             return
         await closing.record(step, result, group_ids)
         self._publishing = asyncio.create_task(

@@ -78,6 +78,8 @@ class SimOutcome:
     generation_calls: int
     #: real seconds inside the simulated workers (not charged to the clock)
     workers_real_s: float
+    #: batches the loop appended (several events, and several groups' flushes, may share one)
+    appends: int = 0
 
     @property
     def events(self) -> int:
@@ -151,6 +153,8 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
             reason="completed",
         ))
 
+    appends = [0]
+    writer.listeners.append(lambda batch, state: appends.__setitem__(0, appends[0] + 1))
     real0, cpu0 = time.perf_counter(), time.thread_time()
     with asyncio.Runner(loop_factory=lambda: loop) as runner:
         runner.run(main())
@@ -167,4 +171,5 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         checkpoint_background_s=trainer.checkpoint_background_s,
         generation_calls=fleet.calls,
         workers_real_s=loop.uncharged_s,
+        appends=appends[0],
     )

@@ -94,7 +94,31 @@ class EpochFence:
             return
         with self._lock:
             self._check(*current)
+            self._local.holding = True
+            try:
+                yield
+            finally:
+                self._local.holding = False
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Let go of the fence this thread holds in :meth:`guard` while it waits for
+        another thread, and take it back after. A weight update that must wait for the
+        generating thread's next step boundary waits here: that thread may first write a
+        flush under the fence, and each would wait for the other. The update was checked
+        and queued under the fence, and every later check counts it as held, so a newer
+        controller admitted meanwhile sees it as landed before its first call. A no-op
+        outside :meth:`guard`."""
+        if not getattr(self._local, "holding", False):
             yield
+            return
+        self._local.holding = False
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._local.holding = True
 
 
 class Fenced:

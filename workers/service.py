@@ -261,6 +261,9 @@ class GeneratorWorker(Fenced):
                 model, tokenizer, task, fenced_plane, spec.run_id, name=name,
                 kv_on_refit=spec.partial.kv_on_refit,
             )
+        # an update waiting for a step boundary must not hold the fence the generating
+        # thread writes its flushes under (``workers.fencing.EpochFence.released``)
+        self.generator.weights.waiting = self.fence.released
         #: partial rollouts: the groups paused at a flush point (``generator.inflight``);
         #: for an episode task, at every record point (``generator.episodes``)
         self.inflight: InflightRunner | EpisodeGroups | None = None

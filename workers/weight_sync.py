@@ -20,10 +20,11 @@ for a refit is about one bucket plus one tensor, not one model.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ContextManager, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -92,6 +93,10 @@ class VersionedWeights:
         self._queued = threading.Condition(self._lock)
         self._generating_thread: int | None = None
         self._pending: tuple[int, Weights, threading.Event] | None = None
+        #: what an update lets go of while it waits for a step boundary (the worker's
+        #: fence, ``workers.fencing.EpochFence.released``: the generating thread may
+        #: need it to write a flush before it reaches that boundary)
+        self.waiting: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
     @property
     def version(self) -> int:
@@ -112,7 +117,8 @@ class VersionedWeights:
             loaded = threading.Event()
             self._pending = (version, state_dict, loaded)
             self._queued.notify_all()
-        loaded.wait()
+        with self.waiting():
+            loaded.wait()
         return WeightsAck(self.name, self._version)
 
     def begin_group(self) -> int:

@@ -118,10 +118,12 @@ def _check_each(rec: InflightEpisodes, ev: EnvStepsRequested | EnvStepsCompleted
         return f"a {type(ev).__name__} with no calls"
     seen: set[int] = set()
     for item in items:
-        problem = _sample_of(rec, item.sample, item.restart, seen) or check(
-            item, rec.samples[item.sample], f"sample {item.sample} turn {item.turn}")
+        problem = _sample_of(rec, item.sample, item.restart, seen)
         if problem:
             return problem
+        problem = check(item, rec.samples[item.sample])
+        if problem:  # where it happened, built only then (this loop runs per call)
+            return f"sample {item.sample} turn {item.turn}: {problem}"
     return ""
 
 
@@ -131,22 +133,25 @@ def requested_problem(rec: InflightEpisodes, ev: EnvStepsRequested) -> str:
         return (f"env {ev.env!r} (dedupes_by_key={ev.dedupes_by_key}) after calls to "
                 f"{rec.env!r} (dedupes_by_key={rec.dedupes_by_key})")
 
-    def check(call: EnvCall, episode: SampleEpisode, where: str) -> str:
-        pending = episode.pending()
-        if episode.ended:
-            return f"{where}: the episode already ended"
+    def check(call: EnvCall, episode: SampleEpisode) -> str:
+        # the last turn once (not ``pending()`` and ``ended``): this runs per call of
+        # every intent, the bulk of an episode run's fold
+        last = episode.turns[-1] if episode.turns else None
+        pending = last if last is not None and last.result is None else None
         if pending is None:
-            want = episode.turns[-1].turn + 1 if episode.turns else 1
-            return f"{where}: the next call of this episode is turn {want}" if call.turn != want else ""
+            if last is not None and last.result.ended:  # type: ignore[union-attr]
+                return "the episode already ended"
+            want = last.turn + 1 if last is not None else 1
+            return f"the next call of this episode is turn {want}" if call.turn != want else ""
         if call.turn != pending.turn:
-            return f"{where}: turn {pending.turn} was requested and has no result yet"
+            return f"turn {pending.turn} was requested and has no result yet"
         if not rec.dedupes_by_key:
-            return (f"{where}: asked again with the same key, but env {rec.env!r} cannot "
+            return (f"asked again with the same key, but env {rec.env!r} cannot "
                     "deduplicate (a second call could repeat its side effect)")
         if pending.attempt >= ev.attempt:
-            return f"{where}: already requested by attempt {pending.attempt}"
+            return f"already requested by attempt {pending.attempt}"
         if call.request != pending.request:
-            return (f"{where}: re-issued with request {call.request}, but the log recorded "
+            return (f"re-issued with request {call.request}, but the log recorded "
                     f"{pending.request} (a replayed agent must make the same call)")
         return ""
 
@@ -168,14 +173,14 @@ def record_requested(rec: InflightEpisodes, ev: EnvStepsRequested) -> None:
 def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
     """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
 
-    def check(result: EnvResult, episode: SampleEpisode, where: str) -> str:
+    def check(result: EnvResult, episode: SampleEpisode) -> str:
         pending = episode.pending()
         if pending is None or pending.turn != result.turn or pending.attempt != ev.attempt:
-            return f"{where}: a result for a call attempt {ev.attempt} did not request"
+            return f"a result for a call attempt {ev.attempt} did not request"
         if not math.isfinite(result.reward):
-            return f"{where}: reward {result.reward} is not finite"
+            return f"reward {result.reward} is not finite"
         if result.observation_tokens < 0 or (result.ended and result.observation_tokens):
-            return f"{where}: {result.observation_tokens} observation tokens" + (
+            return f"{result.observation_tokens} observation tokens" + (
                 " after the episode ended" if result.ended else "")
         return ""
 

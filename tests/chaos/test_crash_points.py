@@ -18,6 +18,7 @@ import pytest
 
 from controller.crashpoints import CRASH_POINTS
 from tests.chaos.harness import EXIT_CRASH, Chaos
+from tests.chaos.test_episode_crashes import POINTS as EPISODE_POINTS
 from tests.chaos.test_partial_crashes import PARTIAL_SCENARIOS
 from workers.dataplane.memory import MemoryDataPlane
 from workers.dataplane.spill import SpillDataPlane
@@ -168,6 +169,9 @@ def test_every_crash_point_is_covered() -> None:
     armed |= {"after_checkpoint_rejected", "after_lost_payloads_evicted", "after_run_rewound"}
     for spec in PARTIAL_SCENARIOS.values():  # partial rollouts: tests.chaos.test_partial_crashes
         armed |= {item.split("@")[0].split(":")[0] for item in spec.split(",")}
+    # episodes: tests.chaos.test_episode_crashes (its random kills draw POINTS; one test
+    # crashes right after a recorded restart)
+    armed |= set(EPISODE_POINTS) | {"after_episodes_restarted"}
     # eviction by the staleness window is timing-dependent: exercised by the soak
     missing = set(CRASH_POINTS) - armed - {"after_group_evicted"}
     assert not missing, f"crash points without a scenario: {sorted(missing)}"

@@ -172,6 +172,23 @@ def test_an_env_that_cannot_dedupe_restarts_the_episode_instead(ledger: Chaos, t
     assert restart.group_id == "g000001" and "cannot deduplicate" in restart.reason
 
 
+def test_a_crash_right_after_an_episode_restart_is_recorded_restarts_it_once(
+        ledger: Chaos, tmp_path: Path) -> None:
+    """The restart is a fact in the log: a crash just after it must not restart the
+    episode again, nor run its unrecorded call."""
+    ledger.extra = [a.replace("turns=3}", "turns=3, dedupe=false}") for a in ledger.extra]
+    ledger.run("r", steps=2, resume=False, crash="before_env_steps_completed:g000001",
+               expect=EXIT_CRASH)
+    ledger.run("r", steps=2, resume=True, crash="after_episodes_restarted:g000001",
+               expect=EXIT_CRASH)
+    ledger.run("r", steps=2, resume=True, expect=0)
+    ledger.check("r", 2)
+    counted = check_exactly_once(ledger, tmp_path)
+    assert counted["reissued"] == 0
+    restarts = [e for e in _events(ledger) if isinstance(e, ev.EpisodesRestarted)]
+    assert [e.group_id for e in restarts] == ["g000001"], restarts
+
+
 #: the crash points in the middle of a turn (the random test also draws the others): the
 #: intent recorded, calls not made (after_segments_recorded is the same append); calls
 #: made, results not recorded; results recorded, next turn not begun

@@ -352,18 +352,23 @@ def test_step_retries_exhausted_stops_the_run(tmp_path):
     assert h.writer.state.trainer_version == 0 and h.writer.state.open_step is None
 
 
-def test_stall_watchdog_says_what_waited_on_what(tmp_path):
+def _stalled(tmp_path, generator: type[GeneratorWorker]) -> tuple[Harness, str]:
+    """A one-generator run whose ``generator`` hangs on ``release``; the watchdog's line."""
     cfg = make_config(
         "run.steps=2", "rollout.num_generators=1", "controller.stall_timeout_s=0.3"
     )
     release = threading.Event()
-    h = Harness(cfg, tmp_path, generator=BlockingGenerator, release=release)
+    h = Harness(cfg, tmp_path, generator=generator, release=release)
     try:
         with pytest.raises(StallError) as info:
             h.run()
     finally:
         release.set()  # let the worker thread go
-    message = str(info.value)
+    return h, str(info.value)
+
+
+def test_stall_watchdog_says_what_waited_on_what(tmp_path):
+    h, message = _stalled(tmp_path, BlockingGenerator)
     assert "stall_timeout_s=0.3" in message
     assert "train pump waiting for 1 selectable groups" in message
     assert "generators busy: {'generator-0': 1}" in message
@@ -392,3 +397,22 @@ def test_window_zero_admits_as_soon_as_weights_are_published(tmp_path, monkeypat
             nxt = next(x for x in events[i + 1:] if isinstance(x, ev.RolloutAdmitted))
             admitted_after.append(nxt.weight_version)
     assert admitted_after == [1, 2]
+
+
+
+class HungRefitGenerator(GeneratorWorker):
+    """Holds every refit bucket after the start's publish (of v0) until ``release`` is
+    set: the first step's publish never lands."""
+
+    release: threading.Event
+
+    def receive_weight_bucket(self, version, index, count, bucket):
+        if version > 0:
+            self.release.wait()
+        return super().receive_weight_bucket(version, index, count, bucket)
+
+
+def test_stall_watchdog_names_a_hung_in_line_publish(tmp_path):
+    _, message = _stalled(tmp_path, HungRefitGenerator)
+    assert "train pump publishing v1 in line" in message  # not "busy in a trainer call"
+    assert "trainer_version 1, published v0" in message

@@ -34,7 +34,12 @@ def _run(h: Harness) -> str:
 
 
 def _segment_rows(h: Harness) -> list[str]:
-    return [k for k in h.workers.dataplane.list(RUN) if "/k" in k.rsplit("/", 1)[-1]]
+    return [k for k in h.workers.dataplane.list(RUN) if _is_segment(k)]
+
+
+def _is_segment(key: str) -> bool:
+    """A segment row's key ends in ``/k{index}`` (a final row's in ``/s{sample}``)."""
+    return key.rsplit("/", 1)[-1].startswith("k")
 
 
 def test_partial_rollouts_record_flushes_and_commit_them(tmp_path):
@@ -108,3 +113,52 @@ def test_a_group_whose_recorded_rows_are_gone_restarts_from_the_prompt(tmp_path)
     assert third and all(s.start == 0 for s in third[0].segments)  # from the prompt
     (commit,) = [e for e in h.events(ev.GroupCommitted) if e.group_id == "g000001"]
     assert commit.attempt == 3
+
+
+class _FlushWaitsForRefit:
+    """The generator's data plane, whose first segment ``put`` waits until a weight
+    update is queued for the step boundary: the flush is inside the group's generating
+    window, past its last boundary, so the update is pending over it by construction."""
+
+    def __init__(self, plane, weights) -> None:
+        self._plane = plane
+        self._weights = weights
+        #: the version each held flush saw waiting (None: no update came)
+        self.seen: list[int | None] = []
+
+    def put(self, partition, keys, *args, **kwargs):
+        if not self.seen and _is_segment(keys[0]):
+            self.seen.append(self._weights.wait_for_pending(timeout_s=120))
+        return self._plane.put(partition, keys, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._plane, name)
+
+
+class RefitDuringFlushGenerator(GeneratorWorker):
+    """generator-0 holds its first flush until a publish waits on it; the others run."""
+
+    def __init__(self, spec, name, dataplane) -> None:
+        super().__init__(spec, name, dataplane)
+        if name == "generator-0":
+            gen = self.generator
+            gen.dataplane = self.held = _FlushWaitsForRefit(gen.dataplane, gen.weights)
+
+
+def test_a_refit_waiting_on_a_flush_does_not_deadlock_it(tmp_path):
+    # A weight update that must wait for the group's next step boundary used to wait
+    # holding the worker's fence; the flush it waited for writes its rows under that
+    # fence first. Each waited on the other: the run stalled with a publish and a
+    # generator call in flight (the resumed chaos runs saw it at random).
+    # ready_first: step 1 fills from generator-1's groups while generator-0's waits
+    cfg = make_config("run.steps=2", "staleness.selection=ready_first", *PARTIAL)
+    h = Harness(cfg, tmp_path, generator=RefitDuringFlushGenerator)
+    held = h.workers.generators[0].handle.obj.held
+    try:
+        assert _run(h) == "completed"
+    finally:
+        # a run that deadlocked anyway: let the worker threads go, or exit waits on them
+        h.workers.generators[0].handle.obj.generator.weights.at_step_boundary()
+    assert held.seen == [1]  # the publish of v1 was waiting on the held flush
+    h.check_log()
+    assert h.writer.state.trainer_version == 2

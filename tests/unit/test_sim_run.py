@@ -140,3 +140,28 @@ def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call):
     kinds = Counter(type(e.event).__name__ for e in store.read("ep")
                     if getattr(e.event, "group_id", None) == committed[0].group_id)
     assert (kinds["EnvStepsRequested"], kinds["EnvStepsCompleted"], kinds["SegmentsRecorded"]) == (3, 3, 5)
+
+
+def _env_batches(linger_s: float) -> tuple[int, int]:
+    """(env events, distinct appends holding them) of a 3-turn episode run: the events
+    of one append share its virtual timestamp."""
+    cfg = load_config(None, [
+        "run.steps=4", "rollout.num_generators=4", "rollout.groups_per_call=1",
+        "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}"])
+    store = MemoryEventStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    result = Projector(store).get("ep")
+    assert result.problem is None, result.problem
+    env = [e.event for e in store.read("ep") if type(e.event).__name__.startswith("EnvSteps")]
+    return len(env), len({e.ts for e in env})
+
+
+def test_pauses_of_several_groups_share_one_append_within_the_linger():
+    # group commit of flushes: with a linger the pauses of the 4 generators' groups that
+    # come within it are recorded by one append (same virtual time), and the log still
+    # folds clean; without one, each pause is its own append
+    events, appends = _env_batches(0.0)
+    assert appends == events
+    events, appends = _env_batches(0.5)
+    assert appends < events

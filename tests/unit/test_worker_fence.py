@@ -84,3 +84,35 @@ def test_calls_without_an_epoch_or_to_private_names() -> None:
     assert _stamped(None, m, (1,)) == ("begin_train_step", (1,))
     assert _stamped(EpochToken(), m, (1,)) == ("begin_train_step", (1,))
     assert _stamped(EpochToken(4), m, (1,)) == ("fenced", (4, "begin_train_step", 1))
+
+
+def test_a_guard_waiting_in_released_lets_another_write_then_holds_again() -> None:
+    # a weight update waits for the generating thread's step boundary; that thread may
+    # first write a flush under the fence, so the waiting update must let go of it
+    w = Worker()
+    fence = w.fence
+    inside, wrote = threading.Event(), threading.Event()
+    held_after: list[bool] = []
+
+    def wait_for_the_write() -> None:
+        with fence.guard():
+            with fence.released():
+                inside.set()
+                assert wrote.wait(timeout=120), "the write never got the fence"
+            held_after.append(fence._lock.locked())  # taken back before the guard ends
+
+    def writer() -> None:
+        w.fenced(1, "write", 7)
+        wrote.set()
+
+    waiter = threading.Thread(target=fence.call, args=(1, "wait", wait_for_the_write))
+    waiter.start()
+    assert inside.wait(timeout=120)  # the write comes while the guarded thread waits
+    other = threading.Thread(target=writer)
+    other.start()
+    waiter.join()
+    other.join()
+    assert w.writes == [7] and held_after == [True]
+    assert not fence._lock.locked()
+    with fence.released():  # outside a guard: nothing to let go of
+        assert not fence._lock.locked()

@@ -59,5 +59,13 @@ class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     new weights (each token's logprob is exactly its version's); ``keep`` goes on with
     the KV cache of the old weights (no prefill). See bench/bench_inflight_kv.py."""
 
+    record_linger_s: float = 0.005
+    """How long the controller holds the first returned flush for others to share its
+    append (group commit). Every pause of an episode is a flush; a fleet's calls return
+    a few hundred microseconds apart, so a few milliseconds record several groups per
+    store round trip and fold (bench/bench_episodes.py). Each pause waits up to this
+    long more before its group goes on; 0 batches only calls that return together."""
+
     def __post_init__(self) -> None:
         positive("rollout.partial", self, "segment_tokens")
+        non_negative("rollout.partial", self, "record_linger_s")
