@@ -15,6 +15,7 @@ from workers.loss import LossOptions, StepLoss
 from workers.models.config import SamplingSection
 from workers.trainer import distributed as dd
 from workers.trainer.torch_backend import TorchTrainer
+from tests import trainer_helpers
 from tests.trainer_helpers import ADAMW64, FACTORY, SGD64, make_batch, split
 
 #: one config per option family; together they switch on every [train.loss] choice
@@ -100,14 +101,5 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def run_dp(world_size: int, out_dir: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    port = dd.find_free_port()
-    mp.start_processes(
-        dp_worker, args=(world_size, port, str(out_dir)), nprocs=world_size, start_method="spawn"
-    )
-    out = []
-    for r in range(world_size):
-        with open(out_dir / f"rank{r}.pkl", "rb") as f:
-            out.append(pickle.load(f))
-    return out
+    """The loss families' DP ranks (:func:`dp_worker`); every rank's results, in rank order."""
+    return trainer_helpers.run_dp(world_size, out_dir, worker=dp_worker)

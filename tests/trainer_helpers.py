@@ -237,13 +237,15 @@ def dp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dd.destroy_process_group()
 
 
-def run_dp(world_size: int, out_dir: Path) -> list[dict]:
-    """Spawn ``world_size`` ranks over gloo; every rank's results, in rank order."""
+def run_dp(world_size: int, out_dir: Path, worker=None) -> list[dict]:
+    """Spawn ``world_size`` ranks over gloo running ``worker(rank, world_size, port,
+    out_dir)`` (default :func:`dp_worker`); every rank's results, in rank order."""
     import torch.multiprocessing as mp
 
     port = dd.find_free_port()
     mp.start_processes(
-        dp_worker, args=(world_size, port, str(out_dir)), nprocs=world_size, start_method="spawn"
+        worker or dp_worker, args=(world_size, port, str(out_dir)), nprocs=world_size,
+        start_method="spawn",
     )
     out = []
     for r in range(world_size):
