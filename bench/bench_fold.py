@@ -55,7 +55,7 @@ from events.schema import AnyEvent  # noqa: E402
 from controller.core.fold import apply_raw  # noqa: E402
 from events.codec import encode  # noqa: E402
 from bench_memory import check_memory  # noqa: E402
-from tests.unit.log_builder import random_run, stream_random_run  # noqa: E402
+from tests.unit.random_log import random_run, stream_random_run  # noqa: E402
 
 #: the streamed fold prints a progress line (stderr) each time it passes a multiple of this
 PROGRESS_EVERY = 1_000_000

@@ -34,7 +34,7 @@ from controller.startup import resume_run  # noqa: E402
 from controller.core.state import encode_state  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-from tests.unit.log_builder import random_run  # noqa: E402
+from tests.unit.random_log import random_run  # noqa: E402
 
 EVENTS_PER_STEP = 30
 

@@ -1,6 +1,6 @@
 """Read-only tools over a 1M-event log in a real redis-server: audit and staleness speed.
 
-Generates a realistic log (``tests.unit.log_builder.random_run``: admissions ahead of the
+Generates a realistic log (``tests.unit.random_log.random_run``: admissions ahead of the
 trainer, out-of-order commits, failures, evictions, aborts, restarts, checkpoints,
 releases), writes it into a fresh redis-server (temp dir, loopback) through
 ``RedisEventStore.append`` in batches, then times, side by side in one run (best of
@@ -63,7 +63,7 @@ from replay.audit import build_report  # noqa: E402
 from replay.chain_audit import audit_chain, audit_log, start_audit_chain  # noqa: E402
 from controller.projector import Projector, iter_pages  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-from tests.unit.log_builder import stream_random_run  # noqa: E402
+from tests.unit.random_log import stream_random_run  # noqa: E402
 
 TARGET_S_PER_1M = 3.0
 #: the long-run point of the issue: a 10k-step x 512-group log, audited within a minute

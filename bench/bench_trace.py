@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_fold import EVENTS_PER_STEP, RUN_OPTIONS  # noqa: E402
 from events.codec import encode  # noqa: E402
-from tests.unit.log_builder import stream_random_run  # noqa: E402
+from tests.unit.random_log import stream_random_run  # noqa: E402
 
 TARGET_S = 10.0
 READ_ONLY = (

@@ -11,7 +11,19 @@ Pure: no I/O, nothing imported beyond the standard library.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+
+def flatten(tables: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested config tables as ``(dotted key, value)`` pairs, leaves only, in order."""
+    out: list[tuple[str, Any]] = []
+    for key, value in tables.items():
+        if isinstance(value, Mapping):
+            out += flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def require(ok: bool, key: str, rule: str, value: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from controller.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from controller.core.state import RunState
+from events.config_checks import flatten
 
 #: short names accepted by --what-if, and the config key each sets
 KEYS: dict[str, str] = {
@@ -66,21 +67,11 @@ def parse_changes(items: Iterable[str], *, allowed: Iterable[str] | None = None)
     return out
 
 
-def flatten(data: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """A config dict as ``key=value`` overrides (values in TOML/JSON syntax)."""
-    out: list[str] = []
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            out.extend(flatten(value, f"{prefix}{key}."))
-        else:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
-    return out
-
-
 def with_changes(cfg: Config, changes: Mapping[str, str] | Iterable[str]) -> Config:
     """``cfg`` with ``changes`` ({key: value} or ``key=value`` items), validated."""
     items = [f"{k}={v}" for k, v in changes.items()] if isinstance(changes, Mapping) else list(changes)
-    return load_config(None, flatten(config_to_dict(cfg)) + items)
+    recorded = [f"{key}={json.dumps(value)}" for key, value in flatten(config_to_dict(cfg))]
+    return load_config(None, recorded + items)
 
 
 def recorded_config(state: RunState) -> Config:

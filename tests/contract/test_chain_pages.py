@@ -14,7 +14,7 @@ import pytest
 from events.redis_store.replies import xrange_chain_page
 from events.redis_store import RedisEventStore, events_key, meta_key, snapshot_key
 from replay.chain_audit import audit_chain
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 
 RUN = "sim-7"
 

@@ -12,7 +12,8 @@ import pytest
 
 from cli.main import main
 from tests.e2e.test_readonly_cli import cli, write_log
-from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
 
 pytestmark = pytest.mark.integration
 

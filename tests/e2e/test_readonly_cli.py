@@ -14,7 +14,8 @@ from cli.main import main
 from events.codec import encode
 from events.redis_store import RedisEventStore
 from tests.foreground import popen_foreground
-from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.e2e.test_readonly_cli import cli, write_log
 from tests.trace_check import check_trace
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 
 pytestmark = pytest.mark.integration
 

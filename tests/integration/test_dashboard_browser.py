@@ -37,7 +37,7 @@ from events.redis_store.acl import acl_rules
 from tests.chaos.harness import TINY
 from tests.e2e.test_readonly_cli import write_log
 from tests.plugin_tasks import HELD_TASK, held_env, hold_rewards_after
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

@@ -1,4 +1,5 @@
-"""Build event logs for tests: a fluent ``LogBuilder`` and a random-run simulator.
+"""Build event logs for tests: a fluent ``LogBuilder`` (``tests.unit.random_log`` builds a
+whole random run with it).
 
     log = (
         LogBuilder(run_id="r1", window=1, groups_per_step=2)
@@ -17,27 +18,17 @@ that makes a *valid* log by default; any field can be overridden by keyword
 away. Timestamps are ``t0 + position * dt``: deterministic. ``append(event)`` adds any
 hand-made event.
 
-``random_run(seed, steps)`` simulates a realistic asynchronous run (admission ahead of
-the trainer, out-of-order commits, failures and re-admission, evictions past the window,
-aborted steps, controller restarts, checkpoints, releases, rewinds) with its own
-bookkeeping -- independent of the reducer -- and returns the builder.
 """
 
 from __future__ import annotations
 
-import random
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from events import codec
 from events.schema import (
     CheckpointRejected,
     CheckpointSaved,
     ControllerStarted,
-    EnvCall,
-    EnvResult,
-    EnvStepsCompleted,
-    EnvStepsRequested,
-    EpisodesRestarted,
     Event,
     GroupCommitted,
     GroupEvicted,
@@ -48,9 +39,6 @@ from events.schema import (
     RunFinished,
     RunRewound,
     RunStarted,
-    Segment,
-    SegmentsDropped,
-    SegmentsRecorded,
     StepAborted,
     StepBegun,
     StepFinished,
@@ -58,18 +46,15 @@ from events.schema import (
     WeightsPublished,
     WorkerLost,
     controller_started_id,
-    env_steps_event_id,
-    episodes_restarted_id,
     group_event_id,
     microbatch_event_id,
     run_started_id,
-    segments_dropped_id,
-    segments_event_id,
     step_event_id,
 )
+from tests.unit.log_builder_segments import SegmentEvents
 
 
-class LogBuilder:
+class LogBuilder(SegmentEvents):
     """Fluent builder of ``list[StoredEvent]``; every method returns ``self``."""
 
     def __init__(
@@ -240,73 +225,6 @@ class LogBuilder:
         self._emit(GroupCommitted, group_event_id(group_id, "committed", attempt), fields, overrides)
         return self
 
-    def flush(
-        self,
-        group_id: str,
-        spans: dict[int, tuple[int, int]] | dict[int, tuple[int, int, bool]],
-        *,
-        version: int | None = 0,
-        index: int | None = None,
-        kind: str = "model",
-        turn: int = 0,
-        **overrides: Any,
-    ) -> LogBuilder:
-        """SegmentsRecorded: ``spans`` = {sample: (start, length[, stopped])}; the index
-        counts this attempt's flushes unless given."""
-        attempt = self.attempts.get(group_id, 1)
-        counted = (group_id, attempt)
-        index = self.flushes.get(counted, 0) if index is None else index
-        self.flushes[counted] = index + 1
-        segments = [
-            Segment(sample=i, start=span[0], length=span[1], key=f"{group_id}/a{attempt}/s{i}/k{index}",
-                    turn=turn, stopped=bool(span[2]) if len(span) > 2 else False)
-            for i, span in spans.items()
-        ]
-        fields = dict(group_id=group_id, attempt=attempt, index=index, kind=kind,
-                      weight_version=version, segments=segments)
-        self._emit(SegmentsRecorded, segments_event_id(group_id, attempt, index), fields, overrides)
-        return self
-
-    def _env_index(self, group_id: str) -> tuple[int, int]:
-        attempt = self.attempts.get(group_id, 1)
-        index = self.env_events.get((group_id, attempt), 0)
-        self.env_events[(group_id, attempt)] = index + 1
-        return attempt, index
-
-    def request(
-        self, group_id: str, calls: dict[int, tuple[int, str]], *, env: str = "calc",
-        dedupes: bool = True, restart: int = 0, **overrides: Any,
-    ) -> LogBuilder:
-        """EnvStepsRequested: ``calls`` = {sample: (turn, request fingerprint)}."""
-        attempt, index = self._env_index(group_id)
-        fields = dict(group_id=group_id, attempt=attempt, index=index, env=env,
-                      dedupes_by_key=dedupes,
-                      calls=[EnvCall(sample=i, turn=t, request=r, restart=restart)
-                             for i, (t, r) in calls.items()])
-        self._emit(EnvStepsRequested, env_steps_event_id(group_id, "requested", attempt, index),
-                   fields, overrides)
-        return self
-
-    def complete(
-        self, group_id: str, results: dict[int, tuple[int, float, bool, int]], *,
-        restart: int = 0, **overrides: Any,
-    ) -> LogBuilder:
-        """EnvStepsCompleted: ``results`` = {sample: (turn, reward, ended, observation tokens)}."""
-        attempt, index = self._env_index(group_id)
-        fields = dict(group_id=group_id, attempt=attempt, index=index, results=[
-            EnvResult(sample=i, turn=t, reward=r, ended=e, end_reason="done" if e else "",
-                      observation_tokens=o, restart=restart)
-            for i, (t, r, e, o) in results.items()])
-        self._emit(EnvStepsCompleted, env_steps_event_id(group_id, "completed", attempt, index),
-                   fields, overrides)
-        return self
-
-    def restart_episodes(self, group_id: str, samples: list[int], **overrides: Any) -> LogBuilder:
-        attempt = self.attempts.get(group_id, 1)
-        fields = dict(group_id=group_id, attempt=attempt, samples=samples, reason="test")
-        self._emit(EpisodesRestarted, episodes_restarted_id(group_id, attempt), fields, overrides)
-        return self
-
     def group(self, group_id: str, **commit_overrides: Any) -> LogBuilder:
         """admit + commit."""
         return self.admit(group_id).commit(group_id, **commit_overrides)
@@ -315,13 +233,6 @@ class LogBuilder:
         attempt = self.attempts.get(group_id, 1) if attempt is None else attempt
         fields = dict(group_id=group_id, attempt=attempt, reason=reason)
         self._emit(GroupFailed, group_event_id(group_id, "failed", attempt), fields, overrides)
-        return self
-
-    def drop_segments(self, group_id: str, keys: list[str], **overrides: Any) -> LogBuilder:
-        """SegmentsDropped by the group's current (failed) attempt."""
-        attempt = self.attempts.get(group_id, 1)
-        fields = dict(group_id=group_id, attempt=attempt, keys=keys, reason=f"missing {keys[:1]}")
-        self._emit(SegmentsDropped, segments_dropped_id(group_id, attempt), fields, overrides)
         return self
 
     def evict(self, group_id: str, reason: str = "lag past window", lag: int = 0, **overrides: Any) -> LogBuilder:
@@ -432,189 +343,6 @@ class LogBuilder:
         fields = dict(to_trainer_version=to_trainer_version, lost_steps=steps, lost_group_ids=groups, reason=reason)
         self._emit(RunRewound, f"run:{self.run_id}:rewound:{self.next_position}", fields, overrides)
         return self
-
-
-# -- a realistic random run ------------------------------------------------------------------
-
-
-class _Sim:
-    """Bookkeeping of ``random_run``: what a correct controller would know."""
-
-    def __init__(self, b: LogBuilder, rng: random.Random, microbatch_groups: int) -> None:
-        self.b, self.rng, self.mb = b, rng, microbatch_groups
-        self.in_flight: list[str] = []
-        self.buffer: list[str] = []
-        self.commit_seq: dict[str, int] = {}
-        self.start: dict[str, int] = {}
-        self.uncovered: list[tuple[int, list[str]]] = []  # (trainer_version, groups)
-        self.ckpt_version = -1
-        self.n_groups = 0
-        self.finished_steps = 0
-
-    def admit_up_to(self, capacity: int) -> None:
-        while len(self.in_flight) + len(self.buffer) < capacity:
-            gid = f"g{self.n_groups:07d}"
-            self.n_groups += 1
-            self.b.admit(gid, generator=_generator(gid))
-            self.in_flight.append(gid)
-
-    def complete_some(self, p_fail: float) -> None:
-        rng, b = self.rng, self.b
-        if not self.in_flight:
-            return
-        k = rng.randint(1, len(self.in_flight))
-        for gid in rng.sample(self.in_flight, k):
-            self.in_flight.remove(gid)
-            if rng.random() < p_fail:
-                b.fail(gid)
-                if rng.random() < 0.5:
-                    b.release([gid])
-                b.admit(gid, generator=_generator(gid))
-                self.in_flight.append(gid)
-            else:
-                b.commit(gid)
-                self.start[gid] = b.dispatch_versions[gid]
-                self.commit_seq[gid] = b.last_position
-                self.buffer.append(gid)
-
-    def evict_stale(self) -> None:
-        b = self.b
-        for gid in list(self.buffer):
-            lag = b.trainer_version - self.start[gid]
-            if lag > b.window or lag < 0:
-                self.buffer.remove(gid)
-                b.evict(gid, lag=lag).release([gid])
-
-    def step(self, p_abort: float, p_restart: float) -> None:
-        b, rng = self.b, self.rng
-        picked = self.buffer[: b.groups_per_step]
-        del self.buffer[: b.groups_per_step]
-        b.begin_step()
-        chunks = [picked[i : i + self.mb] for i in range(0, len(picked), self.mb)]
-        restart = rng.random() < p_restart
-        abort = restart or rng.random() < p_abort
-        if abort:
-            chunks = chunks[: rng.randint(0, len(chunks) - 1)]
-        for chunk in chunks:
-            b.microbatch(chunk)
-        if not abort:
-            b.finish_step()
-            self.finished_steps += 1
-            self.uncovered.append((b.trainer_version, picked))
-            b.publish()
-            return
-        if restart:
-            b.restart()
-        b.abort_step("restart" if restart else "trainer error")
-        self.buffer = sorted(self.buffer + picked, key=self.commit_seq.__getitem__)
-        if restart:
-            for gid in list(self.in_flight):
-                b.fail(gid, "controller restart").admit(gid, generator=_generator(gid))
-            b.publish()
-
-    def checkpoint(self) -> None:
-        b = self.b
-        b.checkpoint()
-        self.ckpt_version = b.trainer_version
-        covered = [g for v, gs in self.uncovered if v <= b.trainer_version for g in gs]
-        self.uncovered = [(v, gs) for v, gs in self.uncovered if v > b.trainer_version]
-        if covered:
-            b.release(covered)
-
-    def rewind(self) -> None:
-        b = self.b
-        lost = [g for _, gs in self.uncovered for g in gs]
-        b.rewind(self.ckpt_version)
-        self.uncovered = []
-        if lost:
-            b.release(lost)
-        b.publish()
-
-
-def _generator(group_id: str) -> str:
-    """The simulated run's two generators (no random draw: other logs stay the same)."""
-    return f"generator-{int(group_id[1:]) % 2}"
-
-
-def random_run(
-    seed: int,
-    steps: int,
-    *,
-    window: int = 1,
-    groups_per_step: int = 4,
-    samples_per_group: int = 8,
-    microbatch_groups: int = 2,
-    p_fail: float = 0.02,
-    p_abort: float = 0.02,
-    p_restart: float = 0.01,
-    p_rewind: float = 0.0,
-    p_worker_lost: float = 0.005,
-    checkpoint_every: int = 10,
-    finish: bool = True,
-) -> LogBuilder:
-    """A valid log of a simulated run that finishes ``steps`` training steps."""
-    options = dict(locals())
-    *_, builder = _simulate(**options)  # the last yield holds the whole run
-    return builder
-
-
-def stream_random_run(seed: int, steps: int, **options: Any) -> Iterator[list[StoredEvent]]:
-    """``random_run``'s events (the same ones, in order) in chunks, none kept after its
-    chunk is handed over: logs of 10^7 events for benchmarks, in bounded memory."""
-    for builder in _simulate(seed, steps, **options):
-        if builder.events:
-            chunk, builder.events = builder.events, []
-            yield chunk
-
-
-def _simulate(
-    seed: int,
-    steps: int,
-    *,
-    window: int = 1,
-    groups_per_step: int = 4,
-    samples_per_group: int = 8,
-    microbatch_groups: int = 2,
-    p_fail: float = 0.02,
-    p_abort: float = 0.02,
-    p_restart: float = 0.01,
-    p_rewind: float = 0.0,
-    p_worker_lost: float = 0.005,
-    checkpoint_every: int = 10,
-    finish: bool = True,
-) -> Iterator[LogBuilder]:
-    """The builder of ``random_run`` after each round of the simulation, then at the end
-    (the simulation never reads ``builder.events``, so a caller may drain it)."""
-    rng = random.Random(seed)
-    b = LogBuilder(
-        run_id=f"sim-{seed}",
-        window=window,
-        groups_per_step=groups_per_step,
-        samples_per_group=samples_per_group,
-        seed=seed,
-    ).start(config={"run": {"seed": seed}, "train": {"groups_per_microbatch": microbatch_groups}})
-    b.checkpoint()  # initial weights, version 0
-    sim = _Sim(b, rng, microbatch_groups)
-    sim.ckpt_version = 0
-    capacity = groups_per_step * (window + 1)
-    while sim.finished_steps < steps:
-        yield b
-        sim.admit_up_to(capacity)
-        sim.complete_some(p_fail)
-        sim.evict_stale()
-        if rng.random() < p_worker_lost:
-            b.worker_lost()
-        if len(sim.buffer) < groups_per_step:
-            continue
-        before = sim.finished_steps
-        sim.step(p_abort, p_restart)
-        if sim.finished_steps > before and sim.finished_steps % checkpoint_every == 0:
-            sim.checkpoint()
-        elif sim.uncovered and rng.random() < p_rewind:
-            sim.rewind()
-    if finish:
-        b.finish_run()
-    yield b
 
 
 def assert_violation(events: list[StoredEvent], message: str) -> None:

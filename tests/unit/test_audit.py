@@ -12,7 +12,8 @@ from events.codec import encode
 from events.memory_store import MemoryEventStore
 from replay.audit import build_report, first_cross_check_problem, write_csv
 from controller.projector import Projector
-from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
 
 
 def store_of(b: LogBuilder, garbage_at: dict[int, bytes] | None = None) -> MemoryEventStore:

@@ -38,7 +38,7 @@ from events.errors import StoreUnavailableError
 from events.memory_store import MemoryEventStore
 from replay import staleness, whatif
 from sim.timeline import TimelineObserver
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 from tests.unit.test_audit import store_of
 
 ROOT = Path(__file__).resolve().parents[2]

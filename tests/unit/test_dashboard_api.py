@@ -16,7 +16,8 @@ from starlette.testclient import TestClient
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from tests.trace_check import check_trace
-from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
 from views.dashboard import history
 from views.dashboard.app import create_app
 from views.dashboard.model import RunView

@@ -15,7 +15,7 @@ from controller.core.state import RunState, encode_state, initial_state
 from events.codec import encode
 from events.errors import EventDecodeError
 from events.schema import AnyEvent, RunFinished
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 from tests.unit.test_fold_snapshot import runs
 
 

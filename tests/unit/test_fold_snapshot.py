@@ -12,7 +12,8 @@ from controller.core.errors import InvariantViolation, SnapshotDecodeError
 from controller.core.fold import fold, fold_raw
 from controller.core.state import STATE_FORMAT_VERSION, RunState, decode_state, encode_state
 from events.errors import EventDecodeError
-from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
 
 runs = st.builds(
     random_run,

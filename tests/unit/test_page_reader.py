@@ -14,7 +14,7 @@ from events.memory_store import MemoryEventStore
 from events.store import EncodedPage
 from controller import page_reader
 from controller.projector import Projector
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 
 RUN = "sim-3"
 

@@ -20,7 +20,7 @@ from controller.prometheus import ControllerMetrics, MetricsSection
 from controller.startup import create_run
 from events import schema as ev
 from events.memory_store import MemoryEventStore
-from tests.unit.log_builder import random_run
+from tests.unit.random_log import random_run
 
 
 def scrape(url: str) -> dict[str, dict[tuple, float]]:

@@ -8,7 +8,8 @@ from controller.core.state import StepStatus
 from replay import staleness
 from replay.plots import plot_data, write_plot
 from controller.projector import Projector
-from tests.unit.log_builder import LogBuilder, random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
 from tests.unit.test_audit import store_of
 
 

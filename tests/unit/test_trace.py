@@ -19,7 +19,8 @@ import pytest
 from events.codec import encode
 from events.memory_store import MemoryEventStore
 from tests.trace_check import check_trace
-from tests.unit.log_builder import LogBuilder, random_run, stream_random_run
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run, stream_random_run
 from views.trace import TraceBuilder
 from views.trace_file import parse_steps, write_trace
 from views.trace_writer import TraceWriter

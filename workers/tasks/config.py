@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from events.config_checks import positive
+from events.config_checks import flatten, positive
 
 
 class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,7 +48,7 @@ def task_defaults_in_effect(name: str, resolved: dict[str, Any]) -> list[str]:
     from workers.tasks.base import task_run_defaults
 
     out = []
-    for key, value in _flatten(task_run_defaults(name)):
+    for key, value in flatten(task_run_defaults(name)):
         node: Any = resolved
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
@@ -62,14 +62,4 @@ def _merge(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for key, value in over.items():
         below = out.get(key)
         out[key] = _merge(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
-    return out
-
-
-def _flatten(tables: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in tables.items():
-        if isinstance(value, dict):
-            out += _flatten(value, f"{prefix}{key}.")
-        else:
-            out.append((f"{prefix}{key}", value))
     return out
