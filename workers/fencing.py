@@ -51,6 +51,14 @@ class StaleEpochError(FencedError):
         return (type(self), (self.run_id, self.worker, self.method, self.epoch, self.current_epoch))
 
 
+class _ThreadState(threading.local):
+    """Per thread: the (epoch, method) of the call it serves, and whether it holds the
+    fence inside :meth:`EpochFence.guard` (class defaults: a new thread has neither)."""
+
+    epoch: tuple[int, str] | None = None
+    holding: bool = False
+
+
 class EpochFence:
     """The highest controller epoch one worker has seen; refuses anything older."""
 
@@ -61,7 +69,7 @@ class EpochFence:
         #: calls (or writes) refused so far, for tests and logs
         self.refused = 0
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _ThreadState()
 
     def admit(self, epoch: int, method: str) -> None:
         """Accept a call from ``epoch`` (raising the highest seen) or raise StaleEpochError."""
@@ -77,7 +85,7 @@ class EpochFence:
     def call(self, epoch: int, method: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Admit, then run ``fn`` with the epoch known to :meth:`guard` on this thread."""
         self.admit(epoch, method)
-        previous = getattr(self._local, "epoch", None)
+        previous = self._local.epoch
         self._local.epoch = (epoch, method)
         try:
             return fn(*args)
@@ -88,7 +96,7 @@ class EpochFence:
     def guard(self) -> Iterator[None]:
         """Hold the fence while a side effect happens: refused if a newer epoch came in
         since this thread's call was admitted. A no-op outside :meth:`call`."""
-        current = getattr(self._local, "epoch", None)
+        current = self._local.epoch
         if current is None:
             yield
             return
@@ -109,7 +117,7 @@ class EpochFence:
         and queued under the fence, and every later check counts it as held, so a newer
         controller admitted meanwhile sees it as landed before its first call. A no-op
         outside :meth:`guard`."""
-        if not getattr(self._local, "holding", False):
+        if not self._local.holding:
             yield
             return
         self._local.holding = False

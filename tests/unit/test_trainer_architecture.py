@@ -222,7 +222,6 @@ PROBES_ALLOWED = {
     ("workers/generator/vllm_backend.py", "engine_core"): "vLLM engine internals",
     ("workers/generator/vllm_backend.py", "shutdown"): "vLLM engine internals",
     ("workers/trainer/megatron_backend.py", "config"): "a user module's mcore config",
-    ("workers/fencing.py", "epoch"): "thread-local storage, not a capability",
 }
 
 

@@ -52,6 +52,14 @@ class SimulatesDecode(Protocol):
     def step_latency_s(self, example: Example, max_steps: int) -> float: ...
 
 
+@runtime_checkable
+class TunedTask(Protocol):
+    """A task class that names the run settings it is tuned for (config tables, e.g.
+    ``{"model": {"context_len": 16}}``); ``run`` puts the file and ``--set`` on top."""
+
+    run_defaults: dict[str, Any]
+
+
 class UnknownTaskError(ValueError):
     """A task name that is neither registered nor a loadable ``module:Class``."""
 
@@ -130,7 +138,7 @@ def task_run_defaults(spec: str) -> dict[str, Any]:
         cls = _load_plugin(_ELSEWHERE[spec])
     else:
         return {}
-    return copy.deepcopy(dict(getattr(cls, "run_defaults", {})))
+    return copy.deepcopy(dict(cls.run_defaults)) if isinstance(cls, TunedTask) else {}
 
 
 def _load_plugin(spec: str) -> Callable[..., Any]:
