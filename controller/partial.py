@@ -23,7 +23,6 @@ from controller.crashpoints import crash_point
 from controller.journal import Journal
 from events import schema as ev
 from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
-from workers.dataplane.api import MissingPayloadError
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -189,6 +188,10 @@ class PartialRecorder:
         name a missing key drops them (appended right after its ``GroupFailed``). The
         dropped samples' rows that are still there are deleted with the next batch of
         scratch rows: deleting one before the event lands costs at most a second drop."""
+        # imported here: the data plane's API pulls torch and tensordict, which commands
+        # that only read the log (runs, tail, audit) must not pay for at start-up
+        from workers.dataplane.api import MissingPayloadError
+
         if not isinstance(err, MissingPayloadError) or not err.keys:
             return {}
         journal, missing = self.journal, set(err.keys)

@@ -197,3 +197,21 @@ def test_every_config_table_checks_itself():
     names = {kind.__name__ for kind in tables.values()}
     assert TABLES_CHECKED_ELSEWHERE <= names, "remove what landed from TABLES_CHECKED_ELSEWHERE"
     assert "__post_init__" in vars(Config)  # the rules that span tables
+
+
+def test_the_cli_imports_no_torch_until_a_command_needs_it():
+    """``rl-controller`` builds its parser from every command module (``run``'s
+    included), so a module-level import of torch or tensordict anywhere on that path costs
+    every read-only command (``runs``, ``tail``, ``audit``) seconds at start-up."""
+    code = (
+        "import json, sys\n"
+        "import cli.main, cli.run_cmd\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    loaded = set(json.loads(out.stdout))
+    assert "controller.loop" in loaded  # the run command's module really was imported
+    leaked = sorted(m for m in loaded if m.split(".")[0] in ("torch", "tensordict", "ray"))
+    assert leaked == [], f"the CLI pulled in {leaked[:5]}"
