@@ -35,17 +35,21 @@ def _imported_top_level(path: Path) -> set[str]:
     return names
 
 
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code``."""
+    probe = code + "import json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return set(json.loads(out.stdout))
+
+
 def test_controller_core_imports_nothing_with_io_clock_or_logging():
     code = (
-        "import json, sys\n"
         "import controller.core.fold, controller.core.policies, controller.core.reducer\n"
         "import controller.core.state, controller.core.step_metrics, controller.core.errors\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    loaded = set(json.loads(out.stdout))
+    loaded = _modules_after(code)
     assert "controller.core.reducer" in loaded  # the import really happened
     leaked = sorted(
         m for m in loaded if m.split(".")[0] in FORBIDDEN_IN_CORE
@@ -59,15 +63,10 @@ def test_loading_a_config_runs_no_runtime_code():
     asyncio or structlog (so ``--help`` and the read-only commands start fast, and a
     config can be checked anywhere)."""
     code = (
-        "import json, sys\n"
         "from controller.config import load_config\n"
         "load_config(overrides=['train.backend=fsdp2', 'train.tensor_parallel=2'])\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    loaded = set(json.loads(out.stdout))
+    loaded = _modules_after(code)
     assert {"workers.trainer.config", "workers.dataplane.config", "controller.settings",
             "events.store_config"} <= loaded
     leaked = sorted(
@@ -204,14 +203,9 @@ def test_the_cli_imports_no_torch_until_a_command_needs_it():
     included), so a module-level import of torch or tensordict anywhere on that path costs
     every read-only command (``runs``, ``tail``, ``audit``) seconds at start-up."""
     code = (
-        "import json, sys\n"
         "import cli.main, cli.run_cmd\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    loaded = set(json.loads(out.stdout))
+    loaded = _modules_after(code)
     assert "controller.loop" in loaded  # the run command's module really was imported
     leaked = sorted(m for m in loaded if m.split(".")[0] in ("torch", "tensordict", "ray"))
     assert leaked == [], f"the CLI pulled in {leaked[:5]}"
