@@ -114,25 +114,10 @@ def _generator(group_id: str) -> str:
     return f"generator-{int(group_id[1:]) % 2}"
 
 
-def random_run(
-    seed: int,
-    steps: int,
-    *,
-    window: int = 1,
-    groups_per_step: int = 4,
-    samples_per_group: int = 8,
-    microbatch_groups: int = 2,
-    p_fail: float = 0.02,
-    p_abort: float = 0.02,
-    p_restart: float = 0.01,
-    p_rewind: float = 0.0,
-    p_worker_lost: float = 0.005,
-    checkpoint_every: int = 10,
-    finish: bool = True,
-) -> LogBuilder:
-    """A valid log of a simulated run that finishes ``steps`` training steps."""
-    options = dict(locals())
-    *_, builder = _simulate(**options)  # the last yield holds the whole run
+def random_run(seed: int, steps: int, **options: Any) -> LogBuilder:
+    """A valid log of a simulated run that finishes ``steps`` training steps (options:
+    those of :func:`_simulate`)."""
+    *_, builder = _simulate(seed, steps, **options)  # the last yield holds the whole run
     return builder
 
 
