@@ -119,6 +119,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         samples_per_group=cfg.rollout.samples_per_group,
     )
     writer.snapshot_every = cfg.controller.snapshot_every_events
+    writer.snapshot_events_per_mib = cfg.controller.snapshot_events_per_mib
     # The loop's clock starts at 0 (float resolution stays fine for years of virtual
     # time); the log's timestamps are offset to start at ``start_s``.
     loop = VirtualTimeLoop(charge_real_time=spec.charge_real_time)
