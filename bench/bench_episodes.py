@@ -6,13 +6,15 @@ clock four times, side by side on the same timings and the same real redis-serve
 
   (a) single-turn -- partial rollouts on, one flush per group (``sim.partial``);
   (b) before      -- ``--turns``-turn episodes as the controller recorded them before the
-                     cost work (``docs/agents.md``, "Cost"): snapshots every
+                     cost work (``docs/agents.md``, "Cost"): two pauses per turn (as for
+                     an env that cannot deduplicate by key today) and snapshots every
                      ``snapshot_every_events`` whatever the state's size
                      (``controller.snapshot_events_per_mib = 0``), with the linger;
-  (c) episodes    -- the same episodes with ``rollout.partial.record_linger_s = 0``: a
+  (c) linger 0    -- the episodes of (d) with ``rollout.partial.record_linger_s = 0``: a
                      pause shares its append only with calls that returned in the same
                      turn of the loop;
-  (d) now         -- the same episodes with today's defaults and the configured linger
+  (d) now         -- the same episodes with today's defaults (an env that deduplicates:
+                     one pause per turn) and the configured linger
                      (``--linger-s``, the default 5 ms): the pauses of the fleet that come
                      within it share one append.
 
@@ -73,7 +75,8 @@ def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: i
     run_id = f"ep-{generators}-{turns}-{linger_s}-{'before' if before else 'now'}"
     try:
         out = simulate(store, SimSpec(config=cfg, timings=timings, run_id=run_id,
-                                      charge_real_time=True, episode_turns=turns))
+                                      charge_real_time=True, episode_turns=turns,
+                                      episode_dedupes=not before))
         t0 = time.perf_counter()
         folded = Projector(store).get(run_id)
         fold_s = time.perf_counter() - t0
