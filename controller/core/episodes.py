@@ -240,7 +240,8 @@ def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
     for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
         if not episode.ended:
             return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
-        total = sum(t.result.reward for t in episode.turns if t.result is not None)
+        # ``sum`` as the workers add the turns up (compensated from Python 3.12 on)
+        total = sum([t.result.reward for t in episode.turns if t.result is not None])
         if total != reward:
             return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
     return ""
@@ -261,11 +262,17 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
     starts: list[list[int]] = []
     rewards: list[list[float]] = []
     for i, episode in enumerate(rec.samples):
-        turns = [t for t in episode.turns if t.result is not None]
-        if any((i, t.turn) not in first for t in turns):
-            return None  # a turn without its tokens: no per-turn credit, the return stands
-        starts.append([first[(i, t.turn)] for t in turns])
-        rewards.append([t.result.reward for t in turns])  # type: ignore[union-attr]
+        sample_starts, sample_rewards = [], []
+        for t in episode.turns:
+            if t.result is None:
+                continue
+            start = first.get((i, t.turn))
+            if start is None:
+                return None  # a turn without its tokens: no per-turn credit, the return stands
+            sample_starts.append(start)
+            sample_rewards.append(t.result.reward)
+        starts.append(sample_starts)
+        rewards.append(sample_rewards)
     return EpisodeSummary(starts=starts, rewards=rewards)
 
 
