@@ -9,7 +9,9 @@ clock four times, side by side on the same timings and the same real redis-serve
                      cost work (``docs/agents.md``, "Cost"): two pauses per turn (as for
                      an env that cannot deduplicate by key today) and snapshots every
                      ``snapshot_every_events`` whatever the state's size
-                     (``controller.snapshot_events_per_mib = 0``), with the linger;
+                     (``controller.snapshot_events_per_mib = 0``), with the linger
+                     (the cheaper fold applies to every mode: code cannot run side by
+                     side with its older self);
   (c) linger 0    -- the episodes of (d) with ``rollout.partial.record_linger_s = 0``: a
                      pause shares its append only with calls that returned in the same
                      turn of the loop;
