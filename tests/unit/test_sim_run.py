@@ -188,3 +188,21 @@ def test_a_per_version_budget_is_what_the_real_controller_admits_by():
         held += policies.live_groups(state) < 10 <= policies.budget_count(state, "per_version")
     assert state.trainer_version == 6 and state.finished
     assert max(counts) == 9 and held > 0
+
+    # the replay's gate trace reads the recorded basis: it agrees with the gate throughout
+    from replay import staleness
+
+    trace, disagreements = staleness.Trace(), []
+
+    class Judge:
+        def watches(self):
+            def check(event, position, state):
+                gate = policies.admission(state, dispatch_version=state.weight_version,
+                                          window=1, groups_per_step=8, capacity=10,
+                                          basis="per_version")
+                if bool(trace.gate_closed[-1]) == gate.allowed:
+                    disagreements.append(position)
+            return {cls: check for cls in trace.watches()}
+
+    assert Projector(store).get("sim", observers=[trace, Judge()]).problem is None
+    assert any(trace.gate_closed) and disagreements == []
