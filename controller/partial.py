@@ -109,6 +109,8 @@ class PartialRecorder:
         #: appends made, calls they recorded (``bench_scale`` prints the ratio)
         self.appends = 0
         self.calls = 0
+        #: seconds the recorded calls' groups paused for their flushes (``bench_async``)
+        self.paused_s = 0.0
 
     async def record(
         self,
@@ -129,7 +131,9 @@ class PartialRecorder:
             task = loop.create_task(self._append_waiting())
             self._appending.add(task)  # a reference until it is done
             task.add_done_callback(self._appending.discard)
+        started = self.journal.clock()
         await done
+        self.paused_s += self.journal.clock() - started
         return next_requests(self.journal.state, reqs, outs)
 
     async def _append_waiting(self) -> None:
