@@ -46,6 +46,11 @@ against (b). With ``--decode-in-steps`` (default) the simulated decode time is s
 inside generation, between the real token steps, so a refit can land in the middle of
 a long completion; tokens/s counts the simulated completion lengths consumed.
 
+For the in-flight mode it also prints flushes per group and each flush's pause (the
+group's generator idle until its ``SegmentsRecorded`` is in the log), under Ray the
+actors' own CPU per group, and the ceiling of any generator-side gain over async:
+1 / (1 - the share of async's wall time its trainer waited for data).
+
 Targets: async/sync groups/s >= 1.5x; >= 0.9 of the physical bound; controller CPU
 < 1 ms per group.
 
