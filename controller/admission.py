@@ -100,7 +100,8 @@ class AdmissionSide:
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
         #: partial rollouts: records flushes (calls share appends), deletes segment rows
-        self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s)
+        self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s,
+                                            in_flight=lambda: sum(self.busy.values()))
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
