@@ -1,33 +1,38 @@
 """verl's fully-async staleness ablation, reproduced in virtual time.
 
-verl (recipe fully_async_policy, "128-card Stale Ablation Experiment"): Qwen2.5-Math-7B,
-DAPO, 64 rollout + 64 training GPUs (H20), 512 prompts x 16 responses per parameter
-sync, ``require_batches`` 4, ``trigger_parameter_sync_step`` 4, partial rollout on. Per
-staleness_threshold they publish the mean seconds per step (a parameter sync), of which
-the trainer waited for generation ("gen") and trained ("update_actor"), and the total
-time of 400 steps (:data:`PUBLISHED`).
+verl (fully_async_policy, "128-card Stale Ablation Experiment"): Qwen2.5-Math-7B, DAPO,
+64 rollout + 64 training GPUs (H20), 512 prompts x 16 responses per parameter sync
+(ppo_mini_batch_size 32 x ``require_batches`` 4 x ``trigger_parameter_sync_step`` 4),
+partial rollout on. Per staleness_threshold they publish the mean seconds per step (a
+parameter sync), of which the trainer waited for generation ("gen") and trained
+("update_actor"), and the total time of 400 steps (:data:`PUBLISHED`).
 
-Here: the real controller on the virtual clock (``sim``), 64 rollout GPUs with
-``--slots`` concurrent groups each (64 x slots simulated generators of one group), one version per 512 groups trained in 4
-microbatches of 128 (their require_batches x mini-batch), each row's published
-update_actor per step and its remainder (step - gen - update: parameter sync) as the
-refit time. The one thing verl does not publish is the generation time of a group; it
-is a lognormal cut at ``--cap-s`` (their 28K-token max_response_length bounds the tail;
-200 s = threshold 0's step less one microbatch and the sync), whose sigma is assumed
-(``--sigma``) and whose median is calibrated so
-that the simulated threshold-0.5 row matches the published one (``--calibrate``),
-then every other row is a prediction.
+Here: the real controller on the virtual clock (``sim``). Every setting below is verl's
+(their ``shell/dapo_7b_math_fsdp2_64_64.sh`` and ``fully_async_rollouter.py``):
 
-Mapping (their threshold -> our settings): their rollouter may run
-``(1 + threshold) x 512`` prompts ahead of a parameter sync; ours admits while the live
-groups stay under the gate's capacity and the lag bound holds. So threshold 0 ->
-``window_versions = 0`` (capacity 512: generate one version's groups, then wait), and
-threshold s > 0 -> ``window_versions = 1`` with a live-group capacity of
-``(1 + s) x 512`` (a buffer the config validation refuses today -- it asks for
-``2 x 512`` at window 1 -- so the simulation sets the gate's capacity directly).
+* one version = one step of 512 groups trained in 4 microbatches of 128 (the trainer
+  fetches require_batches x ppo_mini_batch_size samples at a time);
+* run-ahead: ``staleness.budget_basis = "per_version"`` with a budget of
+  ``int(128 x (1 + threshold) x 4)`` groups (their ``max_required_samples``; their
+  ``staleness_samples`` counter restarts at each sync with the samples the trainer has
+  not fetched; docs/scale.md), window 0 at threshold 0 and 1 above it;
+* concurrency: at most 16 groups per rollout server (``max_concurrent_samples = 16 x
+  servers``), 64 GPUs / tensor-parallel 4 = 16 servers: 256 generators of one group;
+* partial rollout: a group in flight at a sync goes on with the new weights and is kept;
+* timers (``fully_async_trainer.py``, the metrics aggregator): a published step spans
+  the fetches, processing and updates of a version, not its sync -- so the trainer is
+  busy step - gen per version (over the 4 microbatches) and the refit takes the rest of
+  a version's wall time, total / 400 - step (sync and validation, 1.6-9.9 s);
+* the last column, slots busy: generation seconds over generators x wall time.
 
-    python bench/verl_ablation.py                   # calibrate on 0.5, predict, 100 steps
-    python bench/verl_ablation.py --steps 400 --median-s 150
+What verl does not publish is a group's generation time: lognormal, sigma assumed
+(``--sigma``), cut at ``--cap-s`` (their 28K-token max_response_length bounds the
+tail; 100 s puts threshold 0 on its published time), median calibrated so that the
+simulated threshold-0.5 row matches its published time (the default; ``--median-s``
+skips it) -- then 0.1 and 0.3 are predictions.
+
+    python bench/verl_ablation.py                       # calibrate on 0.5, predict
+    python bench/verl_ablation.py --median-s 80.9 --steps 30 --both
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.config import load_config  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
+from events.schema import GroupCommitted, RolloutAdmitted  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
 from sim.timeline import timeline_of  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
@@ -51,9 +57,21 @@ from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
 _PARTIAL = ("rollout.partial.enabled=true", "rollout.partial.segment_tokens=1000000",
             "staleness.window_basis=newest_token")
 
-GROUPS_PER_STEP = 512
-MICROBATCHES = 4
-GENERATORS = 64
+#: ppo_mini_batch_size 32 x require_batches 4 (one trainer fetch, our microbatch) x
+#: trigger_parameter_sync_step 4 (fetches per sync, our step)
+REQUIRED_SAMPLES = 32 * 4
+SYNC_STEPS = 4
+GROUPS_PER_STEP = REQUIRED_SAMPLES * SYNC_STEPS
+MICROBATCHES = SYNC_STEPS
+#: rollout servers: 64 GPUs at tensor-parallel 4; each runs at most 16 groups at once
+SERVERS = 64 // 4
+CONCURRENT = 16 * SERVERS
+
+
+def budget(threshold: float) -> int:
+    """verl's ``max_required_samples``, computed as they do (int() of the product)."""
+    return int(REQUIRED_SAMPLES * (threshold + 1) * SYNC_STEPS)
+
 
 #: threshold -> (step s, gen s, update_actor s, total for 400 steps in s), as published
 PUBLISHED = {
@@ -65,17 +83,21 @@ PUBLISHED = {
 
 
 def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict[str, float]:
-    step_s, gen_s, update_s, _ = PUBLISHED[threshold]
+    step_s, gen_s, _, total_s = PUBLISHED[threshold]
     window = 0 if threshold == 0 else 1
+    cap = budget(threshold)
+    per_version = args.basis == "per_version"
     cfg = load_config(None, [
         f"run.steps={args.steps}",
-        f"rollout.num_generators={GENERATORS * args.slots}",
+        f"rollout.num_generators={min(args.concurrent, cap)}",
         "rollout.groups_per_call=1",
         "rollout.samples_per_group=16",
         f"train.groups_per_step={GROUPS_PER_STEP}",
         f"train.groups_per_microbatch={GROUPS_PER_STEP // MICROBATCHES}",
         f"staleness.window_versions={window}",
         f"staleness.selection={args.selection}",
+        f"staleness.budget_basis={args.basis}",
+        *([f"staleness.buffer_groups={cap}"] if per_version else ()),
         f"checkpoint.every_steps={args.steps + 1}",
         "checkpoint.retain_payloads=all",
         "task.num_prompts=1000000",
@@ -84,17 +106,20 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
     timings = SyntheticTimings(
         generation=Lognormal(median_s, args.sigma, cap_s=args.cap_s),
         train_per_sequence_s=0.0,
-        microbatch_fixed_s=update_s / MICROBATCHES,
-        publish=max(0.0, step_s - gen_s - update_s),
+        # their step timer spans fetch + processing + update; what is not the fetch
+        # (gen) is the trainer's work. The sync runs after it, outside the timer: a
+        # version's wall time (total / 400) less its step is the sync (and validation).
+        microbatch_fixed_s=(step_s - gen_s) / MICROBATCHES,
+        publish=max(0.0, total_s / 400 - step_s),
         seed=args.seed,
     )
     store = MemoryEventStore()
     real0 = time.perf_counter()
-    simulate(store, SimSpec(
-        config=cfg, timings=timings, run_id="verl",
-        capacity=int(round((1 + threshold) * GROUPS_PER_STEP)),
-    ))
+    # the live basis refuses a buffer under 2 x 512 at window 1: set past the validation
+    simulate(store, SimSpec(config=cfg, timings=timings, run_id="verl",
+                            capacity=None if per_version else cap))
     tl, _ = timeline_of(store, "verl")
+    generating = _generating_s(store)
     s = tl.summary()
     steps = max(1, tl.steps)
     return {
@@ -105,18 +130,33 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
         "lag_max": s["lag_max"],
         "evicted": s["evicted"],
         "events_per_group": len(store.read("verl")) / max(1, tl.groups_consumed),
+        # share of the generators' time spent generating: what a budget leaves idle
+        "slots_busy": generating / (cfg.rollout.num_generators * tl.wall_s),
         "real_s": time.perf_counter() - real0,
     }
 
 
+def _generating_s(store: MemoryEventStore) -> float:
+    """Seconds of generation summed over groups (admission to commit)."""
+    admitted: dict[str, float] = {}
+    total = 0.0
+    for stored in store.read("verl"):
+        event = stored.event
+        if isinstance(event, RolloutAdmitted):
+            admitted[event.group_id] = event.ts
+        elif isinstance(event, GroupCommitted):
+            total += event.ts - admitted.pop(event.group_id)
+    return total
+
+
 def calibrate(args: argparse.Namespace) -> float:
-    """Median generation time at which the threshold-0.5 row matches its published step."""
-    target = PUBLISHED[0.5][0]
+    """Median generation time at which the threshold-0.5 row matches its published time."""
+    target = PUBLISHED[0.5][3] / 400
     lo, hi = 10.0, 2000.0
     for _ in range(args.calibration_rounds):
         mid = (lo * hi) ** 0.5
         got = run_row(0.5, mid, args)["step_s"]
-        print(f"  calibrating: median {mid:7.1f}s -> {got:7.1f}s per step (target {target})",
+        print(f"  calibrating: median {mid:7.1f}s -> {got:7.1f}s per step (target {target:.1f})",
               flush=True)
         if got > target:
             hi = mid
@@ -134,28 +174,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100, help="simulated steps (wall times scale to 400)")
     ap.add_argument("--sigma", type=float, default=0.7, help="lognormal sigma of a group's generation")
-    ap.add_argument("--slots", type=int, default=8, help="concurrent groups per rollout GPU")
-    ap.add_argument("--cap-s", type=float, default=200.0,
-                    help="longest generation of a group (their max_response_length of 28K tokens "
-                         "cuts the tail); default: threshold 0's step - a microbatch - the sync")
+    ap.add_argument("--concurrent", type=int, default=CONCURRENT,
+                    help="groups generated at once (verl: 16 per rollout server, 16 servers)")
+    ap.add_argument("--basis", choices=("per_version", "live"), default="per_version",
+                    help="what the budget counts: verl's per-version samples, or live groups "
+                         "(the mapping before staleness.budget_basis existed)")
+    ap.add_argument("--cap-s", type=float, default=100.0,
+                    help="longest generation of a group (their 28K-token max_response_length "
+                         "cuts the tail); default: where threshold 0's simulated time meets "
+                         "its published one at the calibrated median (docs/scale.md)")
     ap.add_argument("--median-s", type=float, help="skip calibration: this median generation time")
     ap.add_argument("--calibration-rounds", type=int, default=7)
     ap.add_argument("--selection", default="ready_first",
                     help="ready_first is their streaming order (whatever finished first)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--partial", action="store_true",
-                    help="model verl's partial rollout (rollout.partial, newest-token window)")
+    ap.add_argument("--partial", action=argparse.BooleanOptionalAction, default=True,
+                    help="model verl's partial rollout (rollout.partial, newest-token window); "
+                         "their ablation ran with it on")
     ap.add_argument("--both", action="store_true",
                     help="print the rows without and with partial rollouts, side by side")
     args = ap.parse_args()
     median = args.median_s or calibrate(args)
     print(f"\nverl fully-async staleness ablation (128 GPUs: 64 rollout + 64 train), in virtual "
-          f"time; 64 GPUs x {args.slots} slots (generators), generation lognormal(median {median:.1f}s, "
+          f"time; {args.concurrent} groups at once, {args.basis} budget, generation lognormal(median {median:.1f}s, "
           f"sigma {args.sigma}, capped at {args.cap_s:g}s), {args.steps} steps simulated, totals "
           f"scaled to 400 steps")
     header = (f"{'threshold':>9} {'partial':>7} {'ours: window, capacity':>22} | {'published step':>14} "
               f"{'gen':>6} {'update':>6} {'400 steps':>9} | {'simulated step':>14} {'gen wait':>8} "
-              f"{'400 steps':>9} {'ratio':>6} {'lag mean/max':>12} {'evicted':>7} {'events/grp':>10}")
+              f"{'400 steps':>9} {'ratio':>6} {'lag mean/max':>12} {'evicted':>7} {'events/grp':>10} "
+              f"{'slots busy':>10}")
     print(header)
     print("-" * len(header))
     modes = (False, True) if args.both else (args.partial,)
@@ -163,12 +210,13 @@ def main() -> None:
         for partial in modes:
             r = run_row(threshold, median, argparse.Namespace(**{**vars(args), "partial": partial}))
             window = 0 if threshold == 0 else 1
-            cap = int(round((1 + threshold) * GROUPS_PER_STEP))
+            cap = budget(threshold)
             print(f"{threshold:>9} {'on' if partial else 'off':>7} {f'w={window}, {cap}':>22} | "
                   f"{step_s:>14.1f} {gen_s:>6.1f} {update_s:>6.1f} {hms(total_s):>9} | "
                   f"{r['step_s']:>14.1f} {r['gen_wait_s']:>8.1f} {hms(400 * r['step_s']):>9} "
                   f"{400 * r['step_s'] / total_s:>6.2f} {r['lag_mean']:>7.2f}/{r['lag_max']:<4} "
-                  f"{r['evicted']:>7} {r['events_per_group']:>10.1f}", flush=True)
+                  f"{r['evicted']:>7} {r['events_per_group']:>10.1f} {r['slots_busy']:>10.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             capacity=cfg.buffer_capacity,
             groups_per_step=cfg.train.groups_per_step,
             window=cfg.staleness.window_versions,
+            basis=cfg.staleness.budget_basis,
         )
         preflight.check_config(cfg)
         if not args.local_workers:

@@ -175,6 +175,7 @@ class AdmissionSide:
             window=self.staleness.window_versions,
             groups_per_step=self.groups_per_step,
             capacity=self.staleness.capacity(self.groups_per_step),
+            basis=self.staleness.budget_basis,
         )
         room = policies.admission_room(state, limit=limit, **gate)
         self.gate_reason = "" if room else policies.admission(state, **gate).reason

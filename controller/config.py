@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from controller.core.failures import FailuresSection
-from controller.core.policies import StalenessSection, full_capacity
+from controller.core.policies import StalenessSection, min_capacity
 from controller.prometheus import MetricsSection
 from controller.settings import (
     CheckpointSection, ControllerSection, RayConfig, RolloutSection, RunSection,
@@ -88,12 +88,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 'rollout.vllm.engine_mode = "inprocess" (a separate engine process steps on '
                 "its own and cannot pause at a token boundary)"
             )
-        need = full_capacity(self.train.groups_per_step, self.staleness.window_versions)
+        st = self.staleness
+        need = min_capacity(self.train.groups_per_step, st.window_versions, st.budget_basis)
         # A smaller buffer deadlocks: the admission gate would close before a step fills.
-        if self.staleness.buffer_groups and self.staleness.buffer_groups < need:
+        if st.buffer_groups and st.buffer_groups < need:
+            rule = ("train.groups_per_step (staleness.budget_basis = \"per_version\")"
+                    if st.budget_basis == "per_version"
+                    else "train.groups_per_step * (staleness.window_versions + 1)")
             raise ValueError(
-                f"staleness.buffer_groups = {self.staleness.buffer_groups} is too small; it "
-                f"must be >= train.groups_per_step * (staleness.window_versions + 1) = {need}"
+                f"staleness.buffer_groups = {st.buffer_groups} is too small; it "
+                f"must be >= {rule} = {need}"
             )
 
     @property

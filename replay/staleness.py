@@ -20,7 +20,8 @@ live groups over time.
 Time the admission gate was closed -- method: after every event that changes the number
 of live groups (admitted, committed or claimed but not consumed) or the trainer/weight
 versions, the controller's own gate (``controller.core.policies.gate_open``) is evaluated
-on those numbers (closed when live >= capacity, or when a group dispatched at the
+on those numbers (closed when live >= capacity -- live plus the groups trained since the
+last publish with ``staleness.budget_basis = "per_version"`` -- or when a group dispatched at the
 published weight version could be trained beyond the window: trainer_version + live //
 groups_per_step - weight_version > window); a closed gate counts until the next such
 event. Capacity is the run's, from its recorded config read typed
@@ -85,6 +86,7 @@ class Trace:
         self._claimed = 0
         self._capacity = 0
         self._per_step = 1
+        self._per_version = False
 
     def watches(self) -> dict[type, Callback]:
         sample = self._sample
@@ -106,12 +108,14 @@ class Trace:
         if not self._capacity:
             self._capacity = capacity_of(state)
             self._per_step = max(state.groups_per_step, 1)
+            self._per_version = recorded_config(state).staleness.budget_basis == "per_version"
         buffered = len(state.buffer)
         live = len(state.admitted) + buffered + self._claimed
         closed = not policies.gate_open(
             live, state.trainer_version, dispatch_version=state.weight_version,
             window=state.window_versions,
             groups_per_step=self._per_step, capacity=self._capacity,
+            budgeted=live + policies.consumed_since_publish(state) if self._per_version else None,
         )
         self.ts.append(event.ts)
         self.live.append(live)

@@ -9,6 +9,10 @@ Three decisions, each re-runnable over a recorded log (``replay`` what-if):
   ``trainer_version + L // G - dispatch_version``; the gate opens only while that is
   <= window. With dispatch_version == trainer_version this is L < G * (window + 1),
   the buffer capacity; window = 0 is the synchronous on-policy baseline.
+  What the capacity counts is the budget basis: ``live`` (L above), or ``per_version``
+  -- verl's fully-async run-ahead budget: L plus the groups consumed by steps finished
+  since the generators last received weights, so a finished step frees its room only
+  once its weights are published (:func:`budget_count`).
 * **eviction** -- committed groups whose lag at the next step would exceed the window
   are dropped (each an event). With the gate above this only happens after aborts,
   failures or a generator that lags behind the published version.
@@ -37,12 +41,19 @@ from events.config_checks import non_negative
 
 SelectionPolicy = Literal["in_order", "oldest_first", "ready_first"]
 SELECTION_POLICIES: tuple[SelectionPolicy, ...] = ("in_order", "oldest_first", "ready_first")
+BudgetBasis = Literal["live", "per_version"]
 
 
 def full_capacity(groups_per_step: int, window: int) -> int:
     """Live groups that hold every step the window allows: the gate's default capacity
     and the smallest that cannot deadlock (a step must fill while ``window`` lead)."""
     return groups_per_step * (window + 1)
+
+
+def min_capacity(groups_per_step: int, window: int, basis: BudgetBasis) -> int:
+    """The smallest buffer the gate accepts: the full one for ``live``; one step's groups
+    for ``per_version``, whose budget restarts at every publish (verl's threshold 0)."""
+    return groups_per_step if basis == "per_version" else full_capacity(groups_per_step, window)
 
 
 def buffer_capacity(buffer_groups: int, groups_per_step: int, window: int) -> int:
@@ -62,6 +73,13 @@ class StalenessSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     selection: SelectionPolicy = "in_order"
     buffer_groups: int = 0
     """Committed + in-flight groups allowed at once; 0 = groups_per_step * (window + 1)."""
+    budget_basis: BudgetBasis = "live"
+    """What ``buffer_groups`` counts: ``live`` -- groups admitted and not yet consumed (a
+    claimed group counts until its step finishes); ``per_version`` -- verl's fully-async
+    budget (``(1 + staleness_threshold)`` x groups per parameter sync): besides those, the
+    groups of steps finished since the generators last received weights, so the budget
+    restarts at each publish; it allows a buffer down to groups_per_step
+    (docs/scale.md, "Porting verl's staleness_threshold")."""
 
     def __post_init__(self) -> None:
         non_negative("staleness", self, "window_versions", "buffer_groups")
@@ -95,23 +113,46 @@ def _live_unclaimed_in_admission_order(state: RunState) -> list[GroupRecord]:
     return live
 
 
+def consumed_since_publish(state: RunState) -> int:
+    """Groups trained by the steps finished after the version the generators hold: the
+    steps that produced weight_version + 1 .. trainer_version (0 when nothing is pending)."""
+    return sum(len(step.group_ids) for step in state.steps_after(state.weight_version))
+
+
+def budget_count(state: RunState, basis: BudgetBasis) -> int:
+    """What the gate's capacity bounds (module docstring).
+
+    ``per_version`` is verl's counter (``FullyAsyncRollouter.staleness_samples``): reset at
+    each parameter sync to the samples the trainer has not fetched (in flight, interrupted
+    or queued), then +1 per sample started; fetching frees nothing. Here the sync is
+    ``WeightsPublished``: live groups (the open step's claims among them) count, and so do
+    the groups of steps finished since, until their weights are published. With in-line
+    publishing (verl's trainer waits for its sync too) the two counts are equal.
+    """
+    live = live_groups(state)
+    return live if basis == "live" else live + consumed_since_publish(state)
+
+
 def admission(
-    state: RunState, *, dispatch_version: int, window: int, groups_per_step: int, capacity: int
+    state: RunState, *, dispatch_version: int, window: int, groups_per_step: int, capacity: int,
+    basis: BudgetBasis = "live",
 ) -> Admission:
     # The lag clause holds for either window basis: a group that ends before the next
     # refit lands has its newest token at the dispatch version, so the clause is its
     # newest-token lag too. Without it (capacity only, as this gate once was for
     # ``newest_token``) groups admitted while a publish was pending were evicted by the
     # dozen when the trainer was the bottleneck (docs/segments.md).
+    live = live_groups(state)
     return _gate(
-        live_groups(state), state.trainer_version, dispatch_version=dispatch_version,
-        window=window, groups_per_step=groups_per_step, capacity=capacity,
+        live, state.trainer_version, dispatch_version=dispatch_version, window=window,
+        groups_per_step=groups_per_step, capacity=capacity,
+        budgeted=budget_count(state, basis), basis=basis,
     )
 
 
 def admission_room(
     state: RunState, *, limit: int, dispatch_version: int, window: int, groups_per_step: int,
-    capacity: int,
+    capacity: int, basis: BudgetBasis = "live",
 ) -> int:
     """How many groups (up to ``limit``) may be admitted now, one after the other.
 
@@ -120,32 +161,38 @@ def admission_room(
     next question -- a batch of admissions is the same decision as that many singles.
     """
     live = live_groups(state)
+    budgeted = budget_count(state, basis)
     room = 0
-    while room < limit and _gate(
+    while room < limit and gate_open(
         live + room, state.trainer_version, dispatch_version=dispatch_version, window=window,
-        groups_per_step=groups_per_step, capacity=capacity,
-    ).allowed:
+        groups_per_step=groups_per_step, capacity=capacity, budgeted=budgeted + room,
+    ):
         room += 1
     return room
 
 
 def gate_open(
     live: int, trainer_version: int, *, dispatch_version: int, window: int,
-    groups_per_step: int, capacity: int,
+    groups_per_step: int, capacity: int, budgeted: int | None = None,
 ) -> bool:
-    """The admission gate on bare numbers: room in the buffer, and a group dispatched at
+    """The admission gate on bare numbers: room in the buffer (``budgeted``, the
+    :func:`budget_count`, defaults to ``live``), and a group dispatched at
     ``dispatch_version`` now would be trained within the window (module docstring)."""
-    return live < capacity and trainer_version + live // groups_per_step - dispatch_version <= window
+    count = live if budgeted is None else budgeted
+    return count < capacity and trainer_version + live // groups_per_step - dispatch_version <= window
 
 
 def _gate(
     live: int, trainer_version: int, *, dispatch_version: int, window: int,
-    groups_per_step: int, capacity: int,
+    groups_per_step: int, capacity: int, budgeted: int, basis: BudgetBasis,
 ) -> Admission:
     if gate_open(live, trainer_version, dispatch_version=dispatch_version, window=window,
-                 groups_per_step=groups_per_step, capacity=capacity):
+                 groups_per_step=groups_per_step, capacity=capacity, budgeted=budgeted):
         return Admission(True)
-    if live >= capacity:
+    if budgeted >= capacity and basis == "per_version":
+        return Admission(False, f"version budget spent ({budgeted}/{capacity}: {live} live "
+                                f"groups, {budgeted - live} trained since the last publish)")
+    if budgeted >= capacity:
         return Admission(False, f"buffer full ({live}/{capacity} live groups)")
     steps_ahead = live // groups_per_step
     lag_bound = trainer_version + steps_ahead - dispatch_version
@@ -156,13 +203,14 @@ def _gate(
     )
 
 
-def check_capacity(*, capacity: int, groups_per_step: int, window: int) -> None:
-    """Raise if the buffer can never hold a full step (the run would deadlock)."""
-    need = full_capacity(groups_per_step, window)
+def check_capacity(
+    *, capacity: int, groups_per_step: int, window: int, basis: BudgetBasis = "live"
+) -> None:
+    """Raise if the buffer is below what the gate accepts (:func:`min_capacity`)."""
+    need = min_capacity(groups_per_step, window, basis)
     if capacity < need:
-        raise ValueError(
-            f"buffer capacity {capacity} < groups_per_step * (window + 1) = {need}"
-        )
+        rule = "groups_per_step" if basis == "per_version" else "groups_per_step * (window + 1)"
+        raise ValueError(f"buffer capacity {capacity} < {rule} = {need}")
 
 
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:

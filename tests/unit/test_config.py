@@ -38,6 +38,15 @@ def test_file_then_overrides(tmp_path):
         (["rollout.groups_per_call=0"], "rollout.groups_per_call must be > 0"),
         (["staleness.window_versions=-1"], "staleness.window_versions must be >= 0"),
         (["staleness.buffer_groups=3"], "staleness.buffer_groups = 3 is too small"),
+        (
+            ["staleness.budget_basis=per_version", "staleness.buffer_groups=3"],
+            'must be >= train.groups_per_step (staleness.budget_basis = "per_version") = 16',
+        ),
+        (
+            ["staleness.budget_basis=per_sample"],
+            "staleness.budget_basis: Invalid enum value 'per_sample' (choose one of: live, "
+            "per_version)",
+        ),
         (["sampling.top_p=1.5"], "sampling.top_p"),
         (["model.kind=hf"], "model.path is required"),
         (["train.tensor_parallel=2"], "train.tensor_parallel > 1 needs train.backend"),
@@ -90,3 +99,14 @@ def test_a_config_recorded_by_an_older_run_still_loads(which):
     assert [(key, again[key]) for key, _ in old] == old
     keys = list(again)
     assert [keys.index(key) for key, _ in old] == sorted(keys.index(key) for key, _ in old)
+
+
+def test_a_per_version_budget_takes_verls_fractional_run_ahead():
+    """verl's staleness_threshold 0.1 at 512 groups per sync is a budget of 563 groups per
+    version, below the live basis' full capacity (1024 at window 1) but above one step."""
+    overrides = ["train.groups_per_step=512", "train.groups_per_microbatch=128",
+                 "staleness.window_versions=1", "staleness.buffer_groups=563"]
+    with pytest.raises(ConfigError, match=r"must be >= train.groups_per_step \* "):
+        load_config(overrides=overrides)
+    cfg = load_config(overrides=[*overrides, "staleness.budget_basis=per_version"])
+    assert cfg.buffer_capacity == 563 and cfg.staleness.budget_basis == "per_version"

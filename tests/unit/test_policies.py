@@ -82,16 +82,19 @@ _ROOM_LOGS = {
     "after a step": lambda b: b.admit("g1").commit("g1").admit("g2").commit("g2")
     .begin_step().microbatch(["g1", "g2"]).finish_step().publish(1).admit("g3"),
     "full": lambda b: b.admit("g1").admit("g2").admit("g3").admit("g4"),
+    "a step not yet published": lambda b: b.group("g1").group("g2")
+    .begin_step().microbatch(["g1", "g2"]).finish_step().admit("g3"),
 }
 
 
 @pytest.mark.parametrize("log", sorted(_ROOM_LOGS))
 @pytest.mark.parametrize("window", [0, 1, 2])
 @pytest.mark.parametrize("limit", [1, 3, 8])
-def test_admission_room_equals_that_many_single_admissions(log, window, limit):
+@pytest.mark.parametrize("basis", ["live", "per_version"])
+def test_admission_room_equals_that_many_single_admissions(log, window, limit, basis):
     """A batch of admissions (one generator call) decides exactly what singles would."""
     builder = _ROOM_LOGS[log](LogBuilder(window=window, groups_per_step=2).start())
-    gate = dict(window=window, groups_per_step=2, capacity=2 * (window + 1))
+    gate = dict(window=window, groups_per_step=2, capacity=2 * (window + 1), basis=basis)
     state = builder.fold()
     dispatch = state.weight_version
     room = policies.admission_room(state, limit=limit, dispatch_version=dispatch, **gate)
@@ -108,6 +111,82 @@ def test_capacity_check_names_the_requirement():
     policies.check_capacity(capacity=8, groups_per_step=4, window=1)
     with pytest.raises(ValueError, match=r"groups_per_step \* \(window \+ 1\) = 8"):
         policies.check_capacity(capacity=7, groups_per_step=4, window=1)
+    policies.check_capacity(capacity=4, groups_per_step=4, window=1, basis="per_version")
+    with pytest.raises(ValueError, match=r"capacity 3 < groups_per_step = 4$"):
+        policies.check_capacity(capacity=3, groups_per_step=4, window=1, basis="per_version")
+
+
+# -- the per-version budget (verl's run-ahead, staleness.budget_basis) ----------------
+
+
+def test_a_finished_step_frees_its_budget_only_when_its_weights_are_published():
+    b = LogBuilder(window=1, groups_per_step=2).start()
+    b.group("g1").group("g2").begin_step().microbatch(["g1", "g2"]).finish_step().admit("g3")
+    state = b.fold()
+    gate = dict(dispatch_version=0, window=1, groups_per_step=2, capacity=3)
+    assert policies.live_groups(state) == 1 and policies.consumed_since_publish(state) == 2
+    assert policies.admission(state, **gate).allowed  # live: 1 < 3, lag 1 + 1 // 2 - 0 <= 1
+    got = policies.admission(state, **gate, basis="per_version")
+    assert not got.allowed
+    assert got.reason == "version budget spent (3/3: 1 live groups, 2 trained since the last publish)"
+    state = b.publish(1).fold()
+    assert policies.budget_count(state, "per_version") == 1
+    assert policies.admission(state, **{**gate, "dispatch_version": 1}, basis="per_version").allowed
+
+
+def test_claimed_groups_hold_their_budget_under_either_basis():
+    b = LogBuilder(window=1, groups_per_step=2).start().group("g1").group("g2").group("g3")
+    state = b.begin_step().microbatch(["g1", "g2"]).fold()
+    for basis in ("live", "per_version"):
+        assert policies.budget_count(state, basis) == 3
+        got = policies.admission(state, dispatch_version=0, window=1, groups_per_step=2,
+                                 capacity=3, basis=basis)
+        assert not got.allowed, basis
+
+
+def test_steps_finished_behind_the_publish_count_until_theirs_lands():
+    b = LogBuilder(window=2, groups_per_step=2).start().group("g1").group("g2").group("g3")
+    b.group("g4").train_step(["g1", "g2"], 2).train_step(["g3", "g4"], 2)
+    assert policies.consumed_since_publish(b.fold()) == 4
+    assert policies.consumed_since_publish(b.publish(1).fold()) == 2
+    assert policies.consumed_since_publish(b.publish(2).fold()) == 0
+
+
+def test_the_per_version_count_is_verls_staleness_counter():
+    """verl (FullyAsyncRollouter): at each parameter sync ``staleness_samples`` is reset to
+    the samples the trainer has not fetched; each sample started adds one; fetching and
+    training free nothing. With in-line publishing our count equals it after every event."""
+    b = LogBuilder(window=1, groups_per_step=2).start()
+    unfetched, verl = set(), 0
+    script = [
+        ("admit", "g1"), ("admit", "g2"), ("admit", "g3"), ("commit", "g1"), ("commit", "g2"),
+        ("begin", None), ("claim", ["g1", "g2"]), ("commit", "g3"), ("finish", None),
+        ("publish", None), ("admit", "g4"), ("admit", "g5"), ("commit", "g5"), ("begin", None),
+        ("claim", ["g3"]), ("commit", "g4"), ("claim", ["g4"]), ("admit", "g6"),
+        ("finish", None), ("publish", None), ("admit", "g7"),
+    ]
+    seen = []
+    for op, arg in script:
+        if op == "admit":
+            b.admit(arg)
+            unfetched.add(arg)
+            verl += 1
+        elif op == "commit":
+            b.commit(arg)
+        elif op == "claim":
+            b.microbatch(arg)
+            unfetched -= set(arg)
+        elif op == "begin":
+            b.begin_step()
+        elif op == "finish":
+            b.finish_step()
+        else:
+            b.publish()
+            verl = len(unfetched)
+        got = policies.budget_count(b.fold(), "per_version")
+        assert got == verl, (op, arg)
+        seen.append(got)
+    assert seen == [1, 2, 3, 3, 3, 3, 3, 3, 3, 1, 2, 3, 3, 3, 3, 3, 3, 4, 4, 2, 3]
 
 
 # -- selection -----------------------------------------------------------------------
