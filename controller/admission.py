@@ -158,8 +158,7 @@ class AdmissionSide:
     def _free_count(self, held: set[str]) -> int:
         if not held:
             return len(self._free_slots)
-        gens = self.generators
-        return sum(1 for i in self._free_slots if gens[i].name not in held)
+        return sum(1 for i in self._free_slots if self.generators[i].name not in held)
 
     def _release_slot(self, gen: GeneratorClient) -> None:
         self.busy[gen.name] -= 1
