@@ -165,6 +165,26 @@ def _env_batches(linger_s: float) -> tuple[int, int]:
     return len(env), len({e.ts for e in env})
 
 
+def _episode_run_end(linger_s: float, generators: int) -> float:
+    """Virtual time at the end of a short 3-turn episode run."""
+    cfg = load_config(None, [
+        "run.steps=2", f"rollout.num_generators={generators}", "rollout.groups_per_call=1",
+        "train.groups_per_step=2", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}"])
+    store = MemoryEventStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    assert Projector(store).get("ep").problem is None
+    return list(store.read("ep"))[-1].event.ts
+
+
+def test_a_pause_no_other_call_can_join_does_not_wait_for_the_linger():
+    # one generator: every pause is the only call in flight, so the linger (here 5 s,
+    # virtual) has nobody to wait for; before, each pause paid all of it
+    assert _episode_run_end(5.0, generators=1) == _episode_run_end(0.0, generators=1)
+    # with several generators a pause still waits for the others (the test below)
+    assert _episode_run_end(5.0, generators=2) > _episode_run_end(0.0, generators=2)
+
+
 def test_pauses_of_several_groups_share_one_append_within_the_linger():
     # group commit of flushes: with a linger the pauses of the 4 generators' groups that
     # come within it are recorded by one append (same virtual time), and the log still
