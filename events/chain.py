@@ -117,11 +117,15 @@ class Chain:
     def links(
         self, prev: str, first: int, entries: Iterable[tuple[str, str, bytes]]
     ) -> list[str]:
-        """Hashes of consecutive (type, id, data) entries starting at position ``first``."""
+        """Hashes of consecutive (type, id, data) entries starting at position ``first``.
+
+        As ``link`` entry by entry, but the previous link is carried as bytes (no hex
+        round trip per entry): every event the controller appends passes here."""
         out = []
-        for offset, (event_type, event_id, data) in enumerate(entries):
-            prev = self.link(prev, first + offset, event_type, event_id, data)
-            out.append(prev)
+        prev_raw, digest, frame = bytes.fromhex(prev), self.raw_digest, _FRAME.pack
+        for position, (event_type, event_id, data) in enumerate(entries, start=first):
+            prev_raw = _link_raw(digest, frame, prev_raw, position, event_type, event_id, data)
+            out.append(prev_raw.hex())
         return out
 
 

@@ -36,6 +36,17 @@ def test_links_cover_position_type_id_and_data() -> None:
     assert Chain(RUN, KEY).link(c.genesis, 1, "A", "id", b"data") != base
 
 
+@pytest.mark.parametrize("key", [None, KEY], ids=["sha256", "hmac"])
+def test_a_batch_links_as_one_link_after_another(key: bytes | None) -> None:
+    c = Chain(RUN, key)
+    items = [*entries(3), ("GroupFailed", b"bytes-id", b""), (b"Bytes", "id", b"\x00" * 9)]
+    prev, expected = c.link(c.genesis, 6, "A", "i", b"d"), []
+    for position, (t, i, d) in enumerate(items, start=7):
+        prev = c.link(prev, position, t, i, d)
+        expected.append(prev)
+    assert c.links(c.link(c.genesis, 6, "A", "i", b"d"), 7, items) == expected
+
+
 def test_verify_accepts_a_whole_chain_and_names_its_head() -> None:
     c = Chain(RUN, KEY)
     log = chained(c, entries(5))
