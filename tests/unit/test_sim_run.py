@@ -204,5 +204,10 @@ def test_a_per_version_budget_is_what_the_real_controller_admits_by():
                     disagreements.append(position)
             return {cls: check for cls in trace.watches()}
 
-    assert Projector(store).get("sim", observers=[trace, Judge()]).problem is None
+    result = Projector(store).get("sim", observers=[trace, Judge()])
+    assert result.problem is None
     assert any(trace.gate_closed) and disagreements == []
+    # and the report says what its capacity counted
+    method = staleness.analyze(result.state, trace).gate_method
+    assert method.startswith("gate closed while live groups + groups trained since the last "
+                             "publish >= capacity or ")

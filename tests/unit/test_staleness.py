@@ -40,6 +40,7 @@ def test_per_step_lag_wait_and_crossing():
     assert (s1.lag_mean, s1.lag_max) == (0.5, 1)
     assert s1.lag_token_weighted == pytest.approx((1 * 20 + 0 * 60) / 80)
     assert s1.crossed_update == 1
+    assert report.gate_method.startswith("gate closed while live groups >= capacity or ")
     # waits: commit ts -> ts of the microbatch that trained the group (ts = position)
     state = b.fold()
     pos = {e.event.group_id: e.position for e in b.events if type(e.event).__name__ == "GroupCommitted"}
