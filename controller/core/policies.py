@@ -203,16 +203,6 @@ def _gate(
     )
 
 
-def check_capacity(
-    *, capacity: int, groups_per_step: int, window: int, basis: BudgetBasis = "live"
-) -> None:
-    """Raise if the buffer is below what the gate accepts (:func:`min_capacity`)."""
-    need = min_capacity(groups_per_step, window, basis)
-    if capacity < need:
-        rule = "groups_per_step" if basis == "per_version" else "groups_per_step * (window + 1)"
-        raise ValueError(f"buffer capacity {capacity} < {rule} = {need}")
-
-
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:
     """(group_id, lag) of buffered groups too stale to train at ``trainer_version``."""
     out = []

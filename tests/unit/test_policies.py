@@ -107,13 +107,12 @@ def test_admission_room_equals_that_many_single_admissions(log, window, limit, b
     assert room == singles
 
 
-def test_capacity_check_names_the_requirement():
-    policies.check_capacity(capacity=8, groups_per_step=4, window=1)
-    with pytest.raises(ValueError, match=r"groups_per_step \* \(window \+ 1\) = 8"):
-        policies.check_capacity(capacity=7, groups_per_step=4, window=1)
-    policies.check_capacity(capacity=4, groups_per_step=4, window=1, basis="per_version")
-    with pytest.raises(ValueError, match=r"capacity 3 < groups_per_step = 4$"):
-        policies.check_capacity(capacity=3, groups_per_step=4, window=1, basis="per_version")
+def test_the_smallest_buffer_depends_on_the_budget_basis():
+    """The live basis needs every step the window allows; the per-version budget restarts
+    at each publish, so one step's groups cannot deadlock it (``Config`` checks both)."""
+    assert policies.min_capacity(4, 1, "live") == policies.full_capacity(4, 1) == 8
+    assert policies.min_capacity(4, 2, "live") == 12
+    assert policies.min_capacity(4, 1, "per_version") == policies.min_capacity(4, 2, "per_version") == 4
 
 
 # -- the per-version budget (verl's run-ahead, staleness.budget_basis) ----------------
