@@ -127,7 +127,8 @@ def budget_count(state: RunState, basis: BudgetBasis) -> int:
     or queued), then +1 per sample started; fetching frees nothing. Here the sync is
     ``WeightsPublished``: live groups (the open step's claims among them) count, and so do
     the groups of steps finished since, until their weights are published. With in-line
-    publishing (verl's trainer waits for its sync too) the two counts are equal.
+    publishing (verl's trainer waits for its sync too) the two counts are equal, except
+    that a failed or evicted group leaves ours at once (it trains nothing).
     """
     live = live_groups(state)
     return live if basis == "live" else live + consumed_since_publish(state)

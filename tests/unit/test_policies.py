@@ -151,6 +151,16 @@ def test_steps_finished_behind_the_publish_count_until_theirs_lands():
     assert policies.consumed_since_publish(b.publish(2).fold()) == 0
 
 
+def test_failed_and_evicted_groups_leave_the_per_version_count_at_once():
+    """Where the count departs from verl's on purpose: verl's counter only grows between
+    syncs, so a sample it started would hold its room until the next one; a group that
+    failed or was evicted trains nothing here, so its room is free at once."""
+    b = LogBuilder(window=1, groups_per_step=2).start().admit("g1").group("g2").admit("g3")
+    assert policies.budget_count(b.fold(), "per_version") == 3
+    b.fail("g1").evict("g2", lag=2)
+    assert policies.budget_count(b.fold(), "per_version") == 1
+
+
 def test_the_per_version_count_is_verls_staleness_counter():
     """verl (FullyAsyncRollouter): at each parameter sync ``staleness_samples`` is reset to
     the samples the trainer has not fetched; each sample started adds one; fetching and
