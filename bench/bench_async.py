@@ -46,6 +46,11 @@ against (b). With ``--decode-in-steps`` (default) the simulated decode time is s
 inside generation, between the real token steps, so a refit can land in the middle of
 a long completion; tokens/s counts the simulated completion lengths consumed.
 
+For the in-flight mode it also prints flushes per group and each flush's pause (the
+group's generator idle until its ``SegmentsRecorded`` is in the log), under Ray the
+actors' own CPU per group, and the ceiling of any generator-side gain over async:
+1 / (1 - the share of async's wall time its trainer waited for data).
+
 Targets: async/sync groups/s >= 1.5x; >= 0.9 of the physical bound; controller CPU
 < 1 ms per group.
 
@@ -262,18 +267,23 @@ def run_once(
                 append_cpu[0] += time.thread_time() - started
 
         writer.append = timed_append  # type: ignore[method-assign]
+        procs = asyncio.run(worker_processes(workers)) if args.workers == "ray" else {}
+        actors0 = {role: process_cpu_s(p) for role, p in procs.items()}
         cpu0, wall0, all0 = time.thread_time(), time.perf_counter(), time.process_time()
         asyncio.run(controller.run())
         wall = time.perf_counter() - wall0
         cpu = time.thread_time() - cpu0
         process_cpu = time.process_time() - all0  # every thread: all the work, in-process
+        actors = {role: process_cpu_s(p) - actors0[role] for role, p in procs.items()}
     finally:
         workers.close()
     state = writer.state
     consumed = [g for g in state.groups.values() if g.consumed_step is not None]
+    per_group = 1e3 / max(1, len(consumed))
     lags = [g.lag for g in consumed if g.lag is not None]
     simulated, token_lag = _token_figures(args, cfg, consumed)
     _, data_wait, controller_gap = trainer.gaps_s(publisher.intervals)
+    recorder = controller.admission.segment_rows
     return {
         "window": float(window),
         "groups": float(len(consumed)),
@@ -285,6 +295,7 @@ def run_once(
         "ctrl_wait": controller_gap / wall,
         "ctrl_cpu_ms": 1e3 * cpu / max(1, len(consumed)),
         "cpu_per_wall": process_cpu / wall,
+        "proc_cpu_ms": 1e3 * process_cpu / max(1, len(consumed)),
         "append_cpu_ms": 1e3 * append_cpu[0] / max(1, len(consumed)),
         "events_per_group": state.position / max(1, len(consumed)),
         "lag_mean": statistics.fmean(lags) if lags else 0.0,
@@ -293,7 +304,30 @@ def run_once(
         "tokens_per_s": simulated / wall,
         "trainer_idle": 1.0 - trainer.busy_s() / wall,
         "token_lag": token_lag,
+        # partial rollouts: flushes recorded per consumed group, and how long a flushed
+        # group paused (the generator idle) until its flush was in the log
+        "flushes": recorder.calls / max(1, len(consumed)),
+        "pause_ms": 1e3 * recorder.paused_s / max(1, recorder.calls),
+        # Ray: CPU of the actors' processes (in-process, it is all in "proc_cpu_ms")
+        "trainer_cpu_ms": per_group * actors.get("trainer", 0.0),
+        "gen_cpu_ms": per_group * actors.get("generators", 0.0),
     }
+
+
+async def worker_processes(workers: Any) -> dict[str, list[Any]]:
+    """The Ray actors' processes, by role (CPU times are read before and after a run)."""
+    import psutil
+
+    from workers.calls import WorkerCalls
+
+    trainer = await workers.trainer.handle.call(WorkerCalls.pid)
+    gens = [await g.handle.call(WorkerCalls.pid) for g in workers.generators]
+    return {"trainer": [psutil.Process(trainer)], "generators": [psutil.Process(p) for p in gens]}
+
+
+def process_cpu_s(procs: list[Any]) -> float:
+    """User + system CPU seconds of ``procs`` so far."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
 def _token_figures(args: argparse.Namespace, cfg: Config, consumed: list) -> tuple[float, float]:
@@ -322,11 +356,19 @@ COLUMNS = [
     ("waits on ctrl", "ctrl_wait", "{:12.2%}"),
     ("ctrl CPU ms/group", "ctrl_cpu_ms", "{:16.3f}"),
     ("(log appends)", "append_cpu_ms", "{:13.3f}"),
+    ("all CPU ms/group", "proc_cpu_ms", "{:16.2f}"),
     ("lag mean/max", "lag", "{:>12}"),
     ("token lag mean", "token_lag", "{:14.2f}"),
     ("tokens/s", "tokens_per_s", "{:8.0f}"),
     ("trainer idle", "trainer_idle", "{:12.1%}"),
     ("evicted", "evicted", "{:7.0f}"),
+    ("flushes/group", "flushes", "{:13.2f}"),
+    ("pause ms/flush", "pause_ms", "{:14.2f}"),
+]
+#: Ray only: the actors' own CPU (their processes, not this one)
+RAY_COLUMNS = [
+    ("trainer CPU ms/group", "trainer_cpu_ms", "{:20.2f}"),
+    ("generators CPU ms/group", "gen_cpu_ms", "{:23.2f}"),
 ]
 
 
@@ -339,13 +381,14 @@ def length_law(args: argparse.Namespace) -> str:
     return f"lognormal(median {args.median_tokens:g} tok, sigma {args.sigma_tokens:g}{cap})"
 
 
-def print_table(rows: dict[str, dict[str, float]]) -> None:
-    header = f"{'mode':<14}" + "  ".join(f"{name:>{len(name)}}" for name, _, _ in COLUMNS)
+def print_table(rows: dict[str, dict[str, float]], ray: bool = False) -> None:
+    columns = COLUMNS + RAY_COLUMNS * ray
+    header = f"{'mode':<14}" + "  ".join(f"{name:>{len(name)}}" for name, _, _ in columns)
     print(header)
     print("-" * len(header))
     for mode, r in rows.items():
         cells = []
-        for name, key, fmt in COLUMNS:
+        for name, key, fmt in columns:
             if key == "lag":
                 text = f"{r['lag_mean']:.2f}/{r['lag_max']:.0f}"
                 cells.append(f"{text:>{len(name)}}")
@@ -456,7 +499,7 @@ def main() -> None:
           f"simulated latency: length {length_law(args)} x {args.decode_us_per_token:g} us/tok "
           f"+ judge lognormal(median "
           f"{args.judge_median_ms:g} ms, sigma {args.judge_sigma:g}) per completion")
-    print_table(rows)
+    print_table(rows, ray=args.workers == "ray")
     print("lag: of each consumed group's oldest token (its max is the largest lag of any token "
           "trained); token lag mean: every token at its own version (docs/segments.md)")
     sync, asyn = rows["sync (w=0)"], rows[f"async (w={args.window})"]
@@ -508,6 +551,13 @@ def main() -> None:
         print(f"in-flight / async groups/s: {inflight:.2f}x (per round: "
               f"{', '.join(f'{r:.2f}x' for r in per)}; target >= 1.3x with long-tailed lengths, "
               f">= 1.0x without); tokens/s {rows['in-flight']['tokens_per_s'] / asyn['tokens_per_s']:.2f}x")
+        # What in-flight refits can win in groups/s with the torch sampler (whose refit
+        # already lands between tokens): the time async's trainer waited for data, and
+        # the generation its evictions threw away -- not the trainer's own time.
+        ceiling = 1.0 / max(1e-9, 1.0 - asyn["data_wait"])
+        print(f"  async's trainer waited for data {asyn['data_wait']:.1%} of its wall time: "
+              f"groups/s ceiling for any generator speed-up {ceiling:.2f}x (trainer busy "
+              f"{asyn['trainer_busy']:.0%}, publishing {asyn['publish']:.0%})")
     worst_cpu = max(r["ctrl_cpu_ms"] for rs in results.values() for r in rs)
     print(f"controller CPU per group, worst run: {worst_cpu:.3f} ms (target < 1 ms)")
 

@@ -2,16 +2,23 @@
 
 For each fleet size (default 8 and 1024 simulated generators, groups of 16 samples,
 steps of 64-512 groups as ``bench_scale``), the real ``Controller`` runs on the virtual
-clock three times, side by side on the same timings and the same real redis-server:
+clock four times, side by side on the same timings and the same real redis-server:
 
   (a) single-turn -- partial rollouts on, one flush per group (``sim.partial``);
-  (b) episodes    -- ``--turns``-turn episodes (``sim.episodes``): per turn the model
-                     segments and the calls' intent, then the results and observations,
-                     each appended before the episode goes on (4 events per turn),
-                     with ``rollout.partial.record_linger_s = 0``: a pause shares its
-                     append only with calls that returned in the same turn of the loop;
-  (c) the same episodes with the configured linger (``--linger-s``, the default 5 ms):
-                     the pauses of the fleet that come within it share one append.
+  (b) before      -- ``--turns``-turn episodes as the controller recorded them before the
+                     cost work (``docs/agents.md``, "Cost"): two pauses per turn (as for
+                     an env that cannot deduplicate by key today) and snapshots every
+                     ``snapshot_every_events`` whatever the state's size
+                     (``controller.snapshot_events_per_mib = 0``), with the linger
+                     (the cheaper fold applies to every mode: code cannot run side by
+                     side with its older self);
+  (c) linger 0    -- the episodes of (d) with ``rollout.partial.record_linger_s = 0``: a
+                     pause shares its append only with calls that returned in the same
+                     turn of the loop;
+  (d) now         -- the same episodes with today's defaults (an env that deduplicates:
+                     one pause per turn) and the configured linger
+                     (``--linger-s``, the default 5 ms): the pauses of the fleet that come
+                     within it share one append.
 
 Printed per fleet size and mode: the controller's real CPU per group (loop thread,
 simulated workers excluded) and per episode turn, events and appends per group, and the
@@ -53,16 +60,25 @@ def with_linger(cfg: Config, linger_s: float) -> Config:
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, partial=partial))
 
 
+def as_before(cfg: Config) -> Config:
+    """The settings episodes ran with before the cost work (mode b)."""
+    return msgspec.structs.replace(cfg, controller=msgspec.structs.replace(
+        cfg.controller, snapshot_events_per_mib=0))
+
+
 def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: int,
-        linger_s: float) -> dict[str, float]:
+        linger_s: float, before: bool = False) -> dict[str, float]:
     cfg = with_partial(config_for(generators, args.groups, window=2, selection="oldest_first"))
     cfg = with_linger(cfg, linger_s)
+    if before:
+        cfg = as_before(cfg)
     timings = timings_for(cfg, args.median_s, 0.5, 1.05)
     store = RedisEventStore(server.url)
-    run_id = f"ep-{generators}-{turns}-{linger_s}"
+    run_id = f"ep-{generators}-{turns}-{linger_s}-{'before' if before else 'now'}"
     try:
         out = simulate(store, SimSpec(config=cfg, timings=timings, run_id=run_id,
-                                      charge_real_time=True, episode_turns=turns))
+                                      charge_real_time=True, episode_turns=turns,
+                                      episode_dedupes=not before))
         t0 = time.perf_counter()
         folded = Projector(store).get(run_id)
         fold_s = time.perf_counter() - t0
@@ -96,18 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp), appendfsync="always") as server:
         for n in (int(x) for x in args.generators.split(",")):
             single = one(server, args, n, 0, args.linger_s)
-            apart, shared = one(server, args, n, args.turns, 0.0), one(server, args, n, args.turns, args.linger_s)
-            rows.append((single, shared))
-            print(f"{n:>5} generators, {shared['groups']} groups: controller CPU per group: "
-                  f"single-turn {single['cpu_ms']:.3f} ms; {args.turns}-turn episodes, linger 0: "
-                  f"{apart['cpu_ms']:.3f} ms ({apart['cpu_us_per_turn']:.1f} us per turn), linger "
-                  f"{args.linger_s:g} s: {shared['cpu_ms']:.3f} ms ({shared['cpu_us_per_turn']:.1f} us "
-                  f"per turn, x{apart['cpu_ms'] / shared['cpu_ms']:.2f} less)", flush=True)
-            print(f"       events per group {single['events_per_group']:.1f} / "
-                  f"{apart['events_per_group']:.1f} / {shared['events_per_group']:.1f}; appends per "
-                  f"group {single['appends_per_group']:.1f} / {apart['appends_per_group']:.1f} / "
-                  f"{shared['appends_per_group']:.1f}; fold {single['fold_s']:.2f} s / "
-                  f"{apart['fold_s']:.2f} s / {shared['fold_s']:.2f} s", flush=True)
+            # the episode modes alternate their order from one fleet size to the next
+            order = ["before", "apart", "now"] if len(rows) % 2 == 0 else ["now", "apart", "before"]
+            runs = {m: one(server, args, n, args.turns, 0.0 if m == "apart" else args.linger_s,
+                           before=m == "before") for m in order}
+            before, apart, now = runs["before"], runs["apart"], runs["now"]
+            rows.append((single, now))
+            print(f"{n:>5} generators, {now['groups']} groups: controller CPU per group: "
+                  f"single-turn {single['cpu_ms']:.3f} ms; {args.turns}-turn episodes: before "
+                  f"{before['cpu_ms']:.3f} ms, linger 0 {apart['cpu_ms']:.3f} ms, now (linger "
+                  f"{args.linger_s:g} s) {now['cpu_ms']:.3f} ms ({now['cpu_us_per_turn']:.1f} us "
+                  f"per turn, x{before['cpu_ms'] / now['cpu_ms']:.2f} less than before)", flush=True)
+            modes = (single, before, apart, now)
+            print("       single / before / linger 0 / now: events per group "
+                  + " / ".join(f"{m['events_per_group']:.1f}" for m in modes) + "; appends per group "
+                  + " / ".join(f"{m['appends_per_group']:.1f}" for m in modes) + "; fold "
+                  + " / ".join(f"{m['fold_s']:.2f} s" for m in modes), flush=True)
     worst = max(e["cpu_ms"] for _, e in rows)
     print(f"target: <= 1 ms controller CPU per group with episodes: worst {worst:.3f} ms -> "
           + ("met" if worst <= 1.0 else "MISSED"))

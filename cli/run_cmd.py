@@ -200,6 +200,7 @@ def _train(args, cfg: Config, writer, exporter) -> int:
 
     run_dir = Path(args.data_dir) / "runs" / writer.run_id
     writer.snapshot_every = cfg.controller.snapshot_every_events
+    writer.snapshot_events_per_mib = cfg.controller.snapshot_events_per_mib
     configure_logging(run_dir / "controller.log.jsonl")
     structlog.contextvars.bind_contextvars(run_id=writer.run_id, epoch=writer.epoch)
     progress = Progress(cfg.run.steps, enabled=not args.no_progress)

@@ -100,7 +100,8 @@ class AdmissionSide:
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
         #: partial rollouts: records flushes (calls share appends), deletes segment rows
-        self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s)
+        self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s,
+                                            in_flight=lambda: sum(self.busy.values()))
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
@@ -157,8 +158,7 @@ class AdmissionSide:
     def _free_count(self, held: set[str]) -> int:
         if not held:
             return len(self._free_slots)
-        gens = self.generators
-        return sum(1 for i in self._free_slots if gens[i].name not in held)
+        return sum(1 for i in self._free_slots if self.generators[i].name not in held)
 
     def _release_slot(self, gen: GeneratorClient) -> None:
         self.busy[gen.name] -= 1

@@ -57,6 +57,7 @@ class LogWriter:
         *,
         clock: Callable[[], float] = time.time,
         snapshot_every: int = 5000,
+        snapshot_events_per_mib: int = 0,
     ) -> None:
         self.store = store
         self.run_id = run_id
@@ -68,9 +69,13 @@ class LogWriter:
         #: primary's newest writes): the state must never be saved as a snapshot
         self.diverged: ConcurrencyError | None = None
         self.appended = 0
-        #: save a snapshot of the folded state every this many events (0 = never)
+        #: save a snapshot of the folded state every this many events (0 = never) ...
         self.snapshot_every = snapshot_every
+        #: ... and, once a snapshot was saved, not before this many events per MiB of it
+        #: (0: whatever its size; see :meth:`snapshot_due`)
+        self.snapshot_events_per_mib = snapshot_events_per_mib
         self._last_snapshot = state.position
+        self._last_snapshot_bytes = 0
         #: called with (batch, state) after each acknowledged batch is folded (metrics)
         self.listeners: list[Callable[[Sequence[Event], RunState], None]] = []
 
@@ -110,17 +115,35 @@ class LogWriter:
         self.appended += len(batch)
         for listen in self.listeners:
             listen(batch, self.state)
-        if self.snapshot_every and self.position - self._last_snapshot >= self.snapshot_every:
+        if self.snapshot_due():
             self.snapshot()
         crashpoints.after_append(batch, state, self.epoch, batch_point)
         return positions
+
+    def snapshot_due(self) -> bool:
+        """Whether the events since the last snapshot call for a new one.
+
+        Encoding and storing a snapshot costs in proportion to the state's size, and the
+        state grows with the run (an episode run's ~100 bytes per event). A fixed event
+        interval would make that cost per event grow without bound; spacing snapshots by
+        ``snapshot_events_per_mib`` events per MiB of the last one keeps it below the
+        cost of one MiB per that many events, however large the state. Recovery then
+        folds at most max(``snapshot_every``, size in MiB x ``snapshot_events_per_mib``)
+        events after the snapshot it loads: a tail proportional to the snapshot it
+        decodes anyway, so recovery time stays a fixed multiple of reading the state."""
+        if not self.snapshot_every:
+            return False
+        since = self.position - self._last_snapshot
+        sized = self._last_snapshot_bytes * self.snapshot_events_per_mib / 2**20
+        return since >= self.snapshot_every and since >= sized
 
     def snapshot(self) -> None:
         """Save the folded state at the current position (a cache for fast recovery)."""
         if self.diverged is not None:
             return
         try:
-            self.store.save_snapshot(self.run_id, self.position, encode_state(self.state))
-            self._last_snapshot = self.position
+            data = encode_state(self.state)
+            self.store.save_snapshot(self.run_id, self.position, data)
+            self._last_snapshot, self._last_snapshot_bytes = self.position, len(data)
         except StoreUnavailableError:
             pass  # only a cache: the next append retries the store anyway

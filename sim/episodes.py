@@ -3,16 +3,19 @@
 The same contract as ``workers.generator.episodes`` (``docs/agents.md``), in virtual
 time, without a model or an environment. A group's generation time T (the timings'
 draw) is spread over its ``turns`` turns; each turn spends ``1 - env_share`` of its time
-sampling and ``env_share`` in the env call. Every turn pauses twice, as the durable
-recorder does:
+sampling and ``env_share`` in the env call. The pauses are the durable recorder's:
 
-* the model turn is written: its segments (one per sample, at the version in force when
-  the turn began) and the intent of its calls (``EnvStepsRequested``);
-* the calls returned: their results (``EnvStepsCompleted``) and the observation
-  segments that follow them (none after the last turn, which ends the episode).
+* an env that cannot deduplicate (``dedupes_by_key=False``) pauses twice a turn: once
+  the model turn is written (its segments, one per sample, at the version in force when
+  the turn began, and the intent of its calls, ``EnvStepsRequested``), and once the
+  calls returned (their results, ``EnvStepsCompleted``, and the observation segments
+  that follow them; none after the last turn, which ends the episode);
+* one that deduplicates (the default) pauses once a turn: turn t's results and
+  observations ride with turn t + 1's model segments and intent, and the last results
+  take one final pause.
 
-So a 10-turn group appends 40 episode events besides its admission and commit: the
-log a real run of the same shape writes. Every sample plays every turn with the same
+Either way a 10-turn group appends 40 episode events besides its admission and commit:
+the log a real run of the same shape writes. Every sample plays every turn with the same
 lengths (``model_tokens``, ``observation_tokens``); its per-turn reward is its group
 reward over ``turns``, and the committed reward is their sum in turn order (the core
 checks it exactly).
@@ -36,7 +39,8 @@ class _Episode:
     rewards: list[float]
     #: virtual seconds of one turn
     turn_s: float
-    #: pauses taken (2 per turn); when the next one comes (None: not resumed yet)
+    #: pauses taken (of ``SimEpisodeGenerator.plan``); when the next one comes (None: not
+    #: resumed yet)
     pauses: int = 0
     due: float | None = None
     #: the oldest and newest model token versions
@@ -48,12 +52,22 @@ class SimEpisodeGenerator:
     """A generator whose calls end at their groups' next pause (see the module docstring)."""
 
     def __init__(self, name: str, fleet: Fleet, turns: int, *, model_tokens: int = 32,
-                 observation_tokens: int = 16, env_share: float = 0.2) -> None:
+                 observation_tokens: int = 16, env_share: float = 0.2,
+                 dedupes_by_key: bool = True) -> None:
         if turns < 1 or not 0.0 < env_share < 1.0:
             raise ValueError(f"sim episodes: turns {turns} must be >= 1, env_share "
                              f"{env_share} in (0, 1)")
         self.name, self.fleet, self.turns = name, fleet, turns
         self.model_tokens, self.observation_tokens, self.env_share = model_tokens, observation_tokens, env_share
+        self.dedupes_by_key = dedupes_by_key
+        #: an episode's pauses in order: (share of a turn's time before it, the turn whose
+        #: results it records (0: none), the model turn it records (0: none))
+        s = env_share
+        if dedupes_by_key:
+            self.plan = ([(1.0 - s, 0, 1)] + [(1.0, t - 1, t) for t in range(2, turns + 1)]
+                         + [(s, turns, 0)])
+        else:
+            self.plan = [p for t in range(1, turns + 1) for p in ((1.0 - s, 0, t), (s, t, 0))]
         self.held: dict[str, _Episode] = {}
 
     def generate(self, requests: list[GenerationRequest]) -> asyncio.Future:
@@ -95,40 +109,49 @@ class SimEpisodeGenerator:
             rewards = fleet.timings.group_rewards(req.group_id, req.n_samples)
             ep = self.held[req.group_id] = _Episode(req.attempt, rewards, duration / self.turns)
         if ep.due is None:  # it goes on once its last pause is recorded: now
-            if ep.pauses == 2 * self.turns:
-                share = 0.0  # the episode ended with its last results: the call commits it
-            else:
-                share = self.env_share if ep.pauses % 2 else 1.0 - self.env_share
+            # after the last pause the episode has ended: the call commits it
+            share = self.plan[ep.pauses][0] if ep.pauses < len(self.plan) else 0.0
             ep.due = fleet.loop.time() + ep.turn_s * share
         return ep
 
     def _pause(self, req: GenerationRequest, ep: _Episode) -> GenerationOutcome:
-        if ep.pauses == 2 * self.turns:
+        if ep.pauses == len(self.plan):
             return self._done(req, ep)
-        turn, n = ep.pauses // 2 + 1, len(ep.rewards)
-        start = (turn - 1) * (self.model_tokens + self.observation_tokens)
-        last = turn == self.turns
+        _, results_turn, model_turn = self.plan[ep.pauses]
         ep.pauses, ep.due = ep.pauses + 1, None
-        if ep.pauses % 2:  # the model turn, and the intent of its calls
+        results, segments, calls = [], [], []
+        if results_turn:  # the calls returned (and, unless the episode ended, their observations)
+            results, obs = self._results(req, ep, results_turn)
+            segments += obs
+        if model_turn:  # the model turn, and the intent of its calls
             v = self.fleet.weight_version
             ep.oldest, ep.newest = (v if ep.oldest is None else ep.oldest), v
-            segs = [Segment(sample=i, start=start, length=self.model_tokens, turn=turn, stopped=last,
-                            key=f"seg:{req.group_id}/a{req.attempt}/s{i}/t{turn}") for i in range(n)]
-            calls = [EnvCall(sample=i, turn=turn, request=f"{req.group_id}/{i}/{turn}") for i in range(n)]
-            flush = EpisodeFlush(env=ENV, dedupes_by_key=True, segments=[SegmentFlush(
-                kind="model", weight_version=v, segments=segs)], requested=calls)
-        else:  # the calls returned (and, unless the episode ended, their observations)
-            results = [EnvResult(sample=i, turn=turn, reward=ep.rewards[i] / self.turns, ended=last,
-                                 end_reason="done" if last else "",
-                                 observation_tokens=0 if last else self.observation_tokens)
-                       for i in range(n)]
-            obs = [] if last else [SegmentFlush(kind="observation", weight_version=None, segments=[
-                Segment(sample=i, start=start + self.model_tokens, length=self.observation_tokens,
-                        turn=turn, key=f"obs:{req.group_id}/a{req.attempt}/s{i}/t{turn}")
-                for i in range(n)])]
-            flush = EpisodeFlush(env=ENV, dedupes_by_key=True, completed=results, segments=obs)
+            start = (model_turn - 1) * (self.model_tokens + self.observation_tokens)
+            segments.append(SegmentFlush(kind="model", weight_version=v, segments=[
+                Segment(sample=i, start=start, length=self.model_tokens, turn=model_turn,
+                        stopped=model_turn == self.turns,
+                        key=f"seg:{req.group_id}/a{req.attempt}/s{i}/t{model_turn}")
+                for i in range(len(ep.rewards))]))
+            calls = [EnvCall(sample=i, turn=model_turn, request=f"{req.group_id}/{i}/{model_turn}")
+                     for i in range(len(ep.rewards))]
+        flush = EpisodeFlush(env=ENV, dedupes_by_key=self.dedupes_by_key, completed=results,
+                             segments=segments, requested=calls)
         return GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
                                  weight_version_end=0, status="flushed", episode=flush)
+
+    def _results(self, req: GenerationRequest, ep: _Episode, turn: int) -> tuple[list[EnvResult], list[SegmentFlush]]:
+        """Turn ``turn``'s results, and the observation segments after them."""
+        last, n = turn == self.turns, len(ep.rewards)
+        results = [EnvResult(sample=i, turn=turn, reward=ep.rewards[i] / self.turns, ended=last,
+                             end_reason="done" if last else "",
+                             observation_tokens=0 if last else self.observation_tokens)
+                   for i in range(n)]
+        if last:
+            return results, []
+        start = (turn - 1) * (self.model_tokens + self.observation_tokens) + self.model_tokens
+        return results, [SegmentFlush(kind="observation", weight_version=None, segments=[
+            Segment(sample=i, start=start, length=self.observation_tokens, turn=turn,
+                    key=f"obs:{req.group_id}/a{req.attempt}/s{i}/t{turn}") for i in range(n)])]
 
     def _done(self, req: GenerationRequest, ep: _Episode) -> GenerationOutcome:
         del self.held[req.group_id]

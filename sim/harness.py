@@ -59,6 +59,9 @@ class SimSpec:
     #: multi-turn episodes of this many turns (``sim.episodes``; needs rollout.partial);
     #: 0: single-turn rollouts
     episode_turns: int = 0
+    #: whether the simulated episodes' env deduplicates by key (one pause per turn) or
+    #: not (two: ``sim.episodes``)
+    episode_dedupes: bool = True
 
 
 @dataclass
@@ -102,7 +105,8 @@ def _generators(cfg: Config, spec: SimSpec, fleet: Fleet, names: list[str]) -> l
     if spec.episode_turns and not partial.enabled:
         raise ValueError("sim: episodes are recorded by partial rollouts (rollout.partial.enabled)")
     if spec.episode_turns:
-        return [SimEpisodeGenerator(n, fleet, spec.episode_turns) for n in names]
+        return [SimEpisodeGenerator(n, fleet, spec.episode_turns, dedupes_by_key=spec.episode_dedupes)
+                for n in names]
     if partial.enabled:
         return [SimPartialGenerator(n, fleet, partial.segment_tokens) for n in names]
     if refits_between_calls(cfg):
@@ -119,6 +123,7 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         samples_per_group=cfg.rollout.samples_per_group,
     )
     writer.snapshot_every = cfg.controller.snapshot_every_events
+    writer.snapshot_events_per_mib = cfg.controller.snapshot_events_per_mib
     # The loop's clock starts at 0 (float resolution stays fine for years of virtual
     # time); the log's timestamps are offset to start at ``start_s``.
     loop = VirtualTimeLoop(charge_real_time=spec.charge_real_time)

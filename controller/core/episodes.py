@@ -98,32 +98,31 @@ class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
     rewards: list[list[float]]
 
 
-def _sample_of(rec: InflightEpisodes, sample: int, restart: int, seen: set[int]) -> str:
-    n = len(rec.samples)
-    if not 0 <= sample < n or sample in seen:
-        return f"sample {sample} is outside the group of {n} or twice in one event"
-    seen.add(sample)
-    if restart != rec.samples[sample].restart:
-        return (f"sample {sample}: restart {restart} in the key, but the episode is at "
-                f"restart {rec.samples[sample].restart}")
-    return ""
-
-
 def _check_each(rec: InflightEpisodes, ev: EnvStepsRequested | EnvStepsCompleted,
                 items: Sequence[EnvCall] | Sequence[EnvResult], check) -> str:  # type: ignore[no-untyped-def]
-    """The rules every env event shares (index, samples, keys), then ``check`` per item."""
+    """The rules every env event shares (index, samples, keys), then ``check`` per item.
+
+    This loop runs once per call of every env event -- the bulk of an episode run's
+    fold -- so the sample checks are inline and the messages are built only on failure."""
     if ev.index != rec.attempt_events:
         return f"env event index {ev.index}, expected {rec.attempt_events} for attempt {ev.attempt}"
     if not items:
         return f"a {type(ev).__name__} with no calls"
-    seen: set[int] = set()
+    samples = rec.samples
+    n = len(samples)
+    seen = bytearray(n)
     for item in items:
-        problem = _sample_of(rec, item.sample, item.restart, seen)
+        i = item.sample
+        if not 0 <= i < n or seen[i]:
+            return f"sample {i} is outside the group of {n} or twice in one event"
+        seen[i] = 1
+        episode = samples[i]
+        if item.restart != episode.restart:
+            return (f"sample {i}: restart {item.restart} in the key, but the episode is at "
+                    f"restart {episode.restart}")
+        problem = check(item, episode)
         if problem:
-            return problem
-        problem = check(item, rec.samples[item.sample])
-        if problem:  # where it happened, built only then (this loop runs per call)
-            return f"sample {item.sample} turn {item.turn}: {problem}"
+            return f"sample {i} turn {item.turn}: {problem}"
     return ""
 
 
@@ -161,21 +160,24 @@ def requested_problem(rec: InflightEpisodes, ev: EnvStepsRequested) -> str:
 def record_requested(rec: InflightEpisodes, ev: EnvStepsRequested) -> None:
     """Fold a checked intent into ``rec``."""
     rec.attempt_events += 1
+    samples, attempt = rec.samples, ev.attempt
     for call in ev.calls:
-        episode = rec.samples[call.sample]
-        pending = episode.pending()
-        if pending is not None:  # re-issued with the same key
-            pending.attempt = ev.attempt
+        turns = samples[call.sample].turns
+        last = turns[-1] if turns else None
+        if last is not None and last.result is None:  # re-issued with the same key
+            last.attempt = attempt
         else:
-            episode.turns.append(TurnRecord(turn=call.turn, request=call.request, attempt=ev.attempt))
+            turns.append(TurnRecord(turn=call.turn, request=call.request, attempt=attempt))
 
 
 def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
     """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
 
     def check(result: EnvResult, episode: SampleEpisode) -> str:
-        pending = episode.pending()
-        if pending is None or pending.turn != result.turn or pending.attempt != ev.attempt:
+        turns = episode.turns  # the last turn, inline: this runs per result
+        pending = turns[-1] if turns else None
+        if (pending is None or pending.result is not None or pending.turn != result.turn
+                or pending.attempt != ev.attempt):
             return f"a result for a call attempt {ev.attempt} did not request"
         if not math.isfinite(result.reward):
             return f"reward {result.reward} is not finite"
@@ -189,10 +191,9 @@ def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
 
 def record_completed(rec: InflightEpisodes, ev: EnvStepsCompleted) -> None:
     rec.attempt_events += 1
+    samples = rec.samples
     for result in ev.results:
-        pending = rec.samples[result.sample].pending()
-        assert pending is not None  # checked by completed_problem
-        pending.result = result
+        samples[result.sample].turns[-1].result = result  # its pending call: checked
 
 
 def unresolved(rec: InflightEpisodes) -> list[int]:
@@ -239,7 +240,8 @@ def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
     for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
         if not episode.ended:
             return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
-        total = sum(t.result.reward for t in episode.turns if t.result is not None)
+        # ``sum`` as the workers add the turns up (compensated from Python 3.12 on)
+        total = sum([t.result.reward for t in episode.turns if t.result is not None])
         if total != reward:
             return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
     return ""
@@ -249,20 +251,28 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
     """Each turn's first model token and reward; None without the turns' segments."""
     if segments is None:
         return None
+    # a sample's segments start where its recorded tokens end (``segments_problem``), so
+    # in flush order the first segment of a turn is its lowest start
     first: dict[tuple[int, int], int] = {}
+    setdefault = first.setdefault
     for flush in segments.flushes:
         if flush.kind == "model":
             for seg in flush.segments:
-                key = (seg.sample, seg.turn)
-                first[key] = min(first.get(key, seg.start), seg.start)
+                setdefault((seg.sample, seg.turn), seg.start)
     starts: list[list[int]] = []
     rewards: list[list[float]] = []
     for i, episode in enumerate(rec.samples):
-        turns = [t for t in episode.turns if t.result is not None]
-        if any((i, t.turn) not in first for t in turns):
-            return None  # a turn without its tokens: no per-turn credit, the return stands
-        starts.append([first[(i, t.turn)] for t in turns])
-        rewards.append([t.result.reward for t in turns])  # type: ignore[union-attr]
+        sample_starts, sample_rewards = [], []
+        for t in episode.turns:
+            if t.result is None:
+                continue
+            start = first.get((i, t.turn))
+            if start is None:
+                return None  # a turn without its tokens: no per-turn credit, the return stands
+            sample_starts.append(start)
+            sample_rewards.append(t.result.reward)
+        starts.append(sample_starts)
+        rewards.append(sample_rewards)
     return EpisodeSummary(starts=starts, rewards=rewards)
 
 

@@ -78,19 +78,20 @@ def segments_problem(rec: InflightSegments, ev: SegmentsRecorded, trainer_versio
                 f"{trainer_version}: no such weights existed to sample these tokens")
     if not ev.segments:
         return "a flush with no segments"
-    seen: set[int] = set()
-    n = len(rec.recorded)
+    recorded, stopped = rec.recorded, rec.stopped  # this loop runs per segment: locals
+    n = len(recorded)
+    seen = bytearray(n)
     for seg in ev.segments:
         i = seg.sample
-        if not 0 <= i < n or i in seen:
+        if not 0 <= i < n or seen[i]:
             return f"sample {i} is outside the group of {n} or twice in one flush"
-        seen.add(i)
+        seen[i] = 1
         if seg.length < 1 or not seg.key:
             return f"sample {i}: a segment needs length >= 1 and a payload key"
-        if rec.stopped[i]:
+        if stopped[i]:
             return f"sample {i} already stopped"
-        if seg.start != rec.recorded[i]:
-            return (f"sample {i}: segment starts at token {seg.start}, but {rec.recorded[i]} "
+        if seg.start != recorded[i]:
+            return (f"sample {i}: segment starts at token {seg.start}, but {recorded[i]} "
                     f"are recorded (a recorded token is never produced again)")
     return ""
 

@@ -37,6 +37,7 @@ def test_file_then_overrides(tmp_path):
         (["run.steps=0"], "run.steps must be > 0"),
         (["rollout.groups_per_call=0"], "rollout.groups_per_call must be > 0"),
         (["staleness.window_versions=-1"], "staleness.window_versions must be >= 0"),
+        (["controller.snapshot_events_per_mib=-1"], "controller.snapshot_events_per_mib must be >= 0"),
         (["staleness.buffer_groups=3"], "staleness.buffer_groups = 3 is too small"),
         (
             ["staleness.budget_basis=per_version", "staleness.buffer_groups=3"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -114,6 +116,54 @@ def test_a_refit_between_calls_starts_a_new_version_and_each_token_keeps_its_log
     assert batch.token_versions[batch.loss_mask].tolist() == [
         v for runs in done.version_runs for v in expand_runs(runs)
     ]
+
+
+class _PutWaitsForAck:
+    """A data plane whose segment ``put`` waits until the test says the refit was
+    acknowledged (60 s at most: a swap that waited for this write would deadlock)."""
+
+    def __init__(self) -> None:
+        self.plane = MemoryDataPlane()
+        self.acked = threading.Event()
+        #: per segment put: had the refit been acknowledged when the write went ahead?
+        self.after_ack: list[bool] = []
+
+    def put(self, partition, keys, *args, **kwargs):
+        if "/k" in keys[0]:  # a segment row (``segment_key``), not a final row
+            self.after_ack.append(self.acked.wait(timeout=60))
+        return self.plane.put(partition, keys, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.plane, name)
+
+
+def test_a_refit_is_acknowledged_before_the_flush_of_the_tokens_it_closes_is_written():
+    # The publish (which the trainer awaits) waits for the swap at a token boundary, not
+    # for the data-plane write of the tokens sampled before it: that write comes after
+    # the ack, in the generating thread, while the publisher goes on.
+    plane = _PutWaitsForAck()
+    runner, _ = _runner(plane, segment_tokens=100)
+    gen = runner.gen
+    other, _ = build_model(CFG, 9)
+    holding = threading.Event()
+
+    def hold_for_refit(_gid: str) -> None:
+        if runner.tokens_sampled == 5 * 3:  # after 3 token steps: wait until it is queued
+            holding.set()
+            assert gen.weights.wait_for_pending(timeout_s=60) == 1
+
+    runner.on_step = hold_for_refit
+    result: list = []
+    generating = threading.Thread(target=lambda: result.append(_drive(runner)))
+    generating.start()
+    assert holding.wait(timeout=60)  # mid-group: the update must pend until a boundary
+    ack = gen.update_weights(1, cpu_state_dict(other))
+    plane.acked.set()
+    generating.join(timeout=120)
+    assert ack.version == 1 and plane.after_ack == [True]
+    (flushes, done), = result
+    assert [f.weight_version for f in flushes] == [0] and flushes[0].segments[0].length == 3
+    assert done.weight_version_end == 1
 
 
 def test_a_crashed_group_resumes_from_its_recorded_flushes():

@@ -88,6 +88,25 @@ def test_episodes_record_turns_calls_and_results_in_write_ahead_order(tmp_path):
         assert len(ref.turn_advantages) == len(ref.payload_keys)  # one run per episode
 
 
+def test_a_deduplicating_envs_results_ride_with_the_next_turns_intent(tmp_path):
+    # the calculator deduplicates (it is pure): one pause per turn, the results of turn t
+    # in the append of turn t + 1's intent, the last results in a pause of their own
+    h = Harness(make_config("run.steps=1", *EPISODES), tmp_path)
+    batches: list[list] = []
+    h.writer.listeners.append(lambda batch, state: batches.append(list(batch)))
+    assert h.run() == "completed"
+    h.check_log()
+    for commit in h.events(ev.GroupCommitted):
+        gid = commit.group_id
+        pauses = [[e for e in b if isinstance(e, (ev.EnvStepsRequested, ev.EnvStepsCompleted))
+                   and e.group_id == gid] for b in batches]
+        pauses = [p for p in pauses if p]
+        kinds = [[type(e).__name__ for e in p] for p in pauses]
+        assert kinds[0] == ["EnvStepsRequested"] and kinds[-1] == ["EnvStepsCompleted"], kinds
+        assert all(k == ["EnvStepsCompleted", "EnvStepsRequested"] for k in kinds[1:-1]), kinds
+        assert len(pauses) == sum(k.count("EnvStepsRequested") for k in kinds) + 1
+
+
 def test_a_group_lost_mid_episode_resumes_at_its_last_recorded_turn(tmp_path):
     # after 2 events (turn 1's model segments + intent) the worker forgets the group: the
     # calls were asked for and never answered; attempt 2 serves turn 1 from the log and

@@ -120,17 +120,19 @@ def test_pareto_has_its_median_and_its_capped_mean():
     assert max(draws) == 400.0 and min(draws) >= xm
 
 
-@pytest.mark.parametrize("per_call", [1, 3])
-def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call):
+@pytest.mark.parametrize("per_call, dedupes", [(1, True), (3, True), (1, False), (3, False)])
+def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call, dedupes):
     # 3-turn episodes: per turn the model segments and intent, then the results and the
-    # observations (none after the last): the core checks order, keys and that each
-    # committed reward is the sum of its turns'
+    # observations (none after the last) -- in a pause of their own, or riding with the
+    # next turn's intent when the env deduplicates: the core checks order, keys and that
+    # each committed reward is the sum of its turns'
     cfg = load_config(None, [
         "run.steps=4", "rollout.num_generators=4", f"rollout.groups_per_call={per_call}",
         "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
-        "rollout.samples_per_group=2"])
+        "rollout.samples_per_group=2", "rollout.partial.record_linger_s=0"])
     store = MemoryEventStore()
-    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3,
+                            episode_dedupes=dedupes))
     result = Projector(store).get("ep")
     assert result.problem is None, result.problem
     state = result.state
@@ -140,21 +142,47 @@ def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call):
     kinds = Counter(type(e.event).__name__ for e in store.read("ep")
                     if getattr(e.event, "group_id", None) == committed[0].group_id)
     assert (kinds["EnvStepsRequested"], kinds["EnvStepsCompleted"], kinds["SegmentsRecorded"]) == (3, 3, 5)
+    # the events of one append share its virtual timestamp: 6 pauses, or 3 + the last results
+    pauses = {e.event.ts for e in store.read("ep") if type(e.event).__name__.startswith("EnvSteps")
+              and e.event.group_id == committed[0].group_id}
+    assert len(pauses) == (4 if dedupes else 6)
 
 
 def _env_batches(linger_s: float) -> tuple[int, int]:
-    """(env events, distinct appends holding them) of a 3-turn episode run: the events
-    of one append share its virtual timestamp."""
+    """(env events, distinct appends holding them) of a 3-turn episode run with an env
+    that cannot deduplicate (two pauses a turn): the events of one append share its
+    virtual timestamp."""
     cfg = load_config(None, [
         "run.steps=4", "rollout.num_generators=4", "rollout.groups_per_call=1",
         "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
         "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}"])
     store = MemoryEventStore()
-    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3,
+                            episode_dedupes=False))
     result = Projector(store).get("ep")
     assert result.problem is None, result.problem
     env = [e.event for e in store.read("ep") if type(e.event).__name__.startswith("EnvSteps")]
     return len(env), len({e.ts for e in env})
+
+
+def _episode_run_end(linger_s: float, generators: int) -> float:
+    """Virtual time at the end of a short 3-turn episode run."""
+    cfg = load_config(None, [
+        "run.steps=2", f"rollout.num_generators={generators}", "rollout.groups_per_call=1",
+        "train.groups_per_step=2", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}"])
+    store = MemoryEventStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    assert Projector(store).get("ep").problem is None
+    return list(store.read("ep"))[-1].event.ts
+
+
+def test_a_pause_no_other_call_can_join_does_not_wait_for_the_linger():
+    # one generator: every pause is the only call in flight, so the linger (here 5 s,
+    # virtual) has nobody to wait for; before, each pause paid all of it
+    assert _episode_run_end(5.0, generators=1) == _episode_run_end(0.0, generators=1)
+    # with several generators a pause still waits for the others (the test below)
+    assert _episode_run_end(5.0, generators=2) > _episode_run_end(0.0, generators=2)
 
 
 def test_pauses_of_several_groups_share_one_append_within_the_linger():

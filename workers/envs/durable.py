@@ -17,6 +17,14 @@ it (``workers.generator.episodes`` returns it from the generator call; the contr
 next call lets the episode go on). So each turn costs two round trips to the log, and a
 crash loses at most the turn in progress.
 
+An environment that deduplicates by key (``dedupes_by_key``) skips PAUSE 2: its results
+and observations are held and ride with the next turn's PAUSE 1 (results first, as the
+log wants them), and the episode's last results with one final pause (:meth:`finish`)
+before its rows are committed. Half the round trips; the price is that a crash after
+the calls ran re-issues them with their keys, which such an env answers from its own
+record (the side effect still happens once). An env that cannot deduplicate keeps both
+pauses, so its calls' results are in the log before anything else happens.
+
 A resumed attempt starts from the log (:func:`read_episode_log`):
 
 * a recorded model turn is served from its segment rows (ids, logprobs, versions) and
@@ -175,8 +183,11 @@ class DurableTurnRecorder:
         self.on_generated = on_generated
         #: model turns sampled / served from the log; calls made / served / made again
         self.counts = {"generated": 0, "served": 0, "made": 0, "replayed": 0, "reissued": 0}
-        #: model turns written but not recorded yet (they go with the next intent)
+        #: rows written but not recorded yet: model turns (they go with the next intent)
+        #: and, for an env that deduplicates, observations after the held results
         self._held: list[SegmentFlush] = []
+        #: results not recorded yet (an env that deduplicates: they go with the next pause)
+        self._results: list[EnvResult] = []
 
     def env_reset(self, key: StepKey, reset: Callable[[], Observation]) -> Observation:
         return reset()
@@ -230,9 +241,9 @@ class DurableTurnRecorder:
                 to_make.append(i)
         intents = [EnvCall(sample=calls[i].key.sample, turn=calls[i].key.turn,
                            request=calls[i].request, restart=calls[i].key.restart) for i in to_make]
-        if self._held or intents:  # write-ahead: nothing runs before its intent is in the log
-            self._post(segments=self._held, requested=intents)
-            self._held = []
+        if self._held or intents or self._results:  # write-ahead: no call runs before its intent
+            self._post(completed=self._results, segments=self._held, requested=intents)
+            self._held, self._results = [], []
         results, observations = [], {}
         for i in to_make:
             key, outcome = calls[i].key, calls[i].run()
@@ -246,8 +257,18 @@ class DurableTurnRecorder:
                 observations[(key.sample, key.turn)] = (outcome.observation, [0.0] * len(outcome.observation))
         if results:
             segments = [self.writer.write("observation", None, observations)] if observations else []
-            self._post(completed=results, segments=segments)
+            if self.dedupes_by_key:  # they ride with the next pause (see the module docstring)
+                self._results, self._held = results, segments
+            else:
+                self._post(completed=results, segments=segments)
         return outcomes  # type: ignore[return-value]
+
+    def finish(self) -> None:
+        """Record what is held (the episodes' last results) before the group's rows are
+        committed: the commit must find every episode ended in the log."""
+        if self._results or self._held:
+            self._post(completed=self._results, segments=self._held)
+            self._held, self._results = [], []
 
     def _recorded_outcome(self, call: StepCall) -> StepOutcome | None:
         """The call's recorded outcome; None when it must be made (new, or re-issued)."""

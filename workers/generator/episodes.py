@@ -4,7 +4,8 @@ With ``rollout.partial`` on, a generator whose task is an episode task runs each
 episodes in a thread of their own, through the durable recorder
 (``workers.envs.durable``). A generator call runs its groups in order until one of them
 reaches a pause -- the recorder hands over an ``EpisodeFlush`` (model turns and the
-intent of the calls that answer them, or the calls' results and observations) and blocks
+intent of the calls that answer them, the calls' results and observations, or, for an
+env that deduplicates, the last turn's results with the next turn's intent) and blocks
 -- and returns it (``status = "flushed"``). The controller appends it and calls again
 with the same group and ``flushes`` = the events it has recorded for that attempt; that
 call lets the paused thread go on to its next pause. A finished group writes its final
@@ -184,9 +185,10 @@ class EpisodeGroups:
                 eos_id=gen.tokenizer.eos_id, on_generated=token_ledger(req.group_id, req.attempt),
             )
             keys = [row_key(gen.run_id, req.group_id, req.attempt, i) for i in range(n)]
-            channel.end("done", generate_episode_group(
-                gen, keys, req.group_id, example, n, sampling, req.seed, req.attempt,
-                recorder, log.restarts))
+            done = generate_episode_group(gen, keys, req.group_id, example, n, sampling,
+                                          req.seed, req.attempt, recorder, log.restarts)
+            recorder.finish()  # the last results, if they were held, before the commit
+            channel.end("done", done)
         except _Abandoned:
             pass
         except BaseException as err:  # the call thread raises it: the attempt fails
