@@ -29,6 +29,9 @@ KEYS: dict[str, str] = {
     "policy": "staleness.selection",
     "selection": "staleness.selection",
     "buffer": "staleness.buffer_groups",
+    # not "basis" (the window's, kept for old command lines): verl's budget is a what-if
+    # of its own -- ``budget_basis=per_version,buffer=...`` (docs/scale.md)
+    "budget_basis": "staleness.budget_basis",
     "basis": "staleness.window_basis",
     "window_basis": "staleness.window_basis",
     "async_checkpoint": "checkpoint.async_save",
