@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -149,6 +151,27 @@ def test_steps_finished_behind_the_publish_count_until_theirs_lands():
     assert policies.consumed_since_publish(b.fold()) == 4
     assert policies.consumed_since_publish(b.publish(1).fold()) == 2
     assert policies.consumed_since_publish(b.publish(2).fold()) == 0
+
+
+@pytest.mark.parametrize("groups_per_step", [4, 16, 512])
+@pytest.mark.parametrize("threshold", [0.0, 0.1, 0.5, 1.0, 1.5, 2.0, 2.75])
+def test_a_window_of_ceil_threshold_leaves_the_budget_to_close_the_gate(groups_per_step, threshold):
+    """docs/scale.md's porting rule: with window = ceil(staleness_threshold) every group
+    verl's budget allows after a sync is admitted (the lag clause never binds first); a
+    window one smaller would refuse some of them once the threshold is over 1."""
+    g = groups_per_step
+    cap = int(g * (1 + threshold))  # verl's max_required_samples, in groups
+    window = math.ceil(threshold)
+
+    def admits_all(win: int) -> bool:
+        return all(policies.gate_open(live, 3, dispatch_version=3, window=win, groups_per_step=g,
+                                      capacity=cap, budgeted=live) for live in range(cap))
+
+    assert admits_all(window)
+    assert not policies.gate_open(cap, 3, dispatch_version=3, window=window, groups_per_step=g,
+                                  capacity=cap, budgeted=cap)
+    if threshold > 1:
+        assert not admits_all(window - 1)
 
 
 def test_failed_and_evicted_groups_leave_the_per_version_count_at_once():
