@@ -40,11 +40,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.config import load_config  # noqa: E402
+from controller.config import ConfigError, load_config  # noqa: E402
+from controller.core.policies import SELECTION_POLICIES  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
 from events.schema import GroupCommitted, RolloutAdmitted  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
@@ -170,22 +173,34 @@ def hms(seconds: float) -> str:
     return f"{h}h{rem // 60:02d}m"
 
 
-def main() -> None:
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid" message
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=100, help="simulated steps (wall times scale to 400)")
-    ap.add_argument("--sigma", type=float, default=0.7, help="lognormal sigma of a group's generation")
-    ap.add_argument("--concurrent", type=int, default=CONCURRENT,
+    ap.add_argument("--steps", type=_positive(int), default=100,
+                    help="simulated steps (wall times scale to 400)")
+    ap.add_argument("--sigma", type=_positive(float), default=0.7,
+                    help="lognormal sigma of a group's generation")
+    ap.add_argument("--concurrent", type=_positive(int), default=CONCURRENT,
                     help="groups generated at once (verl: 16 per rollout server, 16 servers)")
     ap.add_argument("--basis", choices=("per_version", "live"), default="per_version",
                     help="what the budget counts: verl's per-version samples, or live groups "
                          "(the mapping before staleness.budget_basis existed)")
-    ap.add_argument("--cap-s", type=float, default=100.0,
+    ap.add_argument("--cap-s", type=_positive(float), default=100.0,
                     help="longest generation of a group (their 28K-token max_response_length "
                          "cuts the tail); default: where threshold 0's simulated time meets "
                          "its published one at the calibrated median (docs/scale.md)")
-    ap.add_argument("--median-s", type=float, help="skip calibration: this median generation time")
-    ap.add_argument("--calibration-rounds", type=int, default=7)
-    ap.add_argument("--selection", default="ready_first",
+    ap.add_argument("--median-s", type=_positive(float), help="skip calibration: this median generation time")
+    ap.add_argument("--calibration-rounds", type=_positive(int), default=7)
+    ap.add_argument("--selection", default="ready_first", choices=SELECTION_POLICIES,
                     help="ready_first is their streaming order (whatever finished first)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--partial", action=argparse.BooleanOptionalAction, default=True,
@@ -193,8 +208,15 @@ def main() -> None:
                          "their ablation ran with it on")
     ap.add_argument("--both", action="store_true",
                     help="print the rows without and with partial rollouts, side by side")
-    args = ap.parse_args()
-    median = args.median_s or calibrate(args)
+    args = ap.parse_args(argv)
+    try:
+        _table(args)
+    except ConfigError as err:  # e.g. --selection: the config's own message names the key
+        ap.error(str(err))
+
+
+def _table(args: argparse.Namespace) -> None:
+    median = calibrate(args) if args.median_s is None else args.median_s
     print(f"\nverl fully-async staleness ablation (128 GPUs: 64 rollout + 64 train), in virtual "
           f"time; {args.concurrent} groups at once, {args.basis} budget, generation lognormal(median {median:.1f}s, "
           f"sigma {args.sigma}, capped at {args.cap_s:g}s), {args.steps} steps simulated, totals "

@@ -30,7 +30,6 @@ from cli.common import (
     open_store,
     require_run,
 )
-from controller.core import policies
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, RunStoppedError, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
@@ -139,12 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     preflight.check_new_run_id(run_id)
     cfg = None if args.resume else _resolve_config(args)
     if cfg is not None:
-        policies.check_capacity(
-            capacity=cfg.buffer_capacity,
-            groups_per_step=cfg.train.groups_per_step,
-            window=cfg.staleness.window_versions,
-            basis=cfg.staleness.budget_basis,
-        )
+        # (the buffer's capacity rule was checked by the config's own load)
         preflight.check_config(cfg)
         if not args.local_workers:
             # Before anything is written: an unreachable or too small cluster must

@@ -156,12 +156,12 @@ class AdmissionSide:
         return out
 
     def _free_count(self, held: set[str]) -> int:
-        if not held:
-            return len(self._free_slots)
-        return sum(1 for i in self._free_slots if self.generators[i].name not in held)
+        free, gens = self._free_slots, self.generators
+        return sum(1 for i in free if gens[i].name not in held) if held else len(free)
 
     def _release_slot(self, gen: GeneratorClient) -> None:
         self.busy[gen.name] -= 1
+        self.segment_rows.recheck()  # a flush lingering for this call waits no longer
         heapq.heappush(self._free_slots, self._gen_index[gen.name])
 
     def _admission_room(self, limit: int) -> int:

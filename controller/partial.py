@@ -142,8 +142,7 @@ class PartialRecorder:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._waiting.append((reqs, outs, commits, done))
-        if self._all_joined is not None and self._nobody_else():
-            _resolve(self._all_joined)
+        self.recheck()
         if len(self._waiting) == 1:
             # a task's first step runs like ``call_soon``: after every call of this turn
             task = loop.create_task(self._append_waiting())
@@ -153,6 +152,13 @@ class PartialRecorder:
         await done
         self.paused_s += self.journal.clock() - started
         return next_requests(self.journal.state, reqs, outs)
+
+    def recheck(self) -> None:
+        """End a lingering append's wait once every call in flight waits for it: asked
+        when a call joins it, and when one ends elsewhere (committed or failed) -- the
+        calls left may all be waiting then, and none other can join."""
+        if self._all_joined is not None and self._nobody_else():
+            _resolve(self._all_joined)
 
     def _nobody_else(self) -> bool:
         """Every generator call in flight is waiting for this append."""

@@ -29,6 +29,9 @@ KEYS: dict[str, str] = {
     "policy": "staleness.selection",
     "selection": "staleness.selection",
     "buffer": "staleness.buffer_groups",
+    # not "basis" (the window's, kept for old command lines): verl's budget is a what-if
+    # of its own -- ``budget_basis=per_version,buffer=...`` (docs/scale.md)
+    "budget_basis": "staleness.budget_basis",
     "basis": "staleness.window_basis",
     "window_basis": "staleness.window_basis",
     "async_checkpoint": "checkpoint.async_save",
@@ -55,7 +58,13 @@ def parse_changes(items: Iterable[str], *, allowed: Iterable[str] | None = None)
         for item in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = (part.strip() for part in item.partition("="))
             dotted = KEYS.get(key, key if "." in key else None)
-            if not sep or dotted is None or (allowed is not None and dotted not in allowed):
+            if sep and dotted is not None and allowed is not None and dotted not in allowed:
+                raise WhatIfError(
+                    f"--what-if {item!r}: {dotted} is not replayed by this what-if (it changes "
+                    f"who runs when, not only the policies); `rl-controller simulate --run RUN "
+                    f"--what-if {item}` re-runs the log in virtual time with it"
+                )
+            if not sep or dotted is None:
                 raise WhatIfError(
                     f"--what-if {item!r}: expected key=value with key one of {', '.join(short)}"
                     + (" or a dotted config key" if allowed is None else "")

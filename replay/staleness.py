@@ -63,6 +63,12 @@ GATE_METHOD = (
     "- weight_version > window, evaluated after each event that changes them (generator "
     "availability is not in the log and not counted)"
 )
+#: the same with ``staleness.budget_basis = "per_version"``: the report must say what the
+#: capacity counted, or a per-version run's closed time reads as a full buffer of live groups
+GATE_METHOD_PER_VERSION = GATE_METHOD.replace(
+    "live groups >= capacity",
+    "live groups + groups trained since the last publish >= capacity",
+)
 
 
 def capacity_of(state: RunState) -> int:
@@ -86,7 +92,8 @@ class Trace:
         self._claimed = 0
         self._capacity = 0
         self._per_step = 1
-        self._per_version = False
+        #: the recorded staleness.budget_basis is "per_version" (read at the first sample)
+        self.per_version = False
 
     def watches(self) -> dict[type, Callback]:
         sample = self._sample
@@ -108,14 +115,14 @@ class Trace:
         if not self._capacity:
             self._capacity = capacity_of(state)
             self._per_step = max(state.groups_per_step, 1)
-            self._per_version = recorded_config(state).staleness.budget_basis == "per_version"
+            self.per_version = recorded_config(state).staleness.budget_basis == "per_version"
         buffered = len(state.buffer)
         live = len(state.admitted) + buffered + self._claimed
         closed = not policies.gate_open(
             live, state.trainer_version, dispatch_version=state.weight_version,
             window=state.window_versions,
             groups_per_step=self._per_step, capacity=self._capacity,
-            budgeted=live + policies.consumed_since_publish(state) if self._per_version else None,
+            budgeted=live + policies.consumed_since_publish(state) if self.per_version else None,
         )
         self.ts.append(event.ts)
         self.live.append(live)
@@ -272,6 +279,7 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         reward_vs_lag=reward_vs_lag,
         occupancy=_downsample(trace, max_points),
         lag_histogram=hist,
+        gate_method=GATE_METHOD_PER_VERSION if trace.per_version else GATE_METHOD,
     )
 
 

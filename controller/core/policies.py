@@ -127,7 +127,8 @@ def budget_count(state: RunState, basis: BudgetBasis) -> int:
     or queued), then +1 per sample started; fetching frees nothing. Here the sync is
     ``WeightsPublished``: live groups (the open step's claims among them) count, and so do
     the groups of steps finished since, until their weights are published. With in-line
-    publishing (verl's trainer waits for its sync too) the two counts are equal.
+    publishing (verl's trainer waits for its sync too) the two counts are equal, except
+    that a failed or evicted group leaves ours at once (it trains nothing).
     """
     live = live_groups(state)
     return live if basis == "live" else live + consumed_since_publish(state)
@@ -201,16 +202,6 @@ def _gate(
         f"window closed (a group dispatched at v{dispatch_version} could be trained "
         f"at v{trainer_version + steps_ahead}, lag {lag_bound} > {window})",
     )
-
-
-def check_capacity(
-    *, capacity: int, groups_per_step: int, window: int, basis: BudgetBasis = "live"
-) -> None:
-    """Raise if the buffer is below what the gate accepts (:func:`min_capacity`)."""
-    need = min_capacity(groups_per_step, window, basis)
-    if capacity < need:
-        rule = "groups_per_step" if basis == "per_version" else "groups_per_step * (window + 1)"
-        raise ValueError(f"buffer capacity {capacity} < {rule} = {need}")
 
 
 def to_evict(state: RunState, *, trainer_version: int, window: int) -> list[tuple[str, int]]:

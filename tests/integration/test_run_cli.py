@@ -120,6 +120,13 @@ BAD_INPUT = {
         ["--set", "staleness.window_versions=2", "--set", "staleness.buffer_groups=5"],
         ["staleness.buffer_groups"],
     ),
+    "unknown budget basis": (
+        ["--set", "staleness.budget_basis=per_sample"], ["staleness.budget_basis", "per_version"],
+    ),
+    "per-version buffer under one step": (
+        ["--set", "staleness.budget_basis=per_version", "--set", "staleness.buffer_groups=5"],
+        ["staleness.buffer_groups", "train.groups_per_step"],
+    ),
     "unreachable ray": (["--ray-address", "127.0.0.1:1"], ["127.0.0.1:1"]),
     "malformed redis url": (["--redis-url", "localhost:6379"], ["--redis-url", "not a Redis URL"]),
     "unknown task": (["--set", "task.name=sort"], ["task.name", "sort", "reverse"]),

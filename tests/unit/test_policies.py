@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -107,13 +109,12 @@ def test_admission_room_equals_that_many_single_admissions(log, window, limit, b
     assert room == singles
 
 
-def test_capacity_check_names_the_requirement():
-    policies.check_capacity(capacity=8, groups_per_step=4, window=1)
-    with pytest.raises(ValueError, match=r"groups_per_step \* \(window \+ 1\) = 8"):
-        policies.check_capacity(capacity=7, groups_per_step=4, window=1)
-    policies.check_capacity(capacity=4, groups_per_step=4, window=1, basis="per_version")
-    with pytest.raises(ValueError, match=r"capacity 3 < groups_per_step = 4$"):
-        policies.check_capacity(capacity=3, groups_per_step=4, window=1, basis="per_version")
+def test_the_smallest_buffer_depends_on_the_budget_basis():
+    """The live basis needs every step the window allows; the per-version budget restarts
+    at each publish, so one step's groups cannot deadlock it (``Config`` checks both)."""
+    assert policies.min_capacity(4, 1, "live") == policies.full_capacity(4, 1) == 8
+    assert policies.min_capacity(4, 2, "live") == 12
+    assert policies.min_capacity(4, 1, "per_version") == policies.min_capacity(4, 2, "per_version") == 4
 
 
 # -- the per-version budget (verl's run-ahead, staleness.budget_basis) ----------------
@@ -150,6 +151,37 @@ def test_steps_finished_behind_the_publish_count_until_theirs_lands():
     assert policies.consumed_since_publish(b.fold()) == 4
     assert policies.consumed_since_publish(b.publish(1).fold()) == 2
     assert policies.consumed_since_publish(b.publish(2).fold()) == 0
+
+
+@pytest.mark.parametrize("groups_per_step", [4, 16, 512])
+@pytest.mark.parametrize("threshold", [0.0, 0.1, 0.5, 1.0, 1.5, 2.0, 2.75])
+def test_a_window_of_ceil_threshold_leaves_the_budget_to_close_the_gate(groups_per_step, threshold):
+    """docs/scale.md's porting rule: with window = ceil(staleness_threshold) every group
+    verl's budget allows after a sync is admitted (the lag clause never binds first); a
+    window one smaller would refuse some of them once the threshold is over 1."""
+    g = groups_per_step
+    cap = int(g * (1 + threshold))  # verl's max_required_samples, in groups
+    window = math.ceil(threshold)
+
+    def admits_all(win: int) -> bool:
+        return all(policies.gate_open(live, 3, dispatch_version=3, window=win, groups_per_step=g,
+                                      capacity=cap, budgeted=live) for live in range(cap))
+
+    assert admits_all(window)
+    assert not policies.gate_open(cap, 3, dispatch_version=3, window=window, groups_per_step=g,
+                                  capacity=cap, budgeted=cap)
+    if threshold > 1:
+        assert not admits_all(window - 1)
+
+
+def test_failed_and_evicted_groups_leave_the_per_version_count_at_once():
+    """Where the count departs from verl's on purpose: verl's counter only grows between
+    syncs, so a sample it started would hold its room until the next one; a group that
+    failed or was evicted trains nothing here, so its room is free at once."""
+    b = LogBuilder(window=1, groups_per_step=2).start().admit("g1").group("g2").admit("g3")
+    assert policies.budget_count(b.fold(), "per_version") == 3
+    b.fail("g1").evict("g2", lag=2)
+    assert policies.budget_count(b.fold(), "per_version") == 1
 
 
 def test_the_per_version_count_is_verls_staleness_counter():

@@ -185,6 +185,28 @@ def test_a_pause_no_other_call_can_join_does_not_wait_for_the_linger():
     assert _episode_run_end(5.0, generators=2) > _episode_run_end(0.0, generators=2)
 
 
+def _partial_run_end(linger_s: float) -> float:
+    """Virtual time at the end of a short partial-rollout run of 4 generators whose groups
+    flush every 4 tokens (not only at refits: a call may end while another's flush waits)."""
+    cfg = load_config(None, [
+        "run.steps=3", "rollout.num_generators=4", "rollout.groups_per_call=1",
+        "train.groups_per_step=2", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.partial.segment_tokens=4", "rollout.samples_per_group=2",
+        f"rollout.partial.record_linger_s={linger_s}"])
+    store = MemoryEventStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="pr"))
+    assert Projector(store).get("pr").problem is None
+    return list(store.read("pr"))[-1].event.ts
+
+
+def test_a_call_that_ends_elsewhere_ends_the_linger_it_leaves_alone():
+    # A flush lingers for the other calls in flight; when one of them commits (or fails)
+    # instead of flushing, the calls left may all be waiting: nobody else can join. Here
+    # every linger ends that way or by a join within 5 s, so a 100x longer linger changes
+    # nothing; before, a flush left alone waited its linger out (204.3 s vs 222.4 s).
+    assert _partial_run_end(500.0) == _partial_run_end(5.0)
+
+
 def test_pauses_of_several_groups_share_one_append_within_the_linger():
     # group commit of flushes: with a linger the pauses of the 4 generators' groups that
     # come within it are recorded by one append (same virtual time), and the log still
@@ -232,5 +254,10 @@ def test_a_per_version_budget_is_what_the_real_controller_admits_by():
                     disagreements.append(position)
             return {cls: check for cls in trace.watches()}
 
-    assert Projector(store).get("sim", observers=[trace, Judge()]).problem is None
+    result = Projector(store).get("sim", observers=[trace, Judge()])
+    assert result.problem is None
     assert any(trace.gate_closed) and disagreements == []
+    # and the report says what its capacity counted
+    method = staleness.analyze(result.state, trace).gate_method
+    assert method.startswith("gate closed while live groups + groups trained since the last "
+                             "publish >= capacity or ")

@@ -138,3 +138,19 @@ def test_a_misspelt_what_if_lists_the_short_names_and_never_mentions_set():
     with pytest.raises(WhatIfError, match=r"staleness.window_versions is given twice \(1 and 2\)"):
         parse_scenario("window=1,staleness.window_versions=2")
     assert parse_scenario("window=1,window_versions=1") == {"staleness.window_versions": "1"}
+
+
+def test_a_per_version_budget_is_a_what_if_of_its_own():
+    """verl's budget below the live basis' capacity: refused alone, naming the rule;
+    accepted with ``budget_basis``, which ``basis`` (the window's) is not."""
+    from replay.settings import WhatIfError
+    from sim.whatif import parse_scenario, scenario_config
+
+    recorded = load_config(None, ["train.groups_per_step=8", "staleness.window_versions=1"])
+    with pytest.raises(WhatIfError, match=r"^--what-if staleness.buffer_groups=9: .* >= "
+                                          r"train.groups_per_step \* "):
+        scenario_config(recorded, parse_scenario("buffer=9"), 5)
+    cfg = scenario_config(recorded, parse_scenario("budget_basis=per_version,buffer=9"), 5)
+    assert (cfg.staleness.budget_basis, cfg.buffer_capacity) == ("per_version", 9)
+    with pytest.raises(WhatIfError, match="staleness.window_basis: Invalid enum value 'per_version'"):
+        scenario_config(recorded, parse_scenario("basis=per_version,buffer=9"), 5)

@@ -40,6 +40,7 @@ def test_per_step_lag_wait_and_crossing():
     assert (s1.lag_mean, s1.lag_max) == (0.5, 1)
     assert s1.lag_token_weighted == pytest.approx((1 * 20 + 0 * 60) / 80)
     assert s1.crossed_update == 1
+    assert report.gate_method.startswith("gate closed while live groups >= capacity or ")
     # waits: commit ts -> ts of the microbatch that trained the group (ts = position)
     state = b.fold()
     pos = {e.event.group_id: e.position for e in b.events if type(e.event).__name__ == "GroupCommitted"}
@@ -159,3 +160,40 @@ def test_the_lag_panel_has_each_token_at_its_own_version(tmp_path):
     assert data["token_lag_mean"][-1] == pytest.approx(16 / 10)
     assert data["max_partial_span"] == [0, 0, 2]
     assert write_plot(analyze(b), tmp_path / "s.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("basis", ["live", "per_version"])
+@pytest.mark.parametrize("seed", [0, 1, 3])  # runs with rewinds among the rest
+def test_the_gate_trace_is_the_gate_over_random_runs(seed, basis):
+    """Through failures, evictions, aborted steps, restarts and rewinds, the trace's
+    gate (its own count of claimed groups, the recorded basis) is the controller's gate
+    on the folded state after every event it samples."""
+    import msgspec
+
+    from controller.core import policies
+
+    # window 2: a step finished and not yet published leaves the lag clause room, so only
+    # the per-version budget (8 groups, 4 per step) closes the gate there
+    b = random_run(seed, 30, window=2, p_rewind=0.05, p_restart=0.05, p_abort=0.05)
+    first = b.events[0]
+    capacity = 8 if basis == "per_version" else 12
+    config = {**first.event.config,
+              "staleness": {"budget_basis": basis, "buffer_groups": capacity}}
+    b.events[0] = msgspec.structs.replace(first, event=msgspec.structs.replace(first.event, config=config))
+    trace, checked, disagreements = staleness.Trace(), [], []
+
+    class Judge:
+        def watches(self):
+            def check(event, position, state):
+                gate = policies.admission(
+                    state, dispatch_version=state.weight_version, window=state.window_versions,
+                    groups_per_step=state.groups_per_step, capacity=capacity, basis=basis)
+                checked.append(position)
+                if bool(trace.gate_closed[-1]) == gate.allowed:
+                    disagreements.append((position, type(event).__name__, gate.reason))
+            return {cls: check for cls in trace.watches()}
+
+    result = Projector(store_of(b)).get(b.run_id, observers=[trace, Judge()])
+    assert result.problem is None and result.state.rewinds
+    assert disagreements == [] and len(checked) == len(trace.gate_closed) > 100
+    assert any(trace.gate_closed)

@@ -187,7 +187,10 @@ def test_policy_change_changes_composition_not_group_set_size():
     ("microbatch=0", "train.groups_per_microbatch must be > 0"),
     ("speed=3", "key one of"),
     ("window", "key one of"),
-    ("generators=4", "key one of basis, groups_per_microbatch, microbatch, policy"),  # timing
+    # known keys this what-if cannot replay point to the one that can
+    ("generators=4", r"rollout.num_generators is not replayed .*`rl-controller simulate --run RUN "
+                     r"--what-if generators=4"),
+    ("budget_basis=per_version", r"staleness.budget_basis is not replayed .* simulate"),
 ])
 def test_bad_what_if_names_the_key(item, message):
     state = fold(LogBuilder(window=1, groups_per_step=4).start().events)

@@ -1,0 +1,37 @@
+"""bench/verl_ablation.py: verl's budget as they compute it, and a bad argument refused
+in one line (not a traceback, not a silent calibration)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "verl_ablation.py"
+_spec = importlib.util.spec_from_file_location("verl_ablation", _PATH)
+assert _spec and _spec.loader
+verl_ablation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(verl_ablation)
+
+
+def test_the_budget_is_verls_max_required_samples():
+    """int(128 x (1 + threshold) x 4), truncated as verl's int() does: the capacities
+    docs/scale.md's table lists."""
+    assert [verl_ablation.budget(t) for t in (0.0, 0.1, 0.3, 0.5)] == [512, 563, 665, 768]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "argument --steps: must be > 0 (got 0)"),
+    (["--median-s", "0", "--steps", "1"], "argument --median-s: must be > 0 (got 0)"),
+    (["--cap-s", "-5"], "argument --cap-s: must be > 0 (got -5)"),
+    (["--selection", "newest"], "argument --selection: invalid choice: 'newest'"),
+])
+def test_a_bad_argument_is_one_error_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        verl_ablation.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.split(": error: ", 1)[1].startswith(says), last
+    assert "Traceback" not in err
