@@ -15,21 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from events.embedded import stop_embedded_redis
 from tests.integration.test_run_cli import cli
 
 pytestmark = pytest.mark.integration
 
 RUN_ID = "calc-smoke"
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("rlc-calc")
-    try:
-        yield path
-    finally:
-        stop_embedded_redis(path)
 
 
 def test_three_calculator_steps_through_the_cli_then_audit(data_dir: Path):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from events.embedded import stop_embedded_redis
 from tests.integration.test_run_cli import cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,15 +35,6 @@ RUNS = {
         "aggregation=sequence", "kl_coef=0.05", "kl_input_clamp=5.0", "kl_output_clamp=1.0",
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("rlc-loss")
-    try:
-        yield path
-    finally:
-        stop_embedded_redis(path)
 
 
 @pytest.mark.parametrize("family", list(RUNS))

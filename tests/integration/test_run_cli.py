@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from events.embedded import stop_embedded_redis
 
 pytestmark = pytest.mark.integration
 
@@ -44,15 +43,6 @@ def cli(
     except subprocess.TimeoutExpired as err:  # a hang is a failure to report, with what it said
         said = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
         return subprocess.CompletedProcess(args, -9, "", f"{said}\n[no answer after {timeout_s:g} s]")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("rlc-data")
-    try:
-        yield path
-    finally:
-        stop_embedded_redis(path)
 
 
 @pytest.fixture(scope="module")
