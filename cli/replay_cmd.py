@@ -199,11 +199,14 @@ def _cmd_episode(args: argparse.Namespace) -> int:
 
     from events import schema as ev
     from replay.episode import EpisodeNotFound, episode_view, fill_ids, render_episode
+    from views import source
 
     group, sample = _parse_episode(args.episode)
     with open_store(args) as store:
         require_run(store, args.run)
-        events = [e.event for e in store.read(args.run)]
+        # read page by page, only this group's events kept: a long log is never held whole
+        events = [e for _, e in source.events(store, args.run)
+                  if getattr(e, "group_id", None) == group]
     try:
         view = episode_view(args.run, events, group, sample)
     except EpisodeNotFound as err:
