@@ -216,7 +216,7 @@ def _cmd_episode(args: argparse.Namespace) -> int:
         from workers.dataplane import MemoryDataPlane, SpillDataPlane
 
         plane = SpillDataPlane(MemoryDataPlane(), spill)
-        plane.reload(args.run)
+        plane.reload(args.run, tidy=False)  # read-only: the run may be live
         keys = [e.payload_keys[sample] for e in events
                 if isinstance(e, ev.GroupCommitted) and e.group_id == group]
         fill_ids(view, plane, keys[-1] if keys else None)

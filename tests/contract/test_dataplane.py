@@ -283,6 +283,21 @@ def test_spill_reload_tidies_what_a_crash_left(tmp_path):
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [f"{stamp}.8"]
 
 
+def test_a_reader_beside_a_live_run_deletes_nothing(tmp_path):
+    """``reload(tidy=False)`` (``replay --episode``): a temporary directory may be a put
+    being written by the live run, and a superseded generation is its writer's to drop."""
+    plane = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    plane.put("p", ["a"], [{"x": torch.tensor(1)}])
+    (put,) = (tmp_path / "p").iterdir()
+    shutil.copytree(put, tmp_path / "p" / f"{put.name.rsplit('.', 1)[0]}.1")
+    (tmp_path / "p" / ".tmp-being-written").mkdir()
+    before = sorted(p.name for p in (tmp_path / "p").iterdir())
+    reader = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    assert reader.reload("p", tidy=False) == 1
+    assert reader.get("p", ["a"])[0]["x"].item() == 1
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == before
+
+
 def test_spill_refuses_the_old_safetensors_format(tmp_path):
     (tmp_path / "run-1").mkdir()
     (tmp_path / "run-1" / "run-1%2Fg0%2Fa0%2Fs0.safetensors").write_bytes(b"old")

@@ -135,10 +135,12 @@ class SpillDataPlane:
             if p.is_dir() and not p.name.startswith(_TMP_PREFIX)
         )
 
-    def reload(self, partition: str | None = None) -> int:
+    def reload(self, partition: str | None = None, *, tidy: bool = True) -> int:
         """Put every spilled row (of ``partition``, or all) back into the inner plane.
 
-        Returns the number of distinct keys reloaded.
+        Returns the number of distinct keys reloaded. ``tidy``: also delete what a crash
+        left behind (see ``_put_dirs``); a reader beside a live run must not, since a
+        temporary directory may be a put being written right now.
         """
         parts = self.spilled_partitions() if partition is None else [partition]
         count = 0
@@ -148,7 +150,7 @@ class SpillDataPlane:
                 continue
             _refuse_legacy(folder)
             seen: set[str] = set()
-            for path in _put_dirs(folder, tidy=True):
+            for path in _put_dirs(folder, tidy=tidy):
                 td = TensorDict.load_memmap(path)
                 keys = json.loads(td.get_non_tensor(_KEYS))
                 tags = json.loads(td.get_non_tensor(_TAGS))
