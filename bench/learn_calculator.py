@@ -22,17 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import learn_episodes  # noqa: E402  (a sibling script, not a package)
+from learning_curve import moving_mean  # noqa: E402
 
 VARIANTS = ("calculator", "calculator-notool")
 LEVELS = (0.5, 0.8, 0.9)
-
-
-def moving_mean(values: list[float], window: int) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        part = values[max(0, i - window + 1):i + 1]
-        out.append(sum(part) / len(part))
-    return out
 
 
 def summary(rows: list[dict], window: int) -> dict[str, object]:

@@ -84,9 +84,9 @@ def with_run_defaults(args: argparse.Namespace) -> None:
     model, sampling = tables.get("model", {}), tables.get("sampling", {})
     loss = tables.get("train", {}).get("loss", {})
     for attr, value in (("alphabet", model.get("alphabet")),
-                        ("context_len", model.get("context_len", 32)),
-                        ("max_new_tokens", sampling.get("max_new_tokens", 6)),
-                        ("entropy_coef", loss.get("entropy_coef", 0.0))):
+                        ("context_len", model.get("context_len", ModelSection().context_len)),
+                        ("max_new_tokens", sampling.get("max_new_tokens", SamplingSection().max_new_tokens)),
+                        ("entropy_coef", loss.get("entropy_coef", LossOptions().entropy_coef))):
         if getattr(args, attr) is None:
             setattr(args, attr, value)
 

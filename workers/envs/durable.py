@@ -223,7 +223,7 @@ class DurableTurnRecorder:
             self.counts["generated"] += 1
             if self.on_generated is not None:
                 self.on_generated(key, len(turn.tokens))
-            for t, (tok, lp, v) in enumerate(zip(turn.tokens, turn.logprobs, turn.token_versions())):
+            for tok, lp, v in zip(turn.tokens, turn.logprobs, turn.token_versions()):
                 ids, lps = by_version.setdefault(v, {}).setdefault((key.sample, key.turn), ([], []))
                 ids.append(tok)
                 lps.append(lp)

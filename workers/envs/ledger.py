@@ -62,9 +62,10 @@ class LedgerEnv:
     def step(self, action: Action, key: StepKey) -> EnvStep:
         name = str(key)
         done = key.turn >= self.turns
-        result = dict(read_ledger(self.path)).get(name) if self.dedupes_by_key else None
+        lines = read_ledger(self.path)
+        result = dict(lines).get(name) if self.dedupes_by_key else None
         if result is None:  # the side effect: one line, appended in one write
-            result = str(len(read_ledger(self.path)) % 1000)
+            result = str(len(lines) % 1000)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, f"{name}\t{result}\n".encode())
