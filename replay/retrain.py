@@ -104,7 +104,7 @@ def _spill_plane(run_dir: Path, run_id: str):
             "(dataplane.spill = true)"
         )
     plane = SpillDataPlane(MemoryDataPlane(), spill)
-    plane.reload(run_id)
+    plane.reload(run_id, tidy=False)  # a replay only reads: the run may be live
     return plane
 
 
