@@ -18,6 +18,16 @@ from workers.dataplane import MemoryDataPlane, SpillDataPlane
 RUN = "r1"
 
 
+def _logged(redis_url: str):
+    """The ``_log`` run (a two-turn group ``g1``) appended to the real server."""
+    b, store = _log(), RedisEventStore(redis_url)
+    try:
+        store.append(RUN, _events(b), expected_position=0, epoch=store.claim_epoch(RUN))
+    finally:
+        store.close()
+    return b
+
+
 def _spill(data_dir: Path) -> Path:
     """Sample 0's committed row and sample 1's segment row of ``g1`` (the ``_log`` group),
     among the rows of 20 other groups."""
@@ -36,12 +46,7 @@ def _spill(data_dir: Path) -> Path:
 
 @pytest.mark.parametrize("sample, ids", [(0, "[103, 104, 105, 106]"), (1, "[200, 201, 202, 203, 204]")])
 def test_replay_episode_prints_what_the_whole_reload_printed(redis_url, tmp_path, capsys, sample, ids):
-    b = _log()
-    store = RedisEventStore(redis_url)
-    try:
-        store.append(RUN, _events(b), expected_position=0, epoch=store.claim_epoch(RUN))
-    finally:
-        store.close()
+    b = _logged(redis_url)
     spill = _spill(tmp_path)
     # the output before the keyed read: every spilled row of the run reloaded into a plane
     whole = SpillDataPlane(MemoryDataPlane(), spill)
@@ -54,3 +59,16 @@ def test_replay_episode_prints_what_the_whole_reload_printed(redis_url, tmp_path
     assert rc == 0
     assert out == "\n".join(render_episode(view)) + "\n"
     assert ids in out
+
+
+def test_a_spill_of_an_earlier_release_is_one_line_not_a_traceback(redis_url, tmp_path, capsys):
+    _logged(redis_url)
+    old = tmp_path / "runs" / RUN / "spill" / RUN
+    old.mkdir(parents=True)
+    (old / "g1%2Fa1%2F0.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", "--run", RUN, "--episode", "g1/0", "--redis-url", redis_url,
+              "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "safetensors format of an earlier release" in err

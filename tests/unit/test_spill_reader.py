@@ -122,3 +122,17 @@ def test_the_keyed_read_reads_what_a_reload_would(tmp_path):
     assert reader.get(RUN, g0[:1], ["prompt_len"])[0]["prompt_len"].item() == 9
     with pytest.raises(MissingPayloadError):
         reader.get(RUN, [g0[3]])
+
+
+def test_a_put_cleared_after_the_listing_is_read_from_its_next_generation(tmp_path):
+    """The live run clears some rows of a put the reader has listed: the rest are now the
+    put's next generation, which the reader finds by listing again."""
+    plane = _spill(tmp_path, groups=2)
+    keys = [f"{RUN}/g000001/a1/s{i}" for i in range(4)]
+    reader = SpillReader(tmp_path)
+    assert reader.get(RUN, keys[:1], ["prompt_len"])[0]["prompt_len"].item() == 2
+    plane.clear(RUN, keys[:2])
+    rows = reader.get(RUN, keys[2:], ["prompt_len"])
+    assert [r["prompt_len"].item() for r in rows] == [4, 5]
+    with pytest.raises(MissingPayloadError, match="missing keys"):
+        reader.get(RUN, keys[:1])

@@ -190,7 +190,9 @@ class SpillReader:
 
     ``get`` is the data plane's read (same rows, same :class:`MissingPayloadError`), so a
     reader that wants one episode's rows (``replay --episode``) need not reload a run.
-    The partition's directory is listed once per reader: one command's view of the spill.
+    The partition's directory is listed once per reader (one command's view of the spill)
+    and again when a listed put has gone since: the live run cleared some of its rows,
+    which left the rest as the put's next generation.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -200,6 +202,28 @@ class SpillReader:
     def get(
         self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
     ) -> list[Row]:
+        try:
+            rows = self._rows(partition, keys, fields)
+        except FileNotFoundError:  # a put listed before was cleared since: list again
+            self._puts.pop(partition, None)
+            try:
+                rows = self._rows(partition, keys, fields)
+            except FileNotFoundError as err:
+                raise DataPlaneError(
+                    f"spill partition {partition!r} changed twice while it was read "
+                    f"({err.filename} went): the run is clearing rows; read again") from None
+        missing = [k for k in keys if k not in rows]
+        if missing:
+            raise MissingPayloadError(partition, keys=missing)
+        lacking = sorted({f for k in keys for f in fields or () if f not in rows[k]})
+        if lacking:
+            raise MissingPayloadError(partition, fields=lacking)
+        return [dict(rows[k]) for k in keys]
+
+    def _rows(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None
+    ) -> dict[str, Row]:
+        """The asked keys' rows found in their groups' puts (a later put's fields win)."""
         rows: dict[str, Row] = {}
         wanted, marks = set(keys), {_group_mark(k) for k in keys}
         for path in self._puts_of(partition):
@@ -214,15 +238,9 @@ class SpillReader:
             if fields is not None:  # only the asked fields' pages are read
                 td = td.select(*(f for f in fields if f in td.keys()))
             for key, row in zip(put_keys, rows_of(td)):
-                if key in wanted:  # a later put replaces the fields it gives (as ``put``)
+                if key in wanted:  # as ``put``: a later put replaces the fields it gives
                     rows.setdefault(key, {}).update({n: t.clone() for n, t in row.items()})
-        missing = [k for k in keys if k not in rows]
-        if missing:
-            raise MissingPayloadError(partition, keys=missing)
-        lacking = sorted({f for k in keys for f in fields or () if f not in rows[k]})
-        if lacking:
-            raise MissingPayloadError(partition, fields=lacking)
-        return [dict(rows[k]) for k in keys]
+        return rows
 
     def _puts_of(self, partition: str) -> list[Path]:
         if partition not in self._puts:
