@@ -136,3 +136,18 @@ def test_a_put_cleared_after_the_listing_is_read_from_its_next_generation(tmp_pa
     assert [r["prompt_len"].item() for r in rows] == [4, 5]
     with pytest.raises(MissingPayloadError, match="missing keys"):
         reader.get(RUN, keys[:1])
+
+
+def test_one_reader_opens_a_put_that_holds_none_of_the_keys_once(tmp_path):
+    """``replay --episode`` reads a piece at a time: a put of the group already seen to
+    hold none of the keys is not opened again."""
+    _spill(tmp_path, groups=3)
+    reader = SpillReader(tmp_path)
+    counts = []
+    for k in range(2):
+        for i in range(4):
+            rows, opened = _puts_opened(lambda: reader.get(RUN, [f"{RUN}/g000002/a1/s{i}/k{k}"]))
+            assert rows[0]["tokens"].tolist() == [2] * (2 + k)
+            counts.append(len(opened))
+    # the first read learns the keys of the group's three puts; then only the holder
+    assert counts == [3, 1, 1, 1, 1, 1, 1, 1]

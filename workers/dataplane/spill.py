@@ -198,6 +198,9 @@ class SpillReader:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self._puts: dict[str, list[Path]] = {}
+        #: keys of each put opened (immutable once renamed in): a put of the group that
+        #: holds none of a later read's keys is not opened again (an episode's pieces)
+        self._keys_of: dict[Path, list[str]] = {}
 
     def get(
         self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
@@ -230,8 +233,10 @@ class SpillReader:
             mark = _mark_of(path)
             if mark is not None and mark not in marks:
                 continue  # another group's put: never opened
+            if wanted.isdisjoint(self._keys_of.get(path, wanted)):
+                continue
             td = TensorDict.load_memmap(path)
-            put_keys = json.loads(td.get_non_tensor(_KEYS))
+            put_keys = self._keys_of[path] = json.loads(td.get_non_tensor(_KEYS))
             if wanted.isdisjoint(put_keys):
                 continue
             td = td.exclude(_KEYS, _TAGS)
