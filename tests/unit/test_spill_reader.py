@@ -122,6 +122,9 @@ def test_the_keyed_read_reads_what_a_reload_would(tmp_path):
         assert sorted(got) == sorted(want), key
         assert all(torch.equal(got[n], want[n]) for n in want), key
     assert reader.get(RUN, g0[:1], ["prompt_len"])[0]["prompt_len"].item() == 9
+    plane.put(RUN, g0[:1], {"late": [torch.tensor(1)]})  # a field first given by a later put
+    row = SpillReader(tmp_path).get(RUN, g0[:1], ["late", "input_ids", "prompt_len"])[0]
+    assert list(row) == ["late", "input_ids", "prompt_len"] == list(plane.get(RUN, g0[:1], list(row))[0])
     with pytest.raises(MissingPayloadError):
         reader.get(RUN, [g0[3]])
 
