@@ -96,11 +96,14 @@ class _TailPrinter:
         self.finished = False
 
     def emit(self, position: int, event: Any) -> None:
+        from controller.core.turns import parts
+
         self.finished = type(event).__name__ == "RunFinished"
-        if self.as_json:
-            render.write_json(render.event_json(position, event))
-        else:
-            sys.stdout.write(render.event_line(position, event) + "\n")
+        for part in parts(event):  # a pause shows as the events it stands for
+            if self.as_json:
+                render.write_json(render.event_json(position, part))
+            else:
+                sys.stdout.write(render.event_line(position, part) + "\n")
 
     def bad(self, position: int, reason: str) -> None:
         self.malformed += 1

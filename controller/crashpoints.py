@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Final
 
 from controller.core.state import RunState
+from controller.core.turns import expanded
 from events import schema as ev
 
 ENV_VAR: Final = "RLC_CRASH_AT"
@@ -171,7 +172,10 @@ def after_append(events: Sequence[ev.Event], state: RunState, epoch: int, batch:
         raise ValueError(f"{batch!r} is not a batch point; known: {', '.join(BATCH_POINTS)}")
     if not _armed:
         return
-    for event in events:
+    # A pause's one append reaches the points of every event it stands for, in order
+    # (model turn recorded, intent recorded, results recorded): one append, one crash
+    # window, where the separate events had one each.
+    for event in expanded(events):
         point = AFTER_APPEND.get(type(event))
         if point is not None:
             crash_point(point[0], point[1](event, state))

@@ -2,10 +2,10 @@
 
 An episode group's generator call returns at every record point with an
 ``EpisodeFlush``; the admission side appends it (:func:`flush_events`, through
-``controller.partial.PartialRecorder``) before the call that lets the group go on:
-results first, then the segments (observations, or model turns), then the intent of the
-calls about to be made -- so in the log every call's intent follows the model turn it
-answers and precedes its result. A re-admitted group's first call carries what its
+``controller.partial.PartialRecorder``) before the call that lets the group go on, as
+ONE event (``EpisodeTurnsRecorded``) standing for the results, then the segments
+(observations, or model turns), then the intent of the calls about to be made -- so in
+the log every call's intent follows the model turn it answers and precedes its result. A re-admitted group's first call carries what its
 earlier attempts recorded (:func:`episode_resume`); before that admission the core may
 decide to restart episodes whose env cannot deduplicate (``decisions.episodes_restarted``).
 """
@@ -32,27 +32,24 @@ def env_index(state: RunState, group_id: str) -> int:
 
 
 def flush_events(journal: Journal, req: GenerationRequest, flush: EpisodeFlush) -> list[ev.Event]:
-    """The events recording one pause of ``req``'s group, in append order."""
+    """The events recording one pause of ``req``'s group: one ``EpisodeTurnsRecorded``
+    standing for its results, segments and intent (``controller.core.turns``), or the
+    pause's one event itself when it has a single part (a flush of model tokens only)."""
     state, gid, attempt = journal.state, req.group_id, req.attempt
     seg, env = segment_index(state, gid), env_index(state, gid)
-    out: list[ev.Event] = []
-    if flush.completed:
-        out.append(journal.make(
-            ev.EnvStepsCompleted, event_id=ev.env_steps_event_id(gid, "completed", attempt, env),
-            group_id=gid, attempt=attempt, index=env, results=list(flush.completed)))
-        env += 1
-    for f in flush.segments:
-        out.append(journal.make(
+    if flush.events == 1 and flush.segments:
+        f = flush.segments[0]
+        return [journal.make(
             ev.SegmentsRecorded, event_id=ev.segments_event_id(gid, attempt, seg), group_id=gid,
             attempt=attempt, index=seg, kind=f.kind, weight_version=f.weight_version,
-            segments=list(f.segments)))
-        seg += 1
-    if flush.requested:
-        out.append(journal.make(
-            ev.EnvStepsRequested, event_id=ev.env_steps_event_id(gid, "requested", attempt, env),
-            group_id=gid, attempt=attempt, index=env, env=flush.env,
-            dedupes_by_key=flush.dedupes_by_key, calls=list(flush.requested)))
-    return out
+            segments=list(f.segments))]
+    if flush.events == 0:
+        return []
+    return [journal.make(
+        ev.EpisodeTurnsRecorded, event_id=ev.episode_turns_event_id(gid, attempt, seg, env),
+        group_id=gid, attempt=attempt, segment_index=seg, env_index=env,
+        results=list(flush.completed), flushes=list(flush.segments), env=flush.env,
+        dedupes_by_key=flush.dedupes_by_key, calls=list(flush.requested))]
 
 
 def episode_resume(state: RunState, group_id: str) -> EpisodeResume | None:

@@ -34,7 +34,8 @@ E = TypeVar("E", bound=ev.Event)
 #: episode appends, ~5 times per group with a large fleet. Their appends do not wake
 #: the pumps (each wake-up is a task step and a timeout per pump); anything else in a
 #: batch, a commit riding with a pause included, does.
-_QUIET = frozenset({ev.SegmentsRecorded, ev.EnvStepsRequested, ev.EnvStepsCompleted})
+_QUIET = frozenset({ev.SegmentsRecorded, ev.EnvStepsRequested, ev.EnvStepsCompleted,
+                    ev.EpisodeTurnsRecorded})
 
 
 @dataclass

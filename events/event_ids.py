@@ -35,6 +35,12 @@ def env_steps_event_id(group_id: str, what: str, attempt: int, index: int) -> st
     return f"group:{group_id}:env:{what}:a{attempt}:k{index}"
 
 
+def episode_turns_event_id(group_id: str, attempt: int, segment_index: int, env_index: int) -> str:
+    # one pause: the first of its segment and env indices name it, as they name the
+    # events it stands for
+    return f"group:{group_id}:turns:a{attempt}:k{segment_index}:e{env_index}"
+
+
 def episodes_restarted_id(group_id: str, attempt: int) -> str:
     # at most one per failed attempt: it is decided once, before the next admission
     return f"group:{group_id}:restarted:a{attempt}"

@@ -30,6 +30,7 @@ from events.values import (  # noqa: F401
     GroupId,
     Position,
     Segment,
+    SegmentFlush,
     SegmentKind,
     TrainerVersion,
     WeightVersion,
@@ -44,6 +45,7 @@ from events.event_ids import (  # noqa: F401
     segments_event_id,
     segments_dropped_id,
     env_steps_event_id,
+    episode_turns_event_id,
     episodes_restarted_id,
     step_event_id,
     microbatch_event_id,
@@ -179,6 +181,29 @@ class EnvStepsCompleted(Event, frozen=True):
     #: shares the sequence of ``EnvStepsRequested.index``
     index: int
     results: list[EnvResult]
+
+
+class EpisodeTurnsRecorded(Event, frozen=True):
+    """Fact: one pause of a group's episodes, in one append -- the events it stands for
+    are, in this order, ``EnvStepsCompleted`` (``results``), one ``SegmentsRecorded``
+    per entry of ``flushes`` (observations, then model turns), ``EnvStepsRequested``
+    (``calls``: their intent is durable before any of them runs). Every reader sees
+    those events, never this one (``controller.core.turns.expand``); one append instead
+    of up to four is what a pause costs the controller (``docs/agents.md``, "Cost")."""
+
+    group_id: GroupId
+    attempt: int
+    #: the ``SegmentsRecorded.index`` of the first flush (the others follow it)
+    segment_index: int
+    #: the env event index of the results (or of the calls, when there are no results);
+    #: the calls take the next one after the results
+    env_index: int
+    results: list[EnvResult]
+    flushes: list[SegmentFlush]
+    #: the task that made the environment, and its declaration (``EnvStepsRequested``)
+    env: str
+    dedupes_by_key: bool
+    calls: list[EnvCall]
 
 
 class EpisodesRestarted(Event, frozen=True):
@@ -322,6 +347,7 @@ AnyEvent = Union[
     SegmentsDropped,
     EnvStepsRequested,
     EnvStepsCompleted,
+    EpisodeTurnsRecorded,
     EpisodesRestarted,
     GroupFailed,
     GroupEvicted,

@@ -79,3 +79,15 @@ class EnvResult(msgspec.Struct, frozen=True, kw_only=True):
     #: the environment's details (short JSON values: why a call was refused, ...)
     info: dict[str, Any] = {}
     restart: int = 0
+
+
+class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):
+    """One durable flush of one group: its rows are in the data plane; the controller
+    records it as a ``SegmentsRecorded`` event, or as one of the flushes an
+    ``EpisodeTurnsRecorded`` carries (``docs/segments.md``). Generators hand it over as is."""
+
+    kind: SegmentKind = "model"
+    #: the version that sampled every token of it (None for observation tokens)
+    weight_version: int | None
+    #: one per sample with new tokens
+    segments: list[Segment]

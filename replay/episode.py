@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from controller.core.turns import expanded
 from events import schema as ev
 from workers.dataplane.api import MissingPayloadError
 
@@ -78,7 +79,7 @@ class EpisodeNotFound(ValueError):
 def episode_view(run_id: str, events: Iterable[ev.Event], group_id: str, sample: int) -> EpisodeView:
     """The episode (``group_id``, ``sample``) folded from the run's events."""
     view, n_samples, episodic = EpisodeView(run_id, group_id, sample), 0, False
-    for e in events:
+    for e in expanded(events):
         if getattr(e, "group_id", None) != group_id:
             continue
         if isinstance(e, ev.RolloutAdmitted):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from controller.core.fold import Observer
+from controller.core.turns import expanded_at
 from controller.projector import Projection, Projector, iter_pages
 from events.codec import decode
 from events.schema import AnyEvent
@@ -20,10 +21,10 @@ def events(
     store: EventStore, run_id: str, start: int = 1, end: int | None = None
 ) -> Iterator[tuple[int, AnyEvent]]:
     """Decoded (position, event) pairs, read ahead page by page (bounded memory); a
-    malformed entry raises ``EventDecodeError`` naming its position."""
+    malformed entry raises ``EventDecodeError`` naming its position. A pause
+    (``EpisodeTurnsRecorded``) comes as the events it stands for, at its position."""
     for page in iter_pages(store, run_id, start, end):
-        for position, data in page:
-            yield position, decode(data, position)
+        yield from expanded_at((position, decode(data, position)) for position, data in page)
 
 
 def fold(store: EventStore, run_id: str, *, observers: Iterable[Observer] = (),

@@ -17,7 +17,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from events.schema import EnvCall, EnvResult, Segment, SegmentKind
+# SegmentFlush is defined with the event that carries it; generators import it from here.
+from events.schema import EnvCall, EnvResult, Segment, SegmentFlush, SegmentKind  # noqa: F401
 from workers.fencing import EpochToken
 
 
@@ -45,24 +46,13 @@ def error_line(err: BaseException, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):
-    """One durable flush of one group: its rows are in the data plane; the controller
-    records it as a ``SegmentsRecorded`` event (``docs/segments.md``)."""
-
-    kind: SegmentKind = "model"
-    #: the version that sampled every token of it (None for observation tokens)
-    weight_version: int | None
-    #: one per sample with new tokens
-    segments: list[Segment]
-
-
 class EpisodeFlush(msgspec.Struct, frozen=True, kw_only=True):
     """An episode group's pause point (``workers.envs.durable``): what became durable
-    (rows in the data plane) since its last one. The controller records it in one
-    append, in this order: ``completed`` (``EnvStepsCompleted``), one
-    ``SegmentsRecorded`` per entry of ``segments`` (the observations that follow those
-    results, or model turns), ``requested`` (``EnvStepsRequested``: calls about to be
-    made, which wait for this append)."""
+    (rows in the data plane) since its last one. The controller records it as one
+    ``EpisodeTurnsRecorded`` standing for, in this order: ``completed``
+    (``EnvStepsCompleted``), one ``SegmentsRecorded`` per entry of ``segments`` (the
+    observations that follow those results, or model turns), ``requested``
+    (``EnvStepsRequested``: calls about to be made, which wait for this append)."""
 
     #: the task that made the environment, and its declaration
     env: str
@@ -73,7 +63,8 @@ class EpisodeFlush(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def events(self) -> int:
-        """Events the controller appends for it (what ``GenerationRequest.flushes`` counts)."""
+        """Events it stands for in the log (what ``GenerationRequest.flushes`` counts; the
+        controller appends them as one ``EpisodeTurnsRecorded`` when there are several)."""
         return bool(self.completed) + len(self.segments) + bool(self.requested)
 
 

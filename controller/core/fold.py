@@ -13,7 +13,9 @@ its handler -- and advance the state they are given **in place** (pass
 ``state.copy()`` to keep the original).
 
 Observers watch a fold without being part of it (:class:`Observer`): each names the event
-types it wants and gets a callback right after each of them is applied. Staleness
+types it wants and gets a callback right after each of them is applied. An episode
+pause (``EpisodeTurnsRecorded``) reaches them as the events it stands for, each right
+after it is applied, all at the pause's position (``controller.core.turns``). Staleness
 traces, the simulator's timeline and the what-if are observers of the one fold.
 
 Pure: no I/O, no clock, no randomness.
@@ -27,10 +29,10 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from controller.core.reducer import apply_event
+from controller.core.reducer import apply_event, apply_parts
 from controller.core.state import RunState, initial_state
 from events.codec import decode
-from events.schema import CURRENT_SCHEMA_VERSION, AnyEvent, StoredEvent
+from events.schema import CURRENT_SCHEMA_VERSION, AnyEvent, EpisodeTurnsRecorded, StoredEvent
 
 # The codec's fast path, inlined into the loop below to save a call per entry. Anything
 # it does not accept as-is (errors, older schema versions) goes through
@@ -127,9 +129,26 @@ def _apply_raw(
             event = decode(data, position)  # raises EventDecodeError, or upcasts
         if event.schema_version != CURRENT_SCHEMA_VERSION:
             event = decode(data, position)
+        if watch is not None and type(event) is EpisodeTurnsRecorded:
+            _apply_watched_parts(state, event, position, watch)
+            continue
         apply(state, event, position)
         if watch is not None:
             observe = watch(type(event))
             if observe is not None:
                 observe(event, position, state)
     return event
+
+
+def _apply_watched_parts(
+    state: RunState, event: EpisodeTurnsRecorded, position: int,
+    watch: Callable[[type], Callback | None],
+) -> None:
+    # Observers see a pause's parts, each right after it is applied, as they saw the
+    # separate events of an older log (``controller.core.turns``).
+    def after(part: AnyEvent) -> None:
+        observe = watch(type(part))
+        if observe is not None:
+            observe(part, position, state)
+
+    apply_parts(state, event, position, after)

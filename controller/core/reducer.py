@@ -53,6 +53,7 @@ from controller.core.reducer_steps import (
     _on_step_begun,
     _on_step_finished,
 )
+from controller.core.turns import expand
 from controller.core.state import (
     CheckpointRecord,
     CheckpointRejection,
@@ -70,6 +71,7 @@ from events.schema import (
     ControllerStarted,
     EnvStepsCompleted,
     EnvStepsRequested,
+    EpisodeTurnsRecorded,
     EpisodesRestarted,
     GroupCommitted,
     GroupEvicted,
@@ -311,6 +313,25 @@ def _on_run_rewound(state: RunState, ev: RunRewound, pos: int) -> None:
     state.weight_version = min(state.weight_version, to)
 
 
+def _on_episode_turns_recorded(state: RunState, ev: EpisodeTurnsRecorded, pos: int) -> None:
+    # A pause is the events it stands for, each checked and applied in turn at the
+    # pause's one position: the order rules of episodes hold on them unchanged.
+    for part in expand(ev):
+        HANDLERS[type(part)](state, part, pos)
+
+
+def apply_parts(state: RunState, ev: EpisodeTurnsRecorded, position: int,
+                after: Callable[[AnyEvent], None]) -> None:
+    """Apply a pause at ``position`` part by part, calling ``after(part)`` once each is
+    applied (what the fold's observers need: the state between the parts)."""
+    for i, part in enumerate(expand(ev)):
+        if i == 0:
+            apply_event(state, part, position)  # the position and epoch rules, once
+        else:
+            HANDLERS[type(part)](state, part, position)
+        after(part)
+
+
 #: Exact event type -> handler: the reducer's ``match`` over the event union, as one dict
 #: lookup per event instead of a chain of up to 17 isinstance tests. ``apply_event`` is
 #: ``check_preamble`` (when the one combined test fails) + ``HANDLERS[type(event)]`` +
@@ -324,6 +345,7 @@ HANDLERS: dict[type, _Handler] = {
     SegmentsDropped: _on_segments_dropped,
     EnvStepsRequested: _on_env_steps_requested,
     EnvStepsCompleted: _on_env_steps_completed,
+    EpisodeTurnsRecorded: _on_episode_turns_recorded,
     EpisodesRestarted: _on_episodes_restarted,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,

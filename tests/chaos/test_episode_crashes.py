@@ -59,11 +59,13 @@ def ledger(chaos: Chaos, tmp_path: Path) -> Chaos:
 
 
 def _events(chaos: Chaos, run_id: str = "r") -> list[ev.Event]:
+    """The run's log as readers see it: a pause as the events it stands for."""
+    from controller.core.turns import expanded
     from events.redis_store import RedisEventStore
 
     store = RedisEventStore(chaos.redis_url)
     try:
-        return [e.event for e in store.read(run_id)]
+        return list(expanded(e.event for e in store.read(run_id)))
     finally:
         store.close()
 

@@ -31,6 +31,7 @@ from events.schema import (
     EnvResult,
     EnvStepsCompleted,
     EnvStepsRequested,
+    EpisodeTurnsRecorded,
     EpisodesRestarted,
     Event,
     GroupCommitted,
@@ -44,6 +45,7 @@ from events.schema import (
     RunStarted,
     RunStopped,
     Segment,
+    SegmentFlush,
     SegmentsDropped,
     SegmentsRecorded,
     StepAborted,
@@ -170,6 +172,20 @@ GOLDEN: dict[str, Event] = {
         event_id="group:g0042:restarted:a2", epoch=1, ts=_TS + 20, schema_version=1,
         group_id="g0042", attempt=2, samples=[1, 3],
         reason="turn 2 of env 'ledger' has no result and the env cannot deduplicate",
+    ),
+    "EpisodeTurnsRecorded": EpisodeTurnsRecorded(
+        event_id="group:g0042:turns:a2:k3:e2", epoch=1, ts=_TS + 21, schema_version=1,
+        group_id="g0042", attempt=2, segment_index=3, env_index=2,
+        results=[EnvResult(sample=0, turn=2, reward=0.25, ended=False, end_reason="",
+                           observation_tokens=4, info={"tool": "calculator"}, restart=0)],
+        flushes=[
+            SegmentFlush(kind="observation", weight_version=None, segments=[
+                Segment(sample=0, start=80, length=4, key="r/g0042/a2/s0/k3", turn=2, stopped=False)]),
+            SegmentFlush(kind="model", weight_version=5, segments=[
+                Segment(sample=0, start=84, length=16, key="r/g0042/a2/s0/k4", turn=3, stopped=True)]),
+        ],
+        env="calculator", dedupes_by_key=True,
+        calls=[EnvCall(sample=0, turn=3, request="9a8b7c6d5e4f3021", restart=0)],
     ),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from controller.core.turns import expanded
 from controller.retraining import microbatch_ref
 from events import schema as ev
 from tests.unit.test_loop_inprocess import Harness, make_config
@@ -98,9 +99,14 @@ def test_a_deduplicating_envs_results_ride_with_the_next_turns_intent(tmp_path):
     h.check_log()
     for commit in h.events(ev.GroupCommitted):
         gid = commit.group_id
-        pauses = [[e for e in b if isinstance(e, (ev.EnvStepsRequested, ev.EnvStepsCompleted))
+        pauses = [[e for e in expanded(b) if isinstance(e, (ev.EnvStepsRequested, ev.EnvStepsCompleted))
                    and e.group_id == gid] for b in batches]
         pauses = [p for p in pauses if p]
+        # each pause is ONE appended event, whatever it stands for
+        appended = [[type(e) for e in b if getattr(e, "group_id", None) == gid
+                     and not isinstance(e, (ev.RolloutAdmitted, ev.GroupCommitted))] for b in batches]
+        assert all(len(a) <= 1 for a in appended), appended
+        assert sum(a == [ev.EpisodeTurnsRecorded] for a in appended) == len(pauses)
         kinds = [[type(e).__name__ for e in p] for p in pauses]
         assert kinds[0] == ["EnvStepsRequested"] and kinds[-1] == ["EnvStepsCompleted"], kinds
         assert all(k == ["EnvStepsCompleted", "EnvStepsRequested"] for k in kinds[1:-1]), kinds

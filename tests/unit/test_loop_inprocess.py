@@ -19,6 +19,7 @@ import pytest
 
 from controller.config import Config, config_to_dict, load_config
 from cli.run_cmd import checkpoint_dir
+from controller.core.turns import expanded
 from controller.journal import Journal
 from controller.loop import Controller, StallError, StepRetriesExhausted
 from controller.log_writer import LogWriter
@@ -175,7 +176,8 @@ class Harness:
             self.workers.close()
 
     def events(self, kind: type | None = None) -> list[Any]:
-        out = [e.event for e in self.store.read(RUN)]
+        """The log as readers see it: a pause as the events it stands for."""
+        out = list(expanded(e.event for e in self.store.read(RUN)))
         return out if kind is None else [e for e in out if isinstance(e, kind)]
 
     def check_log(self) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from controller.config import load_config
 from controller.core.fold import fold_raw
+from controller.core.turns import expanded
 from controller.projector import Projector
 from events.codec import encode
 from events.memory_store import MemoryEventStore
@@ -139,13 +140,18 @@ def test_simulated_episodes_fold_clean_with_every_turn_recorded(per_call, dedupe
     committed = [g for g in state.groups.values() if g.committed_position is not None]
     assert len(committed) >= 16 and all(g.episode is not None for g in committed)
     assert all([len(r) for r in g.episode.rewards] == [3, 3] for g in committed)
-    kinds = Counter(type(e.event).__name__ for e in store.read("ep")
-                    if getattr(e.event, "group_id", None) == committed[0].group_id)
+    kinds = Counter(type(e).__name__ for e in _as_read(store)
+                    if getattr(e, "group_id", None) == committed[0].group_id)
     assert (kinds["EnvStepsRequested"], kinds["EnvStepsCompleted"], kinds["SegmentsRecorded"]) == (3, 3, 5)
     # the events of one append share its virtual timestamp: 6 pauses, or 3 + the last results
-    pauses = {e.event.ts for e in store.read("ep") if type(e.event).__name__.startswith("EnvSteps")
-              and e.event.group_id == committed[0].group_id}
+    pauses = {e.ts for e in _as_read(store) if type(e).__name__.startswith("EnvSteps")
+              and e.group_id == committed[0].group_id}
     assert len(pauses) == (4 if dedupes else 6)
+
+
+def _as_read(store: MemoryEventStore) -> list:
+    """Run "ep"'s events as readers see them: a pause as the events it stands for."""
+    return list(expanded(e.event for e in store.read("ep")))
 
 
 def _env_batches(linger_s: float) -> tuple[int, int]:
@@ -161,7 +167,7 @@ def _env_batches(linger_s: float) -> tuple[int, int]:
                             episode_dedupes=False))
     result = Projector(store).get("ep")
     assert result.problem is None, result.problem
-    env = [e.event for e in store.read("ep") if type(e.event).__name__.startswith("EnvSteps")]
+    env = [e for e in _as_read(store) if type(e).__name__.startswith("EnvSteps")]
     return len(env), len({e.ts for e in env})
 
 
@@ -271,7 +277,7 @@ class _BatchesStore(MemoryEventStore):
         self.batches: list[list[tuple[str, str]]] = []
 
     def append(self, run_id, events, **kwargs):  # type: ignore[no-untyped-def]
-        self.batches.append([(type(e).__name__, getattr(e, "group_id", "")) for e in events])
+        self.batches.append([(type(e).__name__, getattr(e, "group_id", "")) for e in expanded(events)])
         return super().append(run_id, events, **kwargs)
 
 

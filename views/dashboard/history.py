@@ -12,11 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from controller.core.turns import PART_TYPES, parts
 from events.codec import decode
 from events.errors import EventDecodeError
 from events.schema import EVENT_TYPES
 from events.store import EventStore, RawEntry
 from views.dashboard.model import RECENT_EVENTS, event_row
+
+#: the types a pause's entry holds (a type filter for one of them opens pauses too)
+PART_NAMES = frozenset(c.__name__ for c in PART_TYPES)
 
 PAGE = 1000
 SCAN_LIMIT = 200_000
@@ -58,13 +62,17 @@ class EventQuery:
         return cls(kind, params.get("group", "").strip(), step, before, limit)
 
     def matches_raw(self, entry: RawEntry) -> bool:
-        if self.type and entry.event_type != self.type:
+        # a pause holds events of the types it stands for (``controller.core.turns``)
+        pause = entry.event_type == "EpisodeTurnsRecorded" and self.type in PART_NAMES
+        if self.type and entry.event_type != self.type and not pause:
             return False
         if self.group and self.group.encode() not in entry.data:
             return False
         return self.step is None or str(self.step).encode() in entry.data
 
     def matches(self, event: Any) -> bool:
+        if self.type and type(event).__name__ != self.type:
+            return False
         if self.group and self.group != getattr(event, "group_id", None) and \
                 self.group not in (getattr(event, "group_ids", None) or ()):
             return False
@@ -81,11 +89,14 @@ def find_events(store: EventStore, run_id: str, q: EventQuery) -> dict[str, Any]
         for entry in reversed(store.read_raw(run_id, lo, hi)):
             if not q.matches_raw(entry):
                 continue
-            row = _row(entry)
-            if row is None or q.matches(row.pop("_event")):
-                rows.append(row or _malformed(entry))
-                if len(rows) == q.limit:
-                    break
+            got = _rows(entry)
+            for row in reversed(got) if got is not None else [None]:
+                if row is None or q.matches(row.pop("_event")):
+                    rows.append(row or _malformed(entry))
+                    if len(rows) == q.limit:
+                        break
+            if len(rows) == q.limit:
+                break
         hi = lo - 1
     return {"events": rows, "scanned_from": max(hi + 1, 1), "end": end}
 
@@ -126,21 +137,23 @@ def tail_rows(store: EventStore, run_id: str, end: int) -> list[dict[str, Any]]:
     row of its own, never left out)."""
     rows = []
     for entry in store.read_raw(run_id, max(1, end - RECENT_EVENTS + 1), end):
-        row = _row(entry)
-        if row is None:
+        got = _rows(entry)
+        if got is None:
             rows.append(_malformed(entry))
-        else:
+        for row in got or ():
             row.pop("_event")
             rows.append(row)
     return rows
 
 
-def _row(entry: RawEntry) -> dict[str, Any] | None:
+def _rows(entry: RawEntry) -> list[dict[str, Any]] | None:
+    """The entry's rows: one per event it stands for (a pause's parts); None when it
+    does not decode."""
     try:
         event = decode(entry.data, entry.position)
     except EventDecodeError:
         return None
-    return {**event_row(entry.position, event), "_event": event}
+    return [{**event_row(entry.position, e), "_event": e} for e in parts(event)]
 
 
 def _malformed(entry: RawEntry) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import msgspec
 from controller.core.errors import InvariantViolation
 from controller.core.reducer import apply_event
 from controller.core.state import RunState, StepRecord, initial_state
+from controller.core.turns import parts
 from events import schema as ev
 from controller.projector import Projection
 
@@ -90,9 +91,10 @@ class RunView:
         """Fold newly read events; returns the update the page merges."""
         rows, steps = [], []
         for position, event in batch:
-            row = event_row(position, event)
-            self.recent.append(row)
-            rows.append(row)
+            for part in parts(event):  # a pause's row is the rows of its parts
+                row = event_row(position, part)
+                self.recent.append(row)
+                rows.append(row)
             self.last_ts = event.ts
             if self.problem is not None:
                 continue  # the state stops at the first problem; the table goes on

@@ -1,0 +1,78 @@
+"""What one ``EpisodeTurnsRecorded`` stands for: the events a pause used to append.
+
+A pause of a group's episodes records its results, its observation and model segments
+and the intent of its next calls in one event (one append, one hash link, one fold
+step, where it took four). Every reader -- the reducer, the fold's observers, replay,
+``tail``, the dashboard, the trace, the what-if -- goes through :func:`expand`, so each
+sees exactly the ``EnvStepsCompleted``, ``SegmentsRecorded`` and ``EnvStepsRequested``
+events an older log holds for the same pause, with the same ids, indices and order, and
+the core's order checks run on them unchanged. Logs written before the event existed
+hold those events themselves and read as they always did.
+
+Pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from events.schema import (
+    AnyEvent,
+    EnvStepsCompleted,
+    EnvStepsRequested,
+    EpisodeTurnsRecorded,
+    SegmentsRecorded,
+    env_steps_event_id,
+    segments_event_id,
+)
+
+#: the events a pause's parts are: what a reader may see instead of the pause
+PART_TYPES = (EnvStepsCompleted, SegmentsRecorded, EnvStepsRequested)
+
+
+def expand(e: EpisodeTurnsRecorded) -> list[AnyEvent]:
+    """The events ``e`` stands for, in the order the pause would have appended them;
+    each carries ``e``'s epoch, ts and schema version."""
+    gid, attempt, env = e.group_id, e.attempt, e.env_index
+    common = {"epoch": e.epoch, "ts": e.ts, "schema_version": e.schema_version,
+              "group_id": gid, "attempt": attempt}
+    out: list[AnyEvent] = []
+    if e.results:
+        out.append(EnvStepsCompleted(
+            event_id=env_steps_event_id(gid, "completed", attempt, env), index=env,
+            results=e.results, **common))
+        env += 1
+    for k, f in enumerate(e.flushes, start=e.segment_index):
+        out.append(SegmentsRecorded(
+            event_id=segments_event_id(gid, attempt, k), index=k, kind=f.kind,
+            weight_version=f.weight_version, segments=f.segments, **common))
+    if e.calls:
+        out.append(EnvStepsRequested(
+            event_id=env_steps_event_id(gid, "requested", attempt, env), index=env,
+            env=e.env, dedupes_by_key=e.dedupes_by_key, calls=e.calls, **common))
+    return out
+
+
+def parts(event: AnyEvent) -> list[AnyEvent]:
+    """``event`` as readers see it: a pause's parts, or the event itself."""
+    return expand(event) if type(event) is EpisodeTurnsRecorded else [event]
+
+
+def expanded(events: Iterable[AnyEvent]) -> Iterator[AnyEvent]:
+    """``events`` with every pause replaced by its parts."""
+    for event in events:
+        if type(event) is EpisodeTurnsRecorded:
+            yield from expand(event)
+        else:
+            yield event
+
+
+def expanded_at(entries: Iterable[tuple[int, AnyEvent]]) -> Iterator[tuple[int, AnyEvent]]:
+    """(position, event) pairs with every pause replaced by its parts, each at the
+    pause's position (one append, one position)."""
+    for position, event in entries:
+        if type(event) is EpisodeTurnsRecorded:
+            for part in expand(event):
+                yield position, part
+        else:
+            yield position, event
