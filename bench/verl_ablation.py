@@ -57,7 +57,7 @@ from controller.config import ConfigError, load_config  # noqa: E402
 from controller.core.policies import SELECTION_POLICIES  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
 from events.schema import GroupCommitted, RolloutAdmitted  # noqa: E402
-from sim.decode import NIM_LLAMA31_8B_H100, DecodeCurve  # noqa: E402
+from sim.decode import NIM_LLAMA31_8B_H100, NIM_LLAMA31_8B_H100_V13, DecodeCurve  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
 from sim.timeline import timeline_of  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
@@ -81,12 +81,13 @@ CONCURRENT = 16 * SERVERS
 
 #: decode step time versus sequences per server (``sim.decode``): a published curve, or
 #: none (a group takes its drawn time whatever else runs)
-DECODE_CURVES = {"nim-llama31-8b-h100": NIM_LLAMA31_8B_H100, "none": None}
+DECODE_CURVES = {"nim-llama31-8b-h100": NIM_LLAMA31_8B_H100,
+                 "nim-llama31-8b-h100-v1.3": NIM_LLAMA31_8B_H100_V13, "none": None}
 SAMPLES = 16
 #: the longest generation of a group when --cap-s is not given: where threshold 0's
 #: simulated time meets its published one at the median calibrated on 0.5
 #: (``--calibrate-cap``; docs/scale.md)
-DEFAULT_CAP_S = {"nim-llama31-8b-h100": 316.0, "none": 100.0}
+DEFAULT_CAP_S = {"nim-llama31-8b-h100": 316.0, "nim-llama31-8b-h100-v1.3": 316.0, "none": 100.0}
 
 
 def decode_curve(args: argparse.Namespace) -> DecodeCurve | None:

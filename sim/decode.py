@@ -39,6 +39,11 @@ NIM_LLAMA31_8B_H100: tuple[tuple[int, float], ...] = (
     (1, 4.63), (5, 4.58), (25, 5.19), (50, 5.91),
     (100, 7.57), (150, 9.81), (200, 12.65), (250, 16.14),
 )
+#: the same page's older measurement (NIM 1.3.0), steeper at large batches: a second
+#: published shape, to see how much an answer depends on the curve
+NIM_LLAMA31_8B_H100_V13: tuple[tuple[int, float], ...] = (
+    (1, 4.37), (5, 5.1), (25, 6.02), (50, 7.19), (100, 8.62), (150, 12.49), (200, 17.76),
+)
 
 
 @dataclass(frozen=True)
