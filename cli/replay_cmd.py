@@ -213,13 +213,15 @@ def _cmd_episode(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     spill = Path(args.data_dir) / "runs" / args.run / "spill"
     if spill.is_dir():  # token ids: only the data plane has them
-        from workers.dataplane import MemoryDataPlane, SpillDataPlane
+        from workers.dataplane import DataPlaneError, SpillReader
 
-        plane = SpillDataPlane(MemoryDataPlane(), spill)
-        plane.reload(args.run, tidy=False)  # read-only: the run may be live
+        # only this group's puts are opened, and nothing is removed: the run may be live
         keys = [e.payload_keys[sample] for e in events
                 if isinstance(e, ev.GroupCommitted) and e.group_id == group]
-        fill_ids(view, plane, keys[-1] if keys else None)
+        try:
+            fill_ids(view, SpillReader(spill), keys[-1] if keys else None)
+        except DataPlaneError as err:  # a spill of an earlier release, or one being cleared
+            raise CliError(str(err)) from None
     if args.json:
         render.write_json(view.to_dict())
     else:

@@ -58,17 +58,22 @@ from events.schema import (
 from controller.projector import gc_paused
 from replay.settings import recorded_config
 
-GATE_METHOD = (
-    "gate closed while live groups >= capacity or trainer_version + live // groups_per_step "
-    "- weight_version > window, evaluated after each event that changes them (generator "
-    "availability is not in the log and not counted)"
-)
-#: the same with ``staleness.budget_basis = "per_version"``: the report must say what the
-#: capacity counted, or a per-version run's closed time reads as a full buffer of live groups
-GATE_METHOD_PER_VERSION = GATE_METHOD.replace(
-    "live groups >= capacity",
-    "live groups + groups trained since the last publish >= capacity",
-)
+#: what the gate's capacity bounds, per ``staleness.budget_basis`` (``policies.budget_count``):
+#: the report must say it, or a per-version run's closed time reads as a full buffer of
+#: live groups
+CAPACITY_COUNTS: dict[policies.BudgetBasis, str] = {
+    "live": "live groups",
+    "per_version": "live groups + groups trained since the last publish",
+}
+
+
+def describe_gate(basis: policies.BudgetBasis) -> str:
+    """How the gate's closed time was measured, for a run of budget ``basis``."""
+    return (
+        f"gate closed while {CAPACITY_COUNTS[basis]} >= capacity or trainer_version + live "
+        "// groups_per_step - weight_version > window, evaluated after each event that "
+        "changes them (generator availability is not in the log and not counted)"
+    )
 
 
 def capacity_of(state: RunState) -> int:
@@ -92,8 +97,9 @@ class Trace:
         self._claimed = 0
         self._capacity = 0
         self._per_step = 1
-        #: the recorded staleness.budget_basis is "per_version" (read at the first sample)
-        self.per_version = False
+        #: the recorded staleness.budget_basis (read at the first sample)
+        self.basis: policies.BudgetBasis = "live"
+        self.per_version = False  # basis == "per_version", read at every sample
 
     def watches(self) -> dict[type, Callback]:
         sample = self._sample
@@ -115,7 +121,8 @@ class Trace:
         if not self._capacity:
             self._capacity = capacity_of(state)
             self._per_step = max(state.groups_per_step, 1)
-            self.per_version = recorded_config(state).staleness.budget_basis == "per_version"
+            self.basis = recorded_config(state).staleness.budget_basis
+            self.per_version = self.basis == "per_version"
         buffered = len(state.buffer)
         live = len(state.admitted) + buffered + self._claimed
         closed = not policies.gate_open(
@@ -182,7 +189,8 @@ class StalenessReport:
     #: (seconds since the first sample, live groups, buffered groups), down-sampled
     occupancy: list[tuple[float, int, int]] = field(default_factory=list)
     lag_histogram: dict[int, int] = field(default_factory=dict)
-    gate_method: str = GATE_METHOD
+    #: how the closed time was measured: ``describe_gate`` of the run's budget basis
+    gate_method: str = field(default_factory=lambda: describe_gate("live"))
 
     @gc_paused
     def to_dict(self) -> dict[str, Any]:
@@ -279,7 +287,7 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         reward_vs_lag=reward_vs_lag,
         occupancy=_downsample(trace, max_points),
         lag_histogram=hist,
-        gate_method=GATE_METHOD_PER_VERSION if trace.per_version else GATE_METHOD,
+        gate_method=describe_gate(trace.basis),
     )
 
 

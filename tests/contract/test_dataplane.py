@@ -18,6 +18,7 @@ from workers.dataplane import (
     MemoryDataPlane,
     MissingPayloadError,
     SpillDataPlane,
+    SpillReader,
     make_dataplane,
 )
 from workers.dataplane.api import batch_of, rows_of
@@ -284,7 +285,7 @@ def test_spill_reload_tidies_what_a_crash_left(tmp_path):
 
 
 def test_a_reader_beside_a_live_run_deletes_nothing(tmp_path):
-    """``reload(tidy=False)`` (``replay --episode``): a temporary directory may be a put
+    """``reload(tidy=False)`` (``replay --retrain``): a temporary directory may be a put
     being written by the live run, and a superseded generation is its writer's to drop."""
     plane = SpillDataPlane(MemoryDataPlane(), tmp_path)
     plane.put("p", ["a"], [{"x": torch.tensor(1)}])
@@ -295,6 +296,9 @@ def test_a_reader_beside_a_live_run_deletes_nothing(tmp_path):
     reader = SpillDataPlane(MemoryDataPlane(), tmp_path)
     assert reader.reload("p", tidy=False) == 1
     assert reader.get("p", ["a"])[0]["x"].item() == 1
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == before
+    # the keyed read (``SpillReader``) neither: it reads the newest generation in place
+    assert SpillReader(tmp_path).get("p", ["a"])[0]["x"].item() == 1
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == before
 
 

@@ -197,3 +197,19 @@ def test_the_gate_trace_is_the_gate_over_random_runs(seed, basis):
     assert result.problem is None and result.state.rewinds
     assert disagreements == [] and len(checked) == len(trace.gate_closed) > 100
     assert any(trace.gate_closed)
+
+
+def test_the_gate_line_says_what_each_budget_basis_counts_against_capacity():
+    """Each ``staleness.budget_basis`` has its own line, built from what it counts."""
+    from typing import get_args
+
+    from controller.core.policies import BudgetBasis
+    from replay.staleness import CAPACITY_COUNTS, describe_gate
+
+    assert set(CAPACITY_COUNTS) == set(get_args(BudgetBasis))
+    rest = ("capacity or trainer_version + live // groups_per_step - weight_version > window, "
+            "evaluated after each event that changes them (generator availability is not in "
+            "the log and not counted)")
+    assert describe_gate("live") == "gate closed while live groups >= " + rest
+    assert describe_gate("per_version") == (
+        "gate closed while live groups + groups trained since the last publish >= " + rest)

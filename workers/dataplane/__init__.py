@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         Tags,
     )
     from workers.dataplane.memory import MemoryDataPlane
-    from workers.dataplane.spill import SpillDataPlane
+    from workers.dataplane.spill import SpillDataPlane, SpillReader
 
 #: public name -> the module that defines it (imported on first use)
 _EXPORTS = {
@@ -39,6 +39,7 @@ _EXPORTS = {
     "MissingPayloadError": "workers.dataplane.api",
     "Row": "workers.dataplane.api",
     "SpillDataPlane": "workers.dataplane.spill",
+    "SpillReader": "workers.dataplane.spill",
     "Tags": "workers.dataplane.api",
 }
 

@@ -5,9 +5,16 @@ consumed them (docs/DESIGN.md, "Recovery"). This wrapper implements the data pla
 protocol over any inner plane and writes each ``put`` (a generator writes one group's
 samples per put) as ONE memory-mapped ``TensorDict`` (``TensorDict.memmap``)::
 
-    {directory}/{quote(partition)}/{stamp}.{generation}/   # batch [n]: the put's rows
+    {directory}/{quote(partition)}/{stamp}[-{group}].{generation}/   # batch [n]: the put's rows
         <field>.memmap ...   jagged fields as nested tensors; "__keys__", "__tags__"
         meta.json            hold the keys and tags (JSON), next to the tensors
+
+``{group}`` names, as a short hash, the ``{run}/{group}`` prefix that every key of the put
+shares (a generator's put is one group's rows; keys are ``{run}/{group}/a{attempt}/...``,
+see ``workers.dataplane.api``). :class:`SpillReader` reads a few keys by listing the
+partition's directory names and opening only the puts of the keys' groups -- never the
+whole spill. A put without the mark (keys of several groups, or written by an earlier
+release) is opened by every keyed read, so the mark only saves work, never decides.
 
 Directories are written whole and then renamed into place (temporary directory, fsync of
 every file, rename, fsync of the partition directory), so after a crash a put is either
@@ -24,6 +31,7 @@ one safetensors file per row, is refused with an error that says so (see
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -41,6 +49,7 @@ from workers.dataplane.api import (
     DataPlane,
     DataPlaneError,
     Fields,
+    MissingPayloadError,
     Row,
     Tags,
     as_columns,
@@ -74,6 +83,9 @@ class SpillDataPlane:
         folder.mkdir(parents=True, exist_ok=True)
         # stamp: time for order across processes, pid and a counter for uniqueness
         stamp = f"{time.time_ns():020d}-{os.getpid()}-{next(_counter):08d}"
+        groups = {_group_mark(k) for k in keys}
+        if len(groups) == 1:  # the keyed reader's index: see the module docstring
+            stamp = f"{stamp}-{groups.pop()}"
         _write_put(folder, f"{stamp}.0", keys, columns, tag_list)
         self.inner.put(partition, keys, columns, tag_list)
 
@@ -169,6 +181,93 @@ class SpillDataPlane:
             td = TensorDict.load_memmap(path)
             self._keys_of[path] = json.loads(td.get_non_tensor(_KEYS))
         return self._keys_of[path]
+
+
+class SpillReader:
+    """A few keys read straight from a spill directory: only the puts of their groups are
+    opened, nothing is loaded into a plane and nothing on disk is changed -- a live run's
+    put being written (a temporary directory) or superseded generation is its writer's.
+
+    ``get`` is the data plane's read (same rows, same :class:`MissingPayloadError`), so a
+    reader that wants one episode's rows (``replay --episode``) need not reload a run.
+    The partition's directory is listed once per reader (one command's view of the spill)
+    and again when a listed put has gone since: the live run cleared some of its rows,
+    which left the rest as the put's next generation.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self._puts: dict[str, list[Path]] = {}
+        #: keys of each put opened (immutable once renamed in): a put of the group that
+        #: holds none of a later read's keys is not opened again (an episode's pieces)
+        self._keys_of: dict[Path, list[str]] = {}
+
+    def get(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> list[Row]:
+        try:
+            rows = self._rows(partition, keys, fields)
+        except FileNotFoundError:  # a put listed before was cleared since: list again
+            self._puts.pop(partition, None)
+            try:
+                rows = self._rows(partition, keys, fields)
+            except FileNotFoundError as err:
+                raise DataPlaneError(
+                    f"spill partition {partition!r} changed twice while it was read "
+                    f"({err.filename} went): the run is clearing rows; read again") from None
+        missing = [k for k in keys if k not in rows]
+        if missing:
+            raise MissingPayloadError(partition, keys=missing)
+        lacking = sorted({f for k in keys for f in fields or () if f not in rows[k]})
+        if lacking:
+            raise MissingPayloadError(partition, fields=lacking)
+        return [dict(rows[k]) for k in keys]
+
+    def _rows(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None
+    ) -> dict[str, Row]:
+        """The asked keys' rows found in their groups' puts (a later put's fields win)."""
+        rows: dict[str, Row] = {}
+        wanted, marks = set(keys), {_group_mark(k) for k in keys}
+        for path in self._puts_of(partition):
+            mark = _mark_of(path)
+            if mark is not None and mark not in marks:
+                continue  # another group's put: never opened
+            if wanted.isdisjoint(self._keys_of.get(path, wanted)):
+                continue
+            td = TensorDict.load_memmap(path)
+            put_keys = self._keys_of[path] = json.loads(td.get_non_tensor(_KEYS))
+            if wanted.isdisjoint(put_keys):
+                continue
+            td = td.exclude(_KEYS, _TAGS)
+            if fields is not None:  # only the asked fields' pages are read
+                td = td.select(*(f for f in fields if f in td.keys()))
+            for key, row in zip(put_keys, rows_of(td)):
+                if key in wanted:  # as ``put``: a later put replaces the fields it gives
+                    rows.setdefault(key, {}).update({n: t.clone() for n, t in row.items()})
+        return rows
+
+    def _puts_of(self, partition: str) -> list[Path]:
+        if partition not in self._puts:
+            folder = self.directory / quote(partition, safe="")
+            if folder.is_dir():
+                _refuse_legacy(folder)
+            self._puts[partition] = _put_dirs(folder) if folder.is_dir() else []
+        return self._puts[partition]
+
+
+def _group_mark(key: str) -> str:
+    """The short name of a key's ``{run}/{group}`` prefix (the whole key if it has no
+    such prefix), stable across processes: part of a put directory's name."""
+    prefix = "/".join(key.split("/", 2)[:2])
+    return hashlib.blake2b(prefix.encode(), digest_size=6).hexdigest()
+
+
+def _mark_of(path: Path) -> str | None:
+    """The group mark in a put directory's name (``{ns}-{pid}-{n}-{mark}.{generation}``);
+    None for a put of several groups or of an earlier release (``{ns}-{pid}-{n}``)."""
+    parts = path.name.rpartition(".")[0].split("-")
+    return parts[3] if len(parts) == 4 else None
 
 
 def _put_dirs(folder: Path, *, tidy: bool = False) -> list[Path]:
