@@ -87,7 +87,7 @@ SAMPLES = 16
 #: the longest generation of a group when --cap-s is not given: where threshold 0's
 #: simulated time meets its published one at the median calibrated on 0.5
 #: (``--calibrate-cap``; docs/scale.md)
-DEFAULT_CAP_S = {"nim-llama31-8b-h100": 316.0, "nim-llama31-8b-h100-v1.3": 316.0, "none": 100.0}
+DEFAULT_CAP_S = {"nim-llama31-8b-h100": 314.0, "nim-llama31-8b-h100-v1.3": 525.0, "none": 100.0}
 
 
 def decode_curve(args: argparse.Namespace) -> DecodeCurve | None:
@@ -213,7 +213,7 @@ def calibrate_cap(args: argparse.Namespace) -> tuple[float, float]:
         medians[cap] = calibrate(at_cap)
         return run_row(0.0, medians[cap], at_cap)["step_s"]
 
-    cap = _bisect(row0, PUBLISHED[0.0][3] / 400, 50.0, 400.0, args.calibration_rounds, "cap")
+    cap = _bisect(row0, PUBLISHED[0.0][3] / 400, 50.0, 1000.0, args.calibration_rounds, "cap")
     args.cap_s = cap
     return cap, calibrate(args)
 

@@ -48,3 +48,5 @@ def test_the_decode_model_is_verls_servers_with_a_full_server_as_reference():
     assert (curve.servers, curve.reference_sequences) == (16, 256)
     assert curve.points == verl_ablation.NIM_LLAMA31_8B_H100
     assert verl_ablation.decode_curve(argparse.Namespace(decode="none", concurrent=256)) is None
+    # every curve has the cap its own calibration found (none is left to a KeyError)
+    assert set(verl_ablation.DEFAULT_CAP_S) == set(verl_ablation.DECODE_CURVES)
