@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import structlog
 
@@ -34,6 +34,7 @@ from events import schema as ev
 from controller.core.segments import segment_keys
 from controller.episodes import episode_resume, restarts_before
 from controller.partial import PartialRecorder, resume_flushes
+from controller.pausing import PausingCall
 from workers.api import (
     GenerationOutcome,
     GenerationRequest,
@@ -253,64 +254,56 @@ class AdmissionSide:
         self.busy[gen.name] += 1
         # Issued here, right after the appends that fencing would have refused: no
         # event-loop turn in between, so no separate epoch check (a store round trip).
-        pending = gen.generate(requests)
-        task = asyncio.create_task(self._generate(gen, requests, pending))
+        call = PausingCall(gen, requests, gen.generate(requests), self._record_flushes)
+        task = asyncio.create_task(self._generate(call))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        if isinstance(pending, asyncio.Future):  # a task cancelled before it awaited it
-            task.add_done_callback(lambda t: pending.cancel() if t.cancelled() else None)
+        # a task cancelled before its first step never awaited the call
+        task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
 
-    async def _generate(
-        self,
-        gen: GeneratorClient,
-        reqs: list[GenerationRequest],
-        pending: Awaitable[list[GenerationOutcome]],
-    ) -> None:
-        started = self.journal.clock()
+    async def _generate(self, call: PausingCall) -> None:
+        """Until the call's groups are all done (its pauses are recorded on the way,
+        ``controller.pausing``): commit them, or fail their attempts."""
+        gen, started = call.gen, self.journal.clock()
         try:
-            while True:
-                try:
-                    outcomes = list(await pending)
-                    if len(outcomes) != len(reqs):
-                        raise RuntimeError(f"{len(outcomes)} outcomes for {len(reqs)} groups")
-                except asyncio.CancelledError:
-                    raise
-                except WorkerLostError as err:
-                    self._release_slot(gen)
-                    await self._on_generation_failed(gen, reqs, str(err))
+            try:
+                outcomes = await call.result
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                if not call.worker_failed:
+                    raise  # a pause could not be recorded: stop the run
+                self._release_slot(gen)
+                if isinstance(err, WorkerLostError):
+                    await self._on_generation_failed(gen, call.reqs, str(err))
                     await self.loss.replace_generator(gen, err)
-                    return
-                except Exception as err:  # a worker failure is data, not a crash
-                    self._release_slot(gen)
-                    await self._on_generation_failed(gen, reqs, error_line(err), err)
-                    return
-                if all(out.status == "done" for out in outcomes):
-                    break
-                # Partial rollouts: record the flushes (and the groups that finished),
-                # then let the paused groups go on -- this append is also the fencing
-                # check before the next call, as the admission's is before the first.
-                reqs = await self._record_flushes(reqs, outcomes)
-                pending = gen.generate(reqs)
+                else:
+                    await self._on_generation_failed(gen, call.reqs, error_line(err), err)
+                return
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
-            self._queue_commit(reqs, outcomes)
+            self._queue_commit(call.reqs, outcomes)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
             self._stop_with(err)
 
-    async def _record_flushes(
-        self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]
-    ) -> list[GenerationRequest]:
-        """Flushes and finished groups in one append (``controller.partial``)."""
-        done = [(r, o) for r, o in zip(reqs, outs) if o.status == "done"]
+    def _record_flushes(self, call: PausingCall, outs: list[GenerationOutcome]) -> None:
+        """Flushes and finished groups in one append (``controller.partial``); that
+        append is also the fencing check before the next call, as the admission's is
+        before the first."""
+        done = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "done"]
         commits = self._commit_events([r for r, _ in done], [o for _, o in done])
-        return await self.segment_rows.record(reqs, outs, commits)
+        self.segment_rows.hold(call, outs, commits)
 
     def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         """Calls that return in the same turn of the loop commit in one append (group
-        commit: one round trip and one fsync for all of them). The flush runs right
-        after the tasks of that turn; ``drain`` flushes what is left."""
+        commit: one round trip and one fsync for all of them), with the pauses'
+        append if one is gathering. The flush runs right after the tasks of that turn;
+        ``drain`` flushes what is left."""
+        if self.rollout.partial.enabled:  # with the pauses' next append: one, not two
+            self.segment_rows.join(self._commit_events(reqs, outs), self._stop_with)
+            return
         self._pending_commits.append((reqs, outs))
         if len(self._pending_commits) == 1:
             # a task's first step is scheduled like ``call_soon``: right after this turn
@@ -390,6 +383,7 @@ class AdmissionSide:
             for task in pending:
                 task.cancel()
         await self._flush_commits()
+        await self.segment_rows.settle(timeout_s)  # commits riding with a pause's append
         self.segment_rows.drop([], now=True)
         if self.segment_rows.deletes:  # best effort: recovery deletes what is left
             await asyncio.wait(self.segment_rows.deletes, timeout=timeout_s)

@@ -22,6 +22,7 @@ from controller.core.state import RunState
 from controller import episodes
 from controller.crashpoints import crash_point
 from controller.journal import Journal
+from controller.pausing import PausingCall
 from events import schema as ev
 from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
 
@@ -87,8 +88,9 @@ class PartialRecorder:
     Flushes come in bursts: a refit lands on every generator at once, and each of their
     calls returns its groups' flushes. The calls that return in the same turn of the
     event loop are recorded in ONE append (one store round trip and one fsync for all of
-    them, as ``AdmissionSide`` does for commits): each caller awaits its share, and every
-    paused group goes on as soon as that append landed. The events are exactly those
+    them, as ``AdmissionSide`` does for commits), and every paused group goes on as soon
+    as that append landed: the append issues each acknowledged call's next call
+    (``controller.pausing``; no task step or future per pause). The events are exactly those
     one append per call would write, in the order the calls returned.
 
     Every pause of a durable episode is a flush too, and a large fleet's pauses come a
@@ -118,40 +120,53 @@ class PartialRecorder:
         self.payloads = payloads
         self.deletes: set[asyncio.Task] = set()
         self._scratch: list[str] = []
-        #: calls waiting for the shared append: (requests, outcomes, commits, result)
-        self._waiting: list[tuple[list[GenerationRequest], list[GenerationOutcome],
-                                  list[ev.GroupCommitted], asyncio.Future]] = []
+        #: calls waiting for the shared append: (call, outcomes, commits, when it paused)
+        self._waiting: list[tuple[PausingCall, list[GenerationOutcome], list[ev.GroupCommitted], float]] = []
         self._appending: set[asyncio.Task] = set()
+        #: commits riding with the gathering append, and who hears if it fails
+        self._riders: list[tuple[list[ev.GroupCommitted], Callable[[BaseException], None]]] = []
+        #: an append task is gathering (it has not taken ``_waiting`` and ``_riders`` yet)
+        self._gathering = False
         #: appends made, calls they recorded (``bench_scale`` prints the ratio)
         self.appends = 0
         self.calls = 0
         #: seconds the recorded calls' groups paused for their flushes (``bench_async``)
         self.paused_s = 0.0
 
-    async def record(
-        self,
-        reqs: list[GenerationRequest],
-        outs: list[GenerationOutcome],
-        commits: list[ev.GroupCommitted],
-    ) -> list[GenerationRequest]:
-        """A SegmentsRecorded per flushed group and the ``commits`` of the finished
-        ones, appended with the other calls of this turn. Returns the requests that let
-        the paused groups go on."""
+    def hold(self, call: PausingCall, outs: list[GenerationOutcome],
+             commits: list[ev.GroupCommitted]) -> None:
+        """Queue a pause of ``call`` for the shared append: a SegmentsRecorded (or an
+        episode's events) per flushed group and the ``commits`` of the finished ones,
+        appended with the other calls of this turn; the append then resumes the call
+        (``PausingCall.resume``) with the requests that let the paused groups go on."""
         if not any(out.status == "flushed" for out in outs):
             raise RuntimeError("a generator call returned unfinished groups without a flush")
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._waiting.append((reqs, outs, commits, done))
+        self._waiting.append((call, outs, commits, self.journal.clock()))
         self.recheck()
-        if len(self._waiting) == 1:
-            # a task's first step runs like ``call_soon``: after every call of this turn
-            task = loop.create_task(self._append_waiting())
-            self._appending.add(task)  # a reference until it is done
-            task.add_done_callback(self._appending.discard)
-        started = self.journal.clock()
-        await done
-        self.paused_s += self.journal.clock() - started
-        return next_requests(self.journal.state, reqs, outs)
+        self._gather()
+
+    def _gather(self) -> None:
+        """Start an append gathering what comes within the linger (unless one is)."""
+        if self._gathering:
+            return
+        self._gathering = True
+        # a task's first step runs like ``call_soon``: after every call of this turn
+        task = asyncio.get_running_loop().create_task(self._append_waiting())
+        self._appending.add(task)  # a reference until it is done
+        task.add_done_callback(self._appending.discard)
+
+    def join(self, commits: list[ev.GroupCommitted], on_error: Callable[[BaseException], None]) -> None:
+        """Finished groups' commits, appended with the pauses that come within the
+        linger: a group's last call ends right after its last pause is recorded, and
+        with a large fleet other pauses follow within a few milliseconds -- one append
+        for both instead of two. ``on_error`` hears if the append fails."""
+        self._riders.append((commits, on_error))
+        self._gather()
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait for the appends gathering or in flight (the commits riding with them)."""
+        if self._appending:
+            await asyncio.wait(self._appending, timeout=timeout_s)
 
     def recheck(self) -> None:
         """End a lingering append's wait once every call in flight waits for it: asked
@@ -183,17 +198,18 @@ class PartialRecorder:
         try:
             await self._linger()
         except asyncio.CancelledError:  # the run stopped: no waiting call goes on
-            waiting, self._waiting = self._waiting, []
-            for *_, done in waiting:
-                done.cancel()
+            waiting, self._waiting, self._riders, self._gathering = self._waiting, [], [], False
+            for call, *_ in waiting:
+                call.cancel()
             raise
         waiting, self._waiting = self._waiting, []
+        riders, self._riders, self._gathering = self._riders, [], False
         journal = self.journal
         try:
             events: list[ev.Event] = []
             finished: list[str] = []
-            for reqs, outs, commits, _ in waiting:
-                flushed = [(r, o) for r, o in zip(reqs, outs) if o.status == "flushed"]
+            for call, outs, commits, _ in waiting:
+                flushed = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "flushed"]
                 for req, out in flushed:
                     crash_point("before_segments_recorded", req.group_id)
                     if out.episode is not None and out.episode.completed:  # ran, unrecorded
@@ -206,22 +222,29 @@ class PartialRecorder:
                     else [segments_event(journal, req, out)])]
                 events += commits
                 finished += [c.group_id for c in commits]
+            for commits, _ in riders:
+                for c in commits:
+                    crash_point("before_group_committed", c.group_id)
+                events += commits
+                finished += [c.group_id for c in commits]
             scratch = segment_keys(journal.state.inflight, finished)
             # the writer fires after_segments_recorded / after_group_committed once acknowledged
             await journal.append(*events)
         except BaseException as err:
-            for *_, done in waiting:
-                if not done.done():
-                    done.set_exception(err)
+            for call, *_ in waiting:
+                call.fail(err)
+            for _, on_error in riders:
+                on_error(err)
             if not isinstance(err, Exception):
                 raise
             return
         self.appends += 1
         self.calls += len(waiting)
         self.drop(scratch)
-        for *_, done in waiting:
-            if not done.done():
-                done.set_result(None)
+        now, state = journal.clock(), journal.state
+        for call, outs, _, paused in waiting:  # every acknowledged call goes on, in turn
+            self.paused_s += now - paused
+            call.resume(next_requests(state, call.reqs, outs))
 
     def dropped(
         self, reqs: list[GenerationRequest], err: BaseException | None

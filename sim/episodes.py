@@ -84,7 +84,7 @@ class SimEpisodeGenerator:
         later ones go on in virtual time meanwhile); a finished group lets the call go
         on to the next, a pause ends it and the rest come back pending."""
         loop, ep = self.fleet.loop, self.held[reqs[len(outs)].group_id]
-        loop.call_later(max(0.0, (ep.due or 0.0) - loop.time()), self._resolve, fut, reqs, outs)
+        loop.call_uncharged_later((ep.due or 0.0) - loop.time(), self._resolve, fut, reqs, outs)
 
     def _resolve(self, fut: asyncio.Future, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
         if fut.done():

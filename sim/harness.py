@@ -93,6 +93,8 @@ class SimOutcome:
     generation_calls: int
     #: real seconds inside the simulated workers (not charged to the clock)
     workers_real_s: float
+    #: loop-thread CPU seconds inside the simulated workers (not in ``controller_cpu_s``)
+    workers_cpu_s: float = 0.0
     #: batches the loop appended (several events, and several groups' flushes, may share one)
     appends: int = 0
 
@@ -189,5 +191,6 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         checkpoint_background_s=trainer.checkpoint_background_s,
         generation_calls=fleet.calls,
         workers_real_s=loop.uncharged_s,
+        workers_cpu_s=loop.uncharged_cpu_s,
         appends=appends[0],
     )

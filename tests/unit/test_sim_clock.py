@@ -86,3 +86,36 @@ def test_threads_are_refused():
 
     with pytest.raises(VirtualTimeError, match="run_in_executor"):
         _run(loop, main())
+
+
+def test_worker_timers_fire_in_virtual_time_in_order_behind_one_loop_timer():
+    loop = VirtualTimeLoop()
+    fired: list[tuple[str, float]] = []
+
+    def note(name: str) -> None:
+        fired.append((name, loop.time()))
+
+    async def main() -> int:
+        for name, delay in (("c", 3.0), ("a", 1.0), ("b", 1.0), ("d", 0.0)):
+            loop.call_uncharged_later(delay, note, name)
+        held = sum(not h.cancelled() for h in loop._scheduled)  # the fleet's: one
+        await asyncio.sleep(2.0)
+        fired.append(("controller", loop.time()))
+        await asyncio.sleep(2.0)
+        return held
+
+    assert _run(loop, main()) == 1
+    assert fired == [("d", 0.0), ("a", 1.0), ("b", 1.0), ("controller", 2.0), ("c", 3.0)]
+
+
+def test_nested_uncharged_sections_count_once():
+    loop = VirtualTimeLoop()
+    cpu0 = time.thread_time()
+    with loop.uncharged():
+        with loop.uncharged():
+            end = time.thread_time() + 0.05
+            while time.thread_time() < end:
+                pass
+    # counted twice, the sections' CPU would exceed the thread's over all of them
+    assert 0.05 <= loop.uncharged_cpu_s <= time.thread_time() - cpu0
+    loop.close()

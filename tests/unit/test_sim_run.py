@@ -261,3 +261,32 @@ def test_a_per_version_budget_is_what_the_real_controller_admits_by():
     method = staleness.analyze(result.state, trace).gate_method
     assert method.startswith("gate closed while live groups + groups trained since the last "
                              "publish >= capacity or ")
+
+
+class _BatchesStore(MemoryEventStore):
+    """The in-memory store, noting each append's event types and groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[tuple[str, str]]] = []
+
+    def append(self, run_id, events, **kwargs):  # type: ignore[no-untyped-def]
+        self.batches.append([(type(e).__name__, getattr(e, "group_id", "")) for e in events])
+        return super().append(run_id, events, **kwargs)
+
+
+def test_a_finished_group_commits_with_the_pauses_that_follow_within_the_linger():
+    # a group's last call ends right after its last pause is recorded; its commit waits
+    # for the linger (here 3 s of ~7 s turns) with the fleet's next pauses instead of
+    # taking an append of its own (one group per call: before, a commit never shared one)
+    cfg = load_config(None, [
+        "run.steps=4", "rollout.num_generators=4", "rollout.groups_per_call=1",
+        "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.samples_per_group=2", "rollout.partial.record_linger_s=3.0"])
+    store = _BatchesStore()
+    simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
+    assert Projector(store).get("ep").problem is None
+    mixed = [b for b in store.batches if any(t == "GroupCommitted" for t, _ in b)
+             and any(t.startswith("EnvSteps") and g not in {g for t, g in b if t == "GroupCommitted"}
+                     for t, g in b)]
+    assert len(mixed) >= 3, store.batches

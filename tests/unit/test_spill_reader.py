@@ -10,6 +10,8 @@ the puts the read loaded.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -120,6 +122,9 @@ def test_the_keyed_read_reads_what_a_reload_would(tmp_path):
         assert sorted(got) == sorted(want), key
         assert all(torch.equal(got[n], want[n]) for n in want), key
     assert reader.get(RUN, g0[:1], ["prompt_len"])[0]["prompt_len"].item() == 9
+    plane.put(RUN, g0[:1], {"late": [torch.tensor(1)]})  # a field first given by a later put
+    row = SpillReader(tmp_path).get(RUN, g0[:1], ["late", "input_ids", "prompt_len"])[0]
+    assert list(row) == ["late", "input_ids", "prompt_len"] == list(plane.get(RUN, g0[:1], list(row))[0])
     with pytest.raises(MissingPayloadError):
         reader.get(RUN, [g0[3]])
 
@@ -151,3 +156,56 @@ def test_one_reader_opens_a_put_that_holds_none_of_the_keys_once(tmp_path):
             counts.append(len(opened))
     # the first read learns the keys of the group's three puts; then only the holder
     assert counts == [3, 1, 1, 1, 1, 1, 1, 1]
+
+
+#: a put directory's name as the previous release wrote it: ``{ns}-{pid}-{n}.{generation}``
+PREVIOUS_NAME = re.compile(r"\d{20}-\d+-\d{8}\.\d+")
+
+
+def _as_previous_release(folder: Path) -> None:
+    """Rename every put under ``folder`` as the previous release named it: no group mark."""
+    for put in folder.iterdir():
+        if not put.name.startswith("."):
+            stamp, _, generation = put.name.rpartition(".")
+            put.rename(put.with_name(f"{stamp.rsplit('-', 1)[0]}.{generation}"))
+
+
+def _same_rows(got: SpillDataPlane | SpillReader, want: SpillDataPlane, keys: list[str]) -> None:
+    for key in keys:
+        (a,), (b,) = got.get(RUN, [key]), want.get(RUN, [key])
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in b), key
+
+
+def test_a_run_resumed_from_a_spill_of_the_previous_release_reloads_every_row(tmp_path):
+    """The resume path (``reload`` with its tidy), then the resumed run's puts and clears,
+    over put directories named as the previous release named them, beside new ones."""
+    folder = tmp_path / RUN
+    written = _spill(tmp_path, groups=3)
+    (g0,) = _puts_holding(tmp_path, "/g000000/a1/s0/k0")
+    shutil.copytree(folder / g0, tmp_path / "superseded")
+    written.clear(RUN, [f"{RUN}/g000000/a1/s{i}/k0" for i in range(2)])
+    _as_previous_release(folder)
+    # a crash between writing a put's next generation and deleting the old one, and a
+    # write cut before its rename
+    (gen1,) = (p for p in folder.iterdir() if p.name.endswith(".1"))
+    (tmp_path / "superseded").rename(gen1.with_suffix(".0"))
+    (folder / ".tmp-half-written").mkdir()
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    assert len(names) == 10 and all(PREVIOUS_NAME.fullmatch(n) for n in names)
+
+    resumed = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    assert resumed.reload(RUN) == len(written.list(RUN)) == 34
+    _same_rows(resumed, written, written.list(RUN))
+    tidied = [n for n in names if n != gen1.with_suffix(".0").name]
+    assert sorted(p.name for p in folder.iterdir()) == tidied  # both went
+
+    # the resumed run writes on: a new group, fields of an old row, part of an old put cleared
+    resumed.put(RUN, [f"{RUN}/g000009/a1/s0"], _group_rows(9, n=1))
+    resumed.put(RUN, [f"{RUN}/g000001/a1/s2"], {"prompt_len": [torch.tensor(7)]})
+    resumed.clear(RUN, [f"{RUN}/g000002/a1/s0"])
+    assert sum(not PREVIOUS_NAME.fullmatch(p.name) for p in folder.iterdir()) == 2  # the new puts
+    again = SpillDataPlane(MemoryDataPlane(), tmp_path)
+    assert again.reload(RUN) == len(resumed.list(RUN)) == 34
+    _same_rows(again, resumed, resumed.list(RUN))
+    _same_rows(SpillReader(tmp_path), resumed, resumed.list(RUN))
+    assert again.get(RUN, [f"{RUN}/g000001/a1/s2"])[0]["prompt_len"].item() == 7

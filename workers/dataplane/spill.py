@@ -221,7 +221,9 @@ class SpillReader:
         lacking = sorted({f for k in keys for f in fields or () if f not in rows[k]})
         if lacking:
             raise MissingPayloadError(partition, fields=lacking)
-        return [dict(rows[k]) for k in keys]
+        if fields is None:
+            return [dict(rows[k]) for k in keys]
+        return [{f: rows[k][f] for f in fields} for k in keys]  # in the asked order, as the plane's get
 
     def _rows(
         self, partition: str, keys: Sequence[str], fields: Sequence[str] | None
