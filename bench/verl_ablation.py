@@ -206,12 +206,9 @@ def calibrate(args: argparse.Namespace) -> float:
 def calibrate_cap(args: argparse.Namespace) -> tuple[float, float]:
     """The cap at which threshold 0 matches its published time, the median recalibrated
     on 0.5 at each cap tried (the two unpublished constants, fixed by the two end rows)."""
-    medians: dict[float, float] = {}
-
     def row0(cap: float) -> float:
         at_cap = argparse.Namespace(**{**vars(args), "cap_s": cap})
-        medians[cap] = calibrate(at_cap)
-        return run_row(0.0, medians[cap], at_cap)["step_s"]
+        return run_row(0.0, calibrate(at_cap), at_cap)["step_s"]
 
     cap = _bisect(row0, PUBLISHED[0.0][3] / 400, 50.0, 1000.0, args.calibration_rounds, "cap")
     args.cap_s = cap
