@@ -126,7 +126,7 @@ class _Call:
         clock = fleet.work_clock
         self.started = clock.time()
         self.timer = clock.call_later(wait, self.resolve, False)
-        fleet.on_refit.add(self._refit)
+        fleet.on_refit[self._refit] = None
 
     def _stop_decoding(self) -> None:
         if self.decoding:
@@ -141,7 +141,7 @@ class _Call:
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
-        fleet.on_refit.discard(self._refit)
+        fleet.on_refit.pop(self._refit, None)
         if self.fut.done():  # cancelled (the run stopped)
             self._stop_decoding()
             return

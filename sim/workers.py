@@ -49,7 +49,9 @@ class Fleet:
     key_format: str = "{gid}/{attempt}/{i}"
     lengths_by_group: dict[str, list[int]] = field(default_factory=dict)
     #: called when the publisher moves ``weight_version`` (partial-rollout calls flush)
-    on_refit: set[Callable[[], None]] = field(default_factory=set)
+    # an ordered set: refit notices go out in registration order, so a seeded run's log
+    # is the same every time (a set's order follows object ids)
+    on_refit: dict[Callable[[], None], None] = field(default_factory=dict)
     #: load-dependent decode speed (``sim.decode``); None: a group takes its drawn time
     #: whatever else runs
     decode: LoadedDecode | None = None
