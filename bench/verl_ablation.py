@@ -23,16 +23,23 @@ Here: the real controller on the virtual clock (``sim``). Every setting below is
   the fetches, processing and updates of a version, not its sync -- so the trainer is
   busy step - gen per version (over the 4 microbatches) and the refit takes the rest of
   a version's wall time, total / 400 - step (sync and validation, 1.6-9.9 s);
+* decode speed follows the load (``sim.decode``, ``--decode``): a rollout server's step
+  time versus the sequences it runs at once is a published vLLM-class measurement
+  (NVIDIA NIM, Llama-3.1-8B on H100: docs/scale.md); sequences spread evenly over the
+  16 servers, and a group's drawn time is its time on a full server (16 groups x 16
+  sequences), so when the budget leaves slots idle the groups still running go faster;
 * the last column, slots busy: generation seconds over generators x wall time.
 
 What verl does not publish is a group's generation time: lognormal, sigma assumed
 (``--sigma``), cut at ``--cap-s`` (their 28K-token max_response_length bounds the
-tail; 100 s puts threshold 0 on its published time), median calibrated so that the
-simulated threshold-0.5 row matches its published time (the default; ``--median-s``
-skips it) -- then 0.1 and 0.3 are predictions.
+tail), median calibrated so that the simulated threshold-0.5 row matches its published
+time (the default; ``--median-s`` skips it); the cap's default puts threshold 0 on its
+published time (``--calibrate-cap`` finds it again) -- then 0.1 and 0.3 are predictions.
 
     python bench/verl_ablation.py                       # calibrate on 0.5, predict
-    python bench/verl_ablation.py --median-s 80.9 --steps 30 --both
+    python bench/verl_ablation.py --median-s 60.5 --steps 30 --both
+    python bench/verl_ablation.py --calibrate-cap --steps 30      # both constants
+    python bench/verl_ablation.py --decode none --median-s 80.9 --steps 30   # before
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from controller.config import ConfigError, load_config  # noqa: E402
 from controller.core.policies import SELECTION_POLICIES  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
 from events.schema import GroupCommitted, RolloutAdmitted  # noqa: E402
+from sim.decode import NIM_LLAMA31_8B_H100, NIM_LLAMA31_8B_H100_V13, DecodeCurve  # noqa: E402
 from sim.harness import SimSpec, simulate  # noqa: E402
 from sim.timeline import timeline_of  # noqa: E402
 from sim.timings import Lognormal, SyntheticTimings  # noqa: E402
@@ -69,6 +77,27 @@ MICROBATCHES = SYNC_STEPS
 #: rollout servers: 64 GPUs at tensor-parallel 4; each runs at most 16 groups at once
 SERVERS = 64 // 4
 CONCURRENT = 16 * SERVERS
+
+
+#: decode step time versus sequences per server (``sim.decode``): a published curve, or
+#: none (a group takes its drawn time whatever else runs)
+DECODE_CURVES = {"nim-llama31-8b-h100": NIM_LLAMA31_8B_H100,
+                 "nim-llama31-8b-h100-v1.3": NIM_LLAMA31_8B_H100_V13, "none": None}
+SAMPLES = 16
+#: the longest generation of a group when --cap-s is not given: where threshold 0's
+#: simulated time meets its published one at the median calibrated on 0.5
+#: (``--calibrate-cap``; docs/scale.md)
+DEFAULT_CAP_S = {"nim-llama31-8b-h100": 314.0, "nim-llama31-8b-h100-v1.3": 525.0, "none": 100.0}
+
+
+def decode_curve(args: argparse.Namespace) -> DecodeCurve | None:
+    """The bench's decode model: sequences spread over the rollout servers, drawn times
+    holding on a full server (``--concurrent`` groups of 16 sequences over them all)."""
+    points = DECODE_CURVES[args.decode]
+    if points is None:
+        return None
+    return DecodeCurve(points=points, servers=SERVERS,
+                       reference_sequences=max(1, args.concurrent * SAMPLES // SERVERS))
 
 
 def budget(threshold: float) -> int:
@@ -94,7 +123,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
         f"run.steps={args.steps}",
         f"rollout.num_generators={min(args.concurrent, cap)}",
         "rollout.groups_per_call=1",
-        "rollout.samples_per_group=16",
+        f"rollout.samples_per_group={SAMPLES}",
         f"train.groups_per_step={GROUPS_PER_STEP}",
         f"train.groups_per_microbatch={GROUPS_PER_STEP // MICROBATCHES}",
         f"staleness.window_versions={window}",
@@ -120,7 +149,7 @@ def run_row(threshold: float, median_s: float, args: argparse.Namespace) -> dict
     real0 = time.perf_counter()
     # the live basis refuses a buffer under 2 x 512 at window 1: set past the validation
     simulate(store, SimSpec(config=cfg, timings=timings, run_id="verl",
-                            capacity=None if per_version else cap))
+                            capacity=None if per_version else cap, decode=decode_curve(args)))
     tl, _ = timeline_of(store, "verl")
     generating = _generating_s(store)
     s = tl.summary()
@@ -152,20 +181,38 @@ def _generating_s(store: MemoryEventStore) -> float:
     return total
 
 
-def calibrate(args: argparse.Namespace) -> float:
-    """Median generation time at which the threshold-0.5 row matches its published time."""
-    target = PUBLISHED[0.5][3] / 400
-    lo, hi = 10.0, 2000.0
-    for _ in range(args.calibration_rounds):
+def _bisect(row: Callable[[float], float], target: float, lo: float, hi: float, rounds: int,
+            name: str) -> float:
+    """The value in [lo, hi] (geometric bisection) at which ``row`` (increasing) meets
+    ``target`` seconds per step."""
+    for _ in range(rounds):
         mid = (lo * hi) ** 0.5
-        got = run_row(0.5, mid, args)["step_s"]
-        print(f"  calibrating: median {mid:7.1f}s -> {got:7.1f}s per step (target {target:.1f})",
+        got = row(mid)
+        print(f"  calibrating: {name} {mid:7.1f}s -> {got:7.1f}s per step (target {target:.1f})",
               flush=True)
         if got > target:
             hi = mid
         else:
             lo = mid
     return (lo * hi) ** 0.5
+
+
+def calibrate(args: argparse.Namespace) -> float:
+    """Median generation time at which the threshold-0.5 row matches its published time."""
+    return _bisect(lambda median: run_row(0.5, median, args)["step_s"], PUBLISHED[0.5][3] / 400,
+                   10.0, 2000.0, args.calibration_rounds, "median")
+
+
+def calibrate_cap(args: argparse.Namespace) -> tuple[float, float]:
+    """The cap at which threshold 0 matches its published time, the median recalibrated
+    on 0.5 at each cap tried (the two unpublished constants, fixed by the two end rows)."""
+    def row0(cap: float) -> float:
+        at_cap = argparse.Namespace(**{**vars(args), "cap_s": cap})
+        return run_row(0.0, calibrate(at_cap), at_cap)["step_s"]
+
+    cap = _bisect(row0, PUBLISHED[0.0][3] / 400, 50.0, 1000.0, args.calibration_rounds, "cap")
+    args.cap_s = cap
+    return cap, calibrate(args)
 
 
 def hms(seconds: float) -> str:
@@ -194,10 +241,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--basis", choices=("per_version", "live"), default="per_version",
                     help="what the budget counts: verl's per-version samples, or live groups "
                          "(the mapping before staleness.budget_basis existed)")
-    ap.add_argument("--cap-s", type=_positive(float), default=100.0,
+    ap.add_argument("--cap-s", type=_positive(float),
                     help="longest generation of a group (their 28K-token max_response_length "
                          "cuts the tail); default: where threshold 0's simulated time meets "
-                         "its published one at the calibrated median (docs/scale.md)")
+                         "its published one at the calibrated median (DEFAULT_CAP_S, "
+                         "docs/scale.md)")
+    ap.add_argument("--calibrate-cap", action="store_true",
+                    help="find the cap on threshold 0 as well (the median recalibrated on 0.5 "
+                         "at each cap tried)")
+    ap.add_argument("--decode", choices=tuple(DECODE_CURVES), default="nim-llama31-8b-h100",
+                    help="decode speed versus sequences per rollout server (sim.decode): a "
+                         "published curve, or none (a group's time ignores its server's load)")
     ap.add_argument("--median-s", type=_positive(float), help="skip calibration: this median generation time")
     ap.add_argument("--calibration-rounds", type=_positive(int), default=7)
     ap.add_argument("--selection", default="ready_first", choices=SELECTION_POLICIES,
@@ -209,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--both", action="store_true",
                     help="print the rows without and with partial rollouts, side by side")
     args = ap.parse_args(argv)
+    if args.cap_s is None:
+        args.cap_s = DEFAULT_CAP_S[args.decode]
     try:
         _table(args)
     except ConfigError as err:  # e.g. --selection: the config's own message names the key
@@ -216,9 +272,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(args: argparse.Namespace) -> None:
-    median = calibrate(args) if args.median_s is None else args.median_s
+    if args.calibrate_cap:
+        _, median = calibrate_cap(args)
+    else:
+        median = calibrate(args) if args.median_s is None else args.median_s
     print(f"\nverl fully-async staleness ablation (128 GPUs: 64 rollout + 64 train), in virtual "
-          f"time; {args.concurrent} groups at once, {args.basis} budget, generation lognormal(median {median:.1f}s, "
+          f"time; {args.concurrent} groups at once, {args.basis} budget, decode {args.decode}, generation lognormal(median {median:.1f}s, "
           f"sigma {args.sigma}, capped at {args.cap_s:g}s), {args.steps} steps simulated, totals "
           f"scaled to 400 steps")
     header = (f"{'threshold':>9} {'partial':>7} {'ours: window, capacity':>22} | {'published step':>14} "

@@ -125,8 +125,6 @@ class PartialRecorder:
         self._appending: set[asyncio.Task] = set()
         #: commits riding with the gathering append, and who hears if it fails
         self._riders: list[tuple[list[ev.GroupCommitted], Callable[[BaseException], None]]] = []
-        #: an append task is gathering (it has not taken ``_waiting`` and ``_riders`` yet)
-        self._gathering = False
         #: appends made, calls they recorded (``bench_scale`` prints the ratio)
         self.appends = 0
         self.calls = 0
@@ -146,10 +144,11 @@ class PartialRecorder:
         self._gather()
 
     def _gather(self) -> None:
-        """Start an append gathering what comes within the linger (unless one is)."""
-        if self._gathering:
+        """Start an append gathering what comes within the linger, unless one is: one
+        gathers from the first pause or commit queued (just now, if it is the only one)
+        until it takes them all."""
+        if len(self._waiting) + len(self._riders) > 1:
             return
-        self._gathering = True
         # a task's first step runs like ``call_soon``: after every call of this turn
         task = asyncio.get_running_loop().create_task(self._append_waiting())
         self._appending.add(task)  # a reference until it is done
@@ -198,12 +197,12 @@ class PartialRecorder:
         try:
             await self._linger()
         except asyncio.CancelledError:  # the run stopped: no waiting call goes on
-            waiting, self._waiting, self._riders, self._gathering = self._waiting, [], [], False
+            waiting, self._waiting, self._riders = self._waiting, [], []
             for call, *_ in waiting:
                 call.cancel()
             raise
         waiting, self._waiting = self._waiting, []
-        riders, self._riders, self._gathering = self._riders, [], False
+        riders, self._riders = self._riders, []
         journal = self.journal
         try:
             events: list[ev.Event] = []

@@ -57,11 +57,11 @@ class PausingCall:
             self.worker_failed = True
             self.result.set_exception(err)
             return
-        if all(out.status == "done" for out in outcomes):
-            self.result.set_result(outcomes)
-            return
-        try:
-            self.on_pause(self, outcomes)
+        try:  # no one awaits this callback: whatever raises here must end ``result``
+            if all(out.status == "done" for out in outcomes):
+                self.result.set_result(outcomes)
+            else:
+                self.on_pause(self, outcomes)
         except Exception as err:
             self.fail(err)
 

@@ -180,10 +180,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         with self.uncharged():
             self._worker_wake = None
             timers, now = self._worker_timers, self.time() + self._clock_resolution
-            while timers and timers[0][0] <= now:
-                _, _, callback, args = heapq.heappop(timers)
-                callback(*args)
-            self._arm_workers()
+            try:
+                while timers and timers[0][0] <= now:
+                    _, _, callback, args = heapq.heappop(timers)
+                    callback(*args)
+            finally:  # one that raises (to the loop's handler) leaves the others armed
+                self._arm_workers()
 
     # -- refusals ------------------------------------------------------------------------
 

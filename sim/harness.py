@@ -26,6 +26,7 @@ from controller.startup import create_run
 from events import schema as ev
 from events.store import EventStore
 from sim.clock import VirtualTimeLoop
+from sim.decode import DecodeCurve, LoadedDecode
 from sim.episodes import SimEpisodeGenerator
 from sim.timings import Timings
 from sim.partial import SimPartialGenerator
@@ -62,6 +63,17 @@ class SimSpec:
     #: whether the simulated episodes' env deduplicates by key (one pause per turn) or
     #: not (two: ``sim.episodes``)
     episode_dedupes: bool = True
+    #: load-dependent decode speed (``sim.decode``): a group's drawn time holds at the
+    #: curve's reference load and shrinks or grows with the sequences its server runs
+    #: at once; None (the default): a group takes its drawn time whatever else runs
+    decode: DecodeCurve | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode is not None and not isinstance(self.decode, DecodeCurve):
+            raise ValueError(f"sim.decode: a DecodeCurve or None, got {type(self.decode).__name__}")
+        if self.decode is not None and self.episode_turns:
+            # an episode's turns wait on the env as well as decode; their split is not modelled
+            raise ValueError("sim.decode: covers single-turn rollouts; episode_turns must be 0")
 
 
 @dataclass
@@ -139,7 +151,8 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
     if spec.capacity is not None:
         # an attribute set, not a replace: ``Config.__post_init__`` would refuse the buffer
         run_cfg.staleness = msgspec.structs.replace(cfg.staleness, buffer_groups=spec.capacity)
-    fleet = Fleet(loop=loop, timings=spec.timings)
+    fleet = Fleet(loop=loop, timings=spec.timings,
+                  decode=None if spec.decode is None else LoadedDecode(loop, spec.decode))
     names = [f"generator-{i}" for i in range(cfg.rollout.num_generators)]
     trainer = SimTrainer(fleet)
     generators = _generators(cfg, spec, fleet, names)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from events.schema import Segment
 from sim.workers import Fleet
@@ -97,8 +98,11 @@ class _Call:
     def __init__(self, gen: SimPartialGenerator, fut: asyncio.Future, reqs: list[GenerationRequest]) -> None:
         self.gen, self.fut, self.reqs = gen, fut, reqs
         self.groups = [gen.held[r.group_id] for r in reqs]
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Any = None
+        #: on the fleet's work clock (virtual seconds, or decode work: ``sim.decode``)
         self.started = 0.0
+        #: whether its groups' sequences count in the decode load now
+        self.decoding = False
         #: token steps each group reaches at the timer (the first to flush reaches it exactly)
         self.target: list[int] = []
 
@@ -108,7 +112,6 @@ class _Call:
         return max(1, min(self.gen.segment_tokens - since, max(g.lengths) - g.steps))
 
     def schedule(self) -> None:
-        loop = self.gen.fleet.loop
         steps = [self._until_flush(g) for g in self.groups]
         wait = min(n * g.token_s for n, g in zip(steps, self.groups))
         self.target = [
@@ -116,9 +119,19 @@ class _Call:
         ]
         first = min(range(len(steps)), key=lambda k: steps[k] * self.groups[k].token_s)
         self.target[first] = self.groups[first].steps + steps[first]
-        self.started = loop.time()
-        self.timer = loop.call_later(wait, self.resolve, False)
-        self.gen.fleet.on_refit.add(self._refit)
+        fleet = self.gen.fleet
+        if not self.decoding:  # a call re-timed after a refit keeps decoding
+            self.decoding = True
+            fleet.decoding(sum(len(g.lengths) for g in self.groups))
+        clock = fleet.work_clock
+        self.started = clock.time()
+        self.timer = clock.call_later(wait, self.resolve, False)
+        fleet.on_refit[self._refit] = None
+
+    def _stop_decoding(self) -> None:
+        if self.decoding:
+            self.decoding = False
+            self.gen.fleet.decoding(-sum(len(g.lengths) for g in self.groups))
 
     def _refit(self) -> None:
         """The fleet's weights moved: groups flush the old version's tokens."""
@@ -128,11 +141,12 @@ class _Call:
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
-        fleet.on_refit.discard(self._refit)
-        if self.fut.done():
-            return  # cancelled (the run stopped)
+        fleet.on_refit.pop(self._refit, None)
+        if self.fut.done():  # cancelled (the run stopped)
+            self._stop_decoding()
+            return
         with fleet.loop.uncharged():
-            elapsed = fleet.loop.time() - self.started
+            elapsed = fleet.work_clock.time() - self.started
             for g, target in zip(self.groups, self.target):
                 g.steps = target if not refit else min(target, g.steps + int(elapsed / g.token_s + 1e-9))
             v = fleet.weight_version
@@ -141,6 +155,7 @@ class _Call:
                     g.version = fleet.weight_version
                 self.schedule()
                 return
+            self._stop_decoding()
             self.fut.set_result([self._outcome(r, g, refit) for r, g in zip(self.reqs, self.groups)])
 
     def _outcome(self, req: GenerationRequest, g: _Group, refit: bool) -> GenerationOutcome:

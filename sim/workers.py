@@ -29,6 +29,7 @@ from workers.api import (
     StepOutcome,
 )
 from sim.clock import VirtualTimeLoop
+from sim.decode import LoadedDecode
 from sim.timings import Timings
 
 
@@ -48,7 +49,25 @@ class Fleet:
     key_format: str = "{gid}/{attempt}/{i}"
     lengths_by_group: dict[str, list[int]] = field(default_factory=dict)
     #: called when the publisher moves ``weight_version`` (partial-rollout calls flush)
-    on_refit: set[Callable[[], None]] = field(default_factory=set)
+    # an ordered set: refit notices go out in registration order, so a seeded run's log
+    # is the same every time (a set's order follows object ids)
+    on_refit: dict[Callable[[], None], None] = field(default_factory=dict)
+    #: load-dependent decode speed (``sim.decode``); None: a group takes its drawn time
+    #: whatever else runs
+    decode: LoadedDecode | None = None
+
+    @property
+    def work_clock(self) -> VirtualTimeLoop | LoadedDecode:
+        """What a generation's drawn seconds elapse on: the loop, or the decode work clock."""
+        return self.loop if self.decode is None else self.decode
+
+    def decoding(self, sequences: int) -> None:
+        """``sequences`` started (> 0) or stopped (< 0) decoding."""
+        if self.decode is not None:
+            if sequences > 0:
+                self.decode.add(sequences)
+            else:
+                self.decode.remove(-sequences)
 
 
 class SimGenerator:
@@ -71,13 +90,18 @@ class SimGenerator:
             duration = max(fleet.timings.generation_s(r.group_id, r.attempt) for r in requests)
             fleet.calls += 1
             fleet.generator_busy_s += duration
-            fleet.loop.call_later(duration, self._done, fut, requests, self.version)
+            # the call's sequences decode until its slowest group ends
+            fleet.decoding(sum(r.n_samples for r in requests))
+            fleet.work_clock.call_later(duration, self._done, fut, requests, self.version)
         return fut
 
     def _done(self, fut: asyncio.Future, requests: list[GenerationRequest], start: int) -> None:
+        fleet = self.fleet
+        if fleet.decode is not None:
+            with fleet.loop.uncharged():
+                fleet.decoding(-sum(r.n_samples for r in requests))
         if fut.done():
             return  # cancelled (the run stopped)
-        fleet = self.fleet
         end = self.version
         with fleet.loop.uncharged():
             outcomes = []

@@ -119,3 +119,24 @@ def test_nested_uncharged_sections_count_once():
     # counted twice, the sections' CPU would exceed the thread's over all of them
     assert 0.05 <= loop.uncharged_cpu_s <= time.thread_time() - cpu0
     loop.close()
+
+
+def test_a_worker_timer_that_raises_leaves_the_others_armed():
+    # as with one loop timer each: the error goes to the loop's handler, the fleet goes on
+    loop = VirtualTimeLoop()
+    errors: list[object] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context.get("exception")))
+    fired: list[tuple[str, float]] = []
+
+    def boom() -> None:
+        raise ValueError("a simulated worker's bug")
+
+    async def main() -> None:
+        loop.call_uncharged_later(1.0, boom)
+        loop.call_uncharged_later(1.0, lambda: fired.append(("same time", loop.time())))
+        loop.call_uncharged_later(2.0, lambda: fired.append(("later", loop.time())))
+        await asyncio.sleep(3.0)
+
+    _run(loop, main())
+    assert [type(e) for e in errors] == [ValueError]
+    assert fired == [("same time", 1.0), ("later", 2.0)]

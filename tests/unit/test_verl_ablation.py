@@ -26,6 +26,7 @@ def test_the_budget_is_verls_max_required_samples():
     (["--median-s", "0", "--steps", "1"], "argument --median-s: must be > 0 (got 0)"),
     (["--cap-s", "-5"], "argument --cap-s: must be > 0 (got -5)"),
     (["--selection", "newest"], "argument --selection: invalid choice: 'newest'"),
+    (["--decode", "h20"], "argument --decode: invalid choice: 'h20'"),
 ])
 def test_a_bad_argument_is_one_error_line(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -35,3 +36,17 @@ def test_a_bad_argument_is_one_error_line(argv, says, capsys):
     last = err.splitlines()[-1]
     assert last.split(": error: ", 1)[1].startswith(says), last
     assert "Traceback" not in err
+
+
+def test_the_decode_model_is_verls_servers_with_a_full_server_as_reference():
+    """16 rollout servers (64 GPUs at tensor-parallel 4); a drawn time holds while each
+    runs 16 groups of 16 sequences; --decode none is today's per-slot model."""
+    import argparse
+
+    args = argparse.Namespace(decode="nim-llama31-8b-h100", concurrent=verl_ablation.CONCURRENT)
+    curve = verl_ablation.decode_curve(args)
+    assert (curve.servers, curve.reference_sequences) == (16, 256)
+    assert curve.points == verl_ablation.NIM_LLAMA31_8B_H100
+    assert verl_ablation.decode_curve(argparse.Namespace(decode="none", concurrent=256)) is None
+    # every curve has the cap its own calibration found (none is left to a KeyError)
+    assert set(verl_ablation.DEFAULT_CAP_S) == set(verl_ablation.DECODE_CURVES)
