@@ -161,3 +161,18 @@ def test_a_pause_is_held_to_the_rules_of_its_parts(fields: dict[str, Any], messa
     with pytest.raises(InvariantViolation, match=message) as info:
         fold(events)
     assert info.value.position == events[-1].position
+
+
+def test_the_dashboards_history_finds_a_pauses_parts_by_their_type():
+    from events.memory_store import MemoryEventStore
+    from views.dashboard.history import EventQuery, find_events, tail_rows
+
+    store = MemoryEventStore()
+    for s in _paused(_log()):
+        store.append_raw("r1", codec.encode(s.event), event_type=type(s.event).__name__)
+    old = [s.event for s in _log().build()]
+    asked = find_events(store, "r1", EventQuery(type="EnvStepsRequested"))["events"]
+    assert len(asked) == sum(type(e) is ev.EnvStepsRequested for e in old) == 2
+    assert {r["type"] for r in asked} == {"EnvStepsRequested"}
+    rows = tail_rows(store, "r1", store.last_position("r1"))
+    assert [r["type"] for r in rows] == [type(e).__name__ for e in old]  # the log is short
