@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable, assert_never, get_args
 
 from controller.core import failures
-from controller.core.errors import violation
+from controller.core.errors import InvariantViolation, violation
 from controller.core.segments import WINDOW_BASES
 from controller.core.reducer_groups import (
     _on_group_committed,
@@ -316,7 +316,10 @@ def _on_run_rewound(state: RunState, ev: RunRewound, pos: int) -> None:
 def _on_episode_turns_recorded(state: RunState, ev: EpisodeTurnsRecorded, pos: int) -> None:
     # A pause is the events it stands for, each checked and applied in turn at the
     # pause's one position: the order rules of episodes hold on them unchanged.
-    for part in expand(ev):
+    parts = expand(ev)
+    if not parts:
+        _violation(pos, ev, f"group {ev.group_id}: a pause with no results, segments or calls")
+    for part in parts:
         HANDLERS[type(part)](state, part, pos)
 
 
@@ -324,12 +327,19 @@ def apply_parts(state: RunState, ev: EpisodeTurnsRecorded, position: int,
                 after: Callable[[AnyEvent], None]) -> None:
     """Apply a pause at ``position`` part by part, calling ``after(part)`` once each is
     applied (what the fold's observers need: the state between the parts)."""
-    for i, part in enumerate(expand(ev)):
-        if i == 0:
-            apply_event(state, part, position)  # the position and epoch rules, once
-        else:
-            HANDLERS[type(part)](state, part, position)
-        after(part)
+    parts, before = expand(ev), state.position
+    if not parts:
+        apply_event(state, ev, position)  # its handler names the problem
+    try:
+        for i, part in enumerate(parts):
+            if i == 0:
+                apply_event(state, part, position)  # the position and epoch rules, once
+            else:
+                HANDLERS[type(part)](state, part, position)
+            after(part)
+    except InvariantViolation:
+        state.position = before  # the fold stops before the pause, as for any event
+        raise
 
 
 #: Exact event type -> handler: the reducer's ``match`` over the event union, as one dict

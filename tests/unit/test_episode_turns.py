@@ -153,6 +153,11 @@ def _bad_pause(b: LogBuilder, **fields: Any) -> list[ev.StoredEvent]:
                  "the next call of this episode is turn 1", id="turns-out-of-order"),
     pytest.param({"segment_index": 5, "flushes": [ev.SegmentFlush(weight_version=0, segments=[])]},
                  "index", id="segment-index-gap"),
+    pytest.param({}, "a pause with no results, segments or calls", id="empty"),
+    pytest.param({"flushes": [ev.SegmentFlush(weight_version=0, segments=[ev.Segment(
+                     sample=0, start=3, length=2, key="k", turn=1)])],
+                  "calls": [ev.EnvCall(sample=0, turn=2, request="a")]},
+                 "the next call of this episode is turn 1", id="a-later-part-breaks-a-rule"),
 ])
 def test_a_pause_is_held_to_the_rules_of_its_parts(fields: dict[str, Any], message: str):
     b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
@@ -161,6 +166,11 @@ def test_a_pause_is_held_to_the_rules_of_its_parts(fields: dict[str, Any], messa
     with pytest.raises(InvariantViolation, match=message) as info:
         fold(events)
     assert info.value.position == events[-1].position
+    # the raw fold with observers (audit, staleness) stops at the same place
+    state, raw = initial_state(), [(s.position, codec.encode(s.event)) for s in events]
+    with pytest.raises(InvariantViolation, match=message):
+        apply_raw(state, raw, {ev.SegmentsRecorded: lambda e, pos, st: None})
+    assert state.position == events[-2].position
 
 
 def test_the_dashboards_history_finds_a_pauses_parts_by_their_type():
