@@ -186,3 +186,24 @@ def test_the_dashboards_history_finds_a_pauses_parts_by_their_type():
     assert {r["type"] for r in asked} == {"EnvStepsRequested"}
     rows = tail_rows(store, "r1", store.last_position("r1"))
     assert [r["type"] for r in rows] == [type(e).__name__ for e in old]  # the log is short
+
+
+def test_a_snapshot_taken_mid_episode_resumes_over_pauses_as_the_full_fold():
+    from controller.core.state import decode_state, encode_state
+    from controller.projector import Projector
+    from events.memory_store import MemoryEventStore
+
+    paused = _paused(_log())
+    store = MemoryEventStore()
+    for s in paused:
+        store.append_raw("r1", codec.encode(s.event), event_type=type(s.event).__name__)
+    full = Projector(store).get("r1", snapshot=False).require()
+    assert full.episodes == _log().fold().episodes
+    pauses = [s.position for s in paused if type(s.event) is ev.EpisodeTurnsRecorded]
+    # right after the first pause: the group is mid-episode, more pauses in the tail
+    at = pauses[0]
+    assert pauses[-1] > at
+    half = Projector(store).get("r1", until=at).require()
+    assert "g1" in half.inflight and decode_state(encode_state(half)) == half
+    store.save_snapshot("r1", at, encode_state(half))
+    assert Projector(store).get("r1").require() == full
