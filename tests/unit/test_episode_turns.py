@@ -207,3 +207,12 @@ def test_a_snapshot_taken_mid_episode_resumes_over_pauses_as_the_full_fold():
     assert "g1" in half.inflight and decode_state(encode_state(half)) == half
     store.save_snapshot("r1", at, encode_state(half))
     assert Projector(store).get("r1").require() == full
+
+
+def test_the_dashboard_refuses_to_search_for_pauses_by_their_own_type():
+    # a pause never shows as a row of its own (its parts do): a search for its type
+    # would scan the whole log and find nothing, with no word why
+    from views.dashboard.history import EventQuery
+
+    with pytest.raises(ValueError, match="EnvStepsCompleted, EnvStepsRequested, SegmentsRecorded"):
+        EventQuery.from_params({"type": "EpisodeTurnsRecorded"})

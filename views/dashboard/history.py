@@ -51,6 +51,9 @@ class EventQuery:
         kind = params.get("type", "")
         if kind and kind not in EVENT_TYPES:
             raise ValueError(f"type: unknown event type {kind!r}")
+        if kind == "EpisodeTurnsRecorded":  # never a row: its parts are (``_rows``)
+            raise ValueError(f"type: a pause shows as the events it stands for; ask for one "
+                             f"of {', '.join(sorted(PART_NAMES))}")
         try:
             step = int(params["step"]) if params.get("step") else None
             before = int(params.get("before") or 0)
