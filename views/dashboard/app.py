@@ -67,7 +67,7 @@ def create_app(store: EventStore, default_run: str | None = None) -> Starlette:
     async def runs(request: Request) -> Response:
         rows = await asyncio.to_thread(history.run_rows, store)
         return JSONResponse({"runs": rows, "default": default_run,
-                             "event_types": sorted(EVENT_TYPES)})
+                             "event_types": sorted(set(EVENT_TYPES) - {"EpisodeTurnsRecorded"})})  # a pause is shown as its parts
 
     async def events(request: Request) -> Response:
         run_id = request.path_params["run_id"]
