@@ -97,12 +97,14 @@ class AdmissionSide:
         self.on_failure = on_failure
         #: calls in flight per generator
         self.busy: dict[str, int] = {g.name: 0 for g in generators}
+        #: their sum, kept as they change (the recorder asks it at every pause: O(fleet))
+        self.calls_in_flight = 0
         #: why the gate is closed ("" when open), for the stall watchdog
         self.gate_reason = ""
         self.tasks: set[asyncio.Task] = set()
         #: partial rollouts: records flushes (calls share appends), deletes segment rows
         self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s,
-                                            in_flight=lambda: sum(self.busy.values()))
+                                            in_flight=lambda: self.calls_in_flight)
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
@@ -162,6 +164,7 @@ class AdmissionSide:
 
     def _release_slot(self, gen: GeneratorClient) -> None:
         self.busy[gen.name] -= 1
+        self.calls_in_flight -= 1
         self.segment_rows.recheck()  # a flush lingering for this call waits no longer
         heapq.heappush(self._free_slots, self._gen_index[gen.name])
 
@@ -252,6 +255,7 @@ class AdmissionSide:
             for admitted in batch
         ]
         self.busy[gen.name] += 1
+        self.calls_in_flight += 1
         # Issued here, right after the appends that fencing would have refused: no
         # event-loop turn in between, so no separate epoch check (a store round trip).
         call = PausingCall(gen, requests, gen.generate(requests), self._record_flushes)
