@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--both", action="store_true",
                     help="print the rows without and with partial rollouts, side by side")
     args = ap.parse_args(argv)
+    if args.calibrate_cap and (args.cap_s is not None or args.median_s is not None):
+        ap.error("--calibrate-cap finds both the cap and the median: drop --cap-s / --median-s, "
+                 "or drop --calibrate-cap to use them")
     if args.cap_s is None:
         args.cap_s = DEFAULT_CAP_S[args.decode]
     try:

@@ -27,6 +27,8 @@ def test_the_budget_is_verls_max_required_samples():
     (["--cap-s", "-5"], "argument --cap-s: must be > 0 (got -5)"),
     (["--selection", "newest"], "argument --selection: invalid choice: 'newest'"),
     (["--decode", "h20"], "argument --decode: invalid choice: 'h20'"),
+    (["--calibrate-cap", "--median-s", "60"], "--calibrate-cap finds both the cap and the median"),
+    (["--calibrate-cap", "--cap-s", "300"], "--calibrate-cap finds both the cap and the median"),
 ])
 def test_a_bad_argument_is_one_error_line(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
