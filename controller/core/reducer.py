@@ -313,7 +313,8 @@ def _on_run_rewound(state: RunState, ev: RunRewound, pos: int) -> None:
     state.weight_version = min(state.weight_version, to)
 
 
-def _on_episode_turns_recorded(state: RunState, ev: EpisodeTurnsRecorded, pos: int) -> None:
+def _on_episode_turns_recorded(state: RunState, ev: EpisodeTurnsRecorded, pos: int,
+                               after: Callable[[AnyEvent], None] | None = None) -> None:
     # A pause is the events it stands for, each checked and applied in turn at the
     # pause's one position: the order rules of episodes hold on them unchanged.
     parts = expand(ev)
@@ -321,22 +322,20 @@ def _on_episode_turns_recorded(state: RunState, ev: EpisodeTurnsRecorded, pos: i
         _violation(pos, ev, f"group {ev.group_id}: a pause with no results, segments or calls")
     for part in parts:
         HANDLERS[type(part)](state, part, pos)
+        if after is not None:
+            after(part)
 
 
 def apply_parts(state: RunState, ev: EpisodeTurnsRecorded, position: int,
                 after: Callable[[AnyEvent], None]) -> None:
     """Apply a pause at ``position`` part by part, calling ``after(part)`` once each is
     applied (what the fold's observers need: the state between the parts)."""
-    parts, before = expand(ev), state.position
-    if not parts:
-        apply_event(state, ev, position)  # its handler names the problem
+    before = state.position
+    if position != before + 1 or ev.epoch != state.epoch or not state.started:
+        check_preamble(state, ev, position)  # the position and epoch rules, on the pause
+    state.position = position  # observers see the pause's position, as after any event
     try:
-        for i, part in enumerate(parts):
-            if i == 0:
-                apply_event(state, part, position)  # the position and epoch rules, once
-            else:
-                HANDLERS[type(part)](state, part, position)
-            after(part)
+        _on_episode_turns_recorded(state, ev, position, after)
     except InvariantViolation:
         state.position = before  # the fold stops before the pause, as for any event
         raise
