@@ -32,6 +32,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -136,6 +137,31 @@ def _overhead(wrap) -> float:
     return best
 
 
+def _time_collections() -> list:
+    """[full collections, thread-CPU seconds in every collection, in the full ones, in
+    the ones charged to the controller] of this process, kept
+    up to date by a collector callback (the whole run's, in any callback or section)."""
+    import time
+
+    import asyncio
+
+    out, started = [0, 0.0, 0.0, 0.0], [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time()
+            return
+        spent = time.thread_time() - started[0]
+        out[0] += info["generation"] == 2
+        out[1] += spent
+        out[2] += spent if info["generation"] == 2 else 0.0
+        loop = asyncio._get_running_loop()  # charged: outside the simulated workers' sections
+        out[3] += spent if loop is not None and not getattr(loop, "_uncharged_depth", 1) else 0.0
+
+    gc.callbacks.insert(0, timed)
+    return out
+
+
 def child(args: argparse.Namespace) -> None:
     """One run of the code at ``args.code`` (first on ``sys.path``): a JSON line."""
     sys.path.insert(0, args.code)
@@ -151,6 +177,7 @@ def child(args: argparse.Namespace) -> None:
     timers, overhead = _install_timers() if args.timers else (None, 0.0)
     if args.no_gc:
         gc.disable()
+    collections = _time_collections()
     cfg = config_for(args.generators, args.groups, window=2, selection="oldest_first")
     partial = msgspec.structs.replace(cfg.rollout.partial, enabled=True,
                                       **({} if args.linger_s is None else {"record_linger_s": args.linger_s}))
@@ -167,6 +194,17 @@ def child(args: argparse.Namespace) -> None:
     row = {"cpu_ms": 1e3 * out.controller_cpu_s / groups, "groups": groups,
            "appends": out.appends / groups, "events": out.events / groups,
            "groups_per_vs": groups / out.virtual_s}
+    # memory: the child's peak RSS, and the cyclic garbage a whole collection still finds
+    # after the run (a frozen cycle dropped after its freeze is only found here)
+    row["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row["garbage_at_end"] = gc.collect()
+    row["collections"] = {"full": collections[0], "ms_per_group": 1e3 * collections[1] / groups,
+                          "full_ms_per_group": 1e3 * collections[2] / groups,
+                          "charged_ms_per_group": 1e3 * collections[3] / groups}
+    stats = getattr(out, "collector", None)  # code before the collector policy: none
+    if stats is not None and stats.freezes:
+        row["gc"] = {"freezes": stats.freezes, "sweeps": stats.sweeps, "frozen": stats.frozen,
+                     "ms_per_group": 1e3 * stats.cpu_s / groups}
     if timers is not None:
         row["timers"] = {k: [n / groups, 1e3 * (s - overhead * inner) / groups]
                          for k, (n, s, inner) in timers.items() if n}
@@ -211,6 +249,14 @@ def compare(args: argparse.Namespace, url: str | None, tmp: Path) -> None:
             print(f"  round {r} {k:>4}: {x['cpu_ms']:.3f} ms per group, {x['appends']:.2f} appends "
                   f"and {x['events']:.1f} events per group, {x['groups_per_vs']:.4g} groups per "
                   "virtual s", flush=True)
+            c, g = x["collections"], x.get("gc")
+            print(f"             peak RSS {x['rss_mib']:.0f} MiB, {x['garbage_at_end']} objects of cyclic "
+                  f"garbage found after the run; collector: {c['full']} full collections, all collections "
+                  f"{c['ms_per_group']:.3f} ms per group of the loop thread ({c['full_ms_per_group']:.3f} "
+                  f"in the full ones, {c['charged_ms_per_group']:.3f} charged to the controller)"
+                  + ("" if g is None else f"; policy: {g['freezes']} freezes, {g['sweeps']} whole "
+                     f"sweeps ({g['ms_per_group']:.3f} ms per group), {g['frozen']} objects frozen"),
+                  flush=True)
     means = {k: sum(x["cpu_ms"] for x in rs) / len(rs) for k, rs in runs.items() if rs}
     for k, m in means.items():
         print(f"{k:>4} ({args.base if k == 'base' else 'working tree'}): mean {m:.3f} ms per group "
