@@ -103,6 +103,8 @@ class Controller:
     ) -> None:
         self.journal = Journal(writer, clock)
         self.collector = Collector(cfg.controller.gc)
+        if self.collector.active:
+            writer.listeners.append(self.collector.after_append)
         self.stall_timeout_s = cfg.controller.stall_timeout_s
         self.loss = WorkerLossHandling(
             self.journal, trainer=trainer, generators=generators, publisher=publisher,
