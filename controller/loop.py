@@ -65,7 +65,6 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from controller.admission import AdmissionSide, OnFailure, RunStoppedError
-from controller.gc_policy import Collector
 from controller.journal import Journal, Timers
 from controller.log_writer import LogWriter
 from controller.step_close import OnStep, StepClosing
@@ -102,9 +101,6 @@ class Controller:
         on_failure: OnFailure | None = None,
     ) -> None:
         self.journal = Journal(writer, clock)
-        self.collector = Collector(cfg.controller.gc)
-        if self.collector.active:
-            writer.listeners.append(self.collector.after_append)
         self.stall_timeout_s = cfg.controller.stall_timeout_s
         self.loss = WorkerLossHandling(
             self.journal, trainer=trainer, generators=generators, publisher=publisher,
@@ -113,7 +109,7 @@ class Controller:
         self.closing = StepClosing(
             self.journal, trainer=trainer, publisher=publisher, payloads=payloads,
             checkpoint=cfg.checkpoint, checkpoint_dir=checkpoint_dir,
-            num_generators=len(generators), on_step=self._step_boundary(on_step),
+            num_generators=len(generators), on_step=on_step,
         )
         self.admission = AdmissionSide(
             self.journal, generators=generators, loss=self.loss, rollout=cfg.rollout,
@@ -141,21 +137,6 @@ class Controller:
 
     async def run(self) -> str:
         """Train until trainer_version reaches the target; returns the finish reason."""
-        self.collector.start()  # the state recovery folded is the long-lived part
-        try:
-            return await self._run()
-        finally:
-            self.collector.stop()
-
-    def _step_boundary(self, on_step: OnStep | None) -> OnStep:
-        """The caller's ``on_step``, after the collector's step boundary."""
-        def boundary(step: int, version: int, metrics: dict[str, float]) -> None:
-            self.collector.step_boundary()
-            if on_step is not None:
-                on_step(step, version, metrics)
-        return boundary
-
-    async def _run(self) -> str:
         fatal = self.admission.start()
         pumps = [
             asyncio.create_task(self.admission.pump(), name="admission"),

@@ -20,7 +20,6 @@ from typing import Literal
 
 import msgspec
 
-from controller.gc_policy import GcPolicy
 from events.config_checks import non_negative, positive
 from workers.backends import GeneratorBackend
 from workers.generator.config import PartialSection, VllmSection
@@ -111,12 +110,6 @@ class ControllerSection(_Table):
     finish waits for the publish), so a refit no longer idles the trainer -- at the price
     of generators holding older weights for longer (more lag; with ``ready_first``,
     more evictions). Checkpoint steps and the last step always publish in line."""
-    gc: GcPolicy = "freeze"
-    """The garbage collector in the controller's process (``controller.gc_policy``).
-    ``freeze``: after recovery and at each step boundary, collect once and freeze the
-    survivors, so the collector no longer walks the long-lived state on every full
-    pass (a whole sweep each time the frozen heap doubles frees frozen cycles).
-    ``default``: the interpreter's collector untouched."""
 
     def __post_init__(self) -> None:
         positive("controller", self, "snapshot_every_events")

@@ -22,7 +22,6 @@ from controller.config import Config, config_to_dict
 from controller.log_writer import LogWriter
 from controller.loop import Controller
 from controller.effects import publish_current
-from controller.gc_policy import CollectorStats
 from controller.startup import create_run
 from events import schema as ev
 from events.store import EventStore
@@ -98,8 +97,6 @@ class SimOutcome:
     workers_cpu_s: float = 0.0
     #: batches the loop appended (several events, and several groups' flushes, may share one)
     appends: int = 0
-    #: what the collector policy (``controller.gc``) did, its CPU included in the above
-    collector: CollectorStats | None = None
 
     @property
     def events(self) -> int:
@@ -196,5 +193,4 @@ def simulate(store: EventStore, spec: SimSpec) -> SimOutcome:
         workers_real_s=loop.uncharged_s,
         workers_cpu_s=loop.uncharged_cpu_s,
         appends=appends[0],
-        collector=controller.collector.stats,
     )
