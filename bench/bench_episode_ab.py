@@ -14,7 +14,10 @@ The collector's full collections (0.2-0.3 s each over the simulated run's heap, 
 run) land at random in the controller's callbacks or in the simulated workers' uncharged
 sections, which moves a run's figure by ~0.08 ms per group each; ``--no-gc`` turns the
 collector off in every run, to compare code without that noise (the controller's own
-share of the collector, ~0.1 ms per group, is then left out of both sides).
+share of the collector, ~0.1 ms per group, is then left out of both sides). Every run
+also prints its full collections, the collections' loop-thread CPU (all of it, and the
+part charged to the controller), its peak RSS and the cyclic garbage a collection still
+finds after it.
 
 ``--timers`` runs the working tree once more with thread-CPU timers around the parts
 of the pause and append path (:data:`TIMED`; nested: a part's figure includes the parts
@@ -138,12 +141,11 @@ def _overhead(wrap) -> float:
 
 
 def _time_collections() -> list:
-    """[full collections, thread-CPU seconds in every collection, in the full ones, in
-    the ones charged to the controller] of this process, kept
-    up to date by a collector callback (the whole run's, in any callback or section)."""
-    import time
-
+    """[full collections, thread-CPU seconds in all collections, in the full ones, in the
+    ones charged to the controller (outside the simulated workers' uncharged sections)],
+    kept up to date by a collector callback over the whole run."""
     import asyncio
+    import time
 
     out, started = [0, 0.0, 0.0, 0.0], [0.0]
 
@@ -155,7 +157,7 @@ def _time_collections() -> list:
         out[0] += info["generation"] == 2
         out[1] += spent
         out[2] += spent if info["generation"] == 2 else 0.0
-        loop = asyncio._get_running_loop()  # charged: outside the simulated workers' sections
+        loop = asyncio._get_running_loop()  # the virtual-time loop, when one runs
         out[3] += spent if loop is not None and not getattr(loop, "_uncharged_depth", 1) else 0.0
 
     gc.callbacks.insert(0, timed)
@@ -195,16 +197,12 @@ def child(args: argparse.Namespace) -> None:
            "appends": out.appends / groups, "events": out.events / groups,
            "groups_per_vs": groups / out.virtual_s}
     # memory: the child's peak RSS, and the cyclic garbage a whole collection still finds
-    # after the run (a frozen cycle dropped after its freeze is only found here)
+    # after the run (what a collector policy that freezes objects could leave behind)
     row["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     row["garbage_at_end"] = gc.collect()
     row["collections"] = {"full": collections[0], "ms_per_group": 1e3 * collections[1] / groups,
                           "full_ms_per_group": 1e3 * collections[2] / groups,
                           "charged_ms_per_group": 1e3 * collections[3] / groups}
-    stats = getattr(out, "collector", None)  # code before the collector policy: none
-    if stats is not None and stats.freezes:
-        row["gc"] = {"freezes": stats.freezes, "sweeps": stats.sweeps, "frozen": stats.frozen,
-                     "ms_per_group": 1e3 * stats.cpu_s / groups}
     if timers is not None:
         row["timers"] = {k: [n / groups, 1e3 * (s - overhead * inner) / groups]
                          for k, (n, s, inner) in timers.items() if n}
@@ -249,13 +247,11 @@ def compare(args: argparse.Namespace, url: str | None, tmp: Path) -> None:
             print(f"  round {r} {k:>4}: {x['cpu_ms']:.3f} ms per group, {x['appends']:.2f} appends "
                   f"and {x['events']:.1f} events per group, {x['groups_per_vs']:.4g} groups per "
                   "virtual s", flush=True)
-            c, g = x["collections"], x.get("gc")
+            c = x["collections"]
             print(f"             peak RSS {x['rss_mib']:.0f} MiB, {x['garbage_at_end']} objects of cyclic "
                   f"garbage found after the run; collector: {c['full']} full collections, all collections "
                   f"{c['ms_per_group']:.3f} ms per group of the loop thread ({c['full_ms_per_group']:.3f} "
-                  f"in the full ones, {c['charged_ms_per_group']:.3f} charged to the controller)"
-                  + ("" if g is None else f"; policy: {g['freezes']} freezes, {g['sweeps']} whole "
-                     f"sweeps ({g['ms_per_group']:.3f} ms per group), {g['frozen']} objects frozen"),
+                  f"in the full ones, {c['charged_ms_per_group']:.3f} charged to the controller)",
                   flush=True)
     means = {k: sum(x["cpu_ms"] for x in rs) / len(rs) for k, rs in runs.items() if rs}
     for k, m in means.items():
