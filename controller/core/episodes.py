@@ -246,10 +246,14 @@ def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
     if len(rewards) != len(rec.samples):
         return f"{len(rewards)} samples committed, {len(rec.samples)} have episodes"
     for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
-        if not episode.ended:
-            return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
-        # ``sum`` as the workers add the turns up (compensated from Python 3.12 on)
-        total = sum([t.result.reward for t in episode.turns if t.result is not None])
+        turns = episode.turns
+        last = turns[-1].result if turns else None
+        if last is None or not last.ended:
+            return f"sample {i}: its episode has not ended (turn {len(turns)} recorded)"
+        # Every turn has its result: a call follows only an answered one, so only the
+        # last can be pending, and it is answered. ``sum`` as the workers add the turns
+        # up (compensated from Python 3.12 on).
+        total = sum([t.result.reward for t in turns])  # type: ignore[union-attr]
         if total != reward:
             return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
     return ""
@@ -300,14 +304,17 @@ def turn_advantages(summary: EpisodeSummary, eps: float = 1e-6) -> tuple[list[li
         raise ValueError("a group needs at least one sample")
     mean = sum(returns) / n
     std = (sum((g - mean) ** 2 for g in returns) / n) ** 0.5
+    spread = std >= eps  # not ``not std < eps``: a NaN std gives zeros, as it always did
+    scale = std + eps  # the same float64 sum per turn as per_token_advantages computes
     runs: list[list[float]] = []
     for starts, rewards in zip(summary.starts, summary.rewards):
-        values = [0.0] * len(rewards)
-        if std >= eps:
+        k = len(rewards)
+        run = [0.0] * (2 * k)
+        run[0::2] = map(float, starts)
+        if spread:
             to_go = 0.0
-            for j in range(len(rewards) - 1, -1, -1):
+            for j in range(k - 1, -1, -1):
                 to_go += rewards[j]
-                values[j] = (to_go - mean) / (std + eps)
-        runs.append([x for pair in zip(map(float, starts), values) for x in pair])
+                run[2 * j + 1] = (to_go - mean) / scale
+        runs.append(run)
     return runs, std < eps
-
