@@ -7,11 +7,14 @@ the code, so both can run side by side here:
   path) against expanding it and folding its parts (``reducer.fold_parts``, what the
   fold did before and what observed folds still do), swapped into ``HANDLERS`` for the
   length of a run.
-* ``commit``: the commit-time work on an episode group (``episodes.commit_problem``,
-  and ``turn_advantages`` when a microbatch is built) against the same functions as they
-  were at ``--before-rev``, loaded from git and swapped in where they are called.
-* ``flush``: ``segments.record_flush`` (a flush's segments into the group's record)
-  against the same function at ``--before-rev``, swapped in where the fold calls it.
+* ``advantages``: ``episodes.turn_advantages`` (per committed group, when a microbatch
+  is built) against the same function as it was at ``--before-rev``, loaded from git
+  and swapped in where it is called.
+* ``all``: both together against both befores.
+
+Tried and not kept (``docs/agents.md``, "Fifth pass: the fold"): a cheaper
+``summarize``, ``commit_problem`` and ``record_flush``; :func:`functions_from` swaps
+any such function in from a git revision the same way.
 
 Printed per change: (1) the fold of one recorded log (the in-memory store's "now" run
 of ``bench_episodes`` at ``--generators``), best thread CPU of ``--reps`` per round;
@@ -32,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_episodes import with_partial  # noqa: E402
 from bench.bench_fold_stages import recorded_log  # noqa: E402
 from bench.bench_scale import config_for, timings_for  # noqa: E402
-from controller.core import episodes, policies, reducer, reducer_episodes, reducer_groups, segments  # noqa: E402
+from controller.core import episodes, policies, reducer  # noqa: E402
 from controller.core.reducer_pauses import fold_pause  # noqa: E402
 from controller.core.state import initial_state  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
@@ -77,10 +80,11 @@ def module_at(rev: str, path: str, name: str) -> ModuleType:
 
 
 @contextmanager
-def commit_functions(source: ModuleType) -> Iterator[None]:
-    """``source``'s commit-time functions are called for the length of the block."""
-    source.EpisodeSummary = episodes.EpisodeSummary  # summaries of today's type
-    sites = [(reducer_episodes, "commit_problem"), (policies, "turn_advantages")]
+def functions_from(source: ModuleType, sites: list[tuple[ModuleType, str]]) -> Iterator[None]:
+    """``source``'s function of each site's name is called there for the length of the
+    block (a site: the module that calls it by that name)."""
+    if hasattr(source, "EpisodeSummary"):
+        source.EpisodeSummary = episodes.EpisodeSummary  # summaries of today's type
     old = [getattr(m, a) for m, a in sites]
     for m, a in sites:
         setattr(m, a, getattr(source, a))
@@ -91,30 +95,30 @@ def commit_functions(source: ModuleType) -> Iterator[None]:
             setattr(m, a, f)
 
 
-@contextmanager
-def flush_recorder(record_flush: Callable[..., None]) -> Iterator[None]:
-    """``record_flush`` folds every flush for the length of the block."""
-    old = reducer_groups.record_flush
-    reducer_groups.record_flush = record_flush  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        reducer_groups.record_flush = old  # type: ignore[assignment]
-
-
 def changes(before_rev: str) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """change -> (before, after): what swaps each in."""
     old_episodes = lambda: module_at(before_rev, "controller/core/episodes.py", "episodes_before")  # noqa: E731
-    return {
+    advantages = [(policies, "turn_advantages")]
+    out: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
         "pause": (lambda: pause_handler(reducer.fold_parts), lambda: pause_handler(fold_pause)),
-        "commit": (lambda: commit_functions(old_episodes()), lambda: commit_functions(episodes)),
-        "flush": (lambda: flush_recorder(module_at(before_rev, "controller/core/segments.py",
-                                                   "segments_before").record_flush),
-                  lambda: flush_recorder(segments.record_flush)),
+        "advantages": (lambda: functions_from(old_episodes(), advantages),
+                       lambda: functions_from(episodes, advantages)),
     }
+    each = list(out.values())
+    out["all"] = (lambda: _together([before for before, _ in each]),
+                  lambda: _together([after for _, after in each]))
+    return out
 
 
-CHANGES = ("pause", "commit", "flush")
+@contextmanager
+def _together(swaps: list[Callable[[], object]]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for swap in swaps:
+            stack.enter_context(swap())  # type: ignore[arg-type]
+        yield
+
+
+CHANGES = ("pause", "advantages", "all")
 
 
 def fold_cpu_s(events: list[AnyEvent], reps: int) -> tuple[float, float]:

@@ -246,14 +246,10 @@ def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
     if len(rewards) != len(rec.samples):
         return f"{len(rewards)} samples committed, {len(rec.samples)} have episodes"
     for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
-        turns = episode.turns
-        last = turns[-1].result if turns else None
-        if last is None or not last.ended:
-            return f"sample {i}: its episode has not ended (turn {len(turns)} recorded)"
-        # Every turn has its result: a call follows only an answered one, so only the
-        # last can be pending, and it is answered. ``sum`` as the workers add the turns
-        # up (compensated from Python 3.12 on).
-        total = sum([t.result.reward for t in turns])  # type: ignore[union-attr]
+        if not episode.ended:
+            return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
+        # ``sum`` as the workers add the turns up (compensated from Python 3.12 on)
+        total = sum([t.result.reward for t in episode.turns if t.result is not None])
         if total != reward:
             return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
     return ""

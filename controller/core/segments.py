@@ -101,25 +101,16 @@ def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
     rec.flushes.append(ev)
     rec.attempt_flushes += 1
     v = ev.weight_version
-    recorded, stopped = rec.recorded, rec.stopped  # this loop runs per segment: locals
-    if v is None:
-        for seg in ev.segments:
-            recorded[seg.sample] += seg.length
-            stopped[seg.sample] = seg.stopped
-        return
-    first, last = rec.first_version, rec.last_version
-    tokens = 0
     for seg in ev.segments:
         i = seg.sample
-        recorded[i] += seg.length
-        stopped[i] = seg.stopped
-        if first[i] == _NONE:
-            first[i] = v
-        last[i] = v
-        tokens += seg.length
-    # one version per flush: v * (sum of lengths) is the sum of v * length (ints, exact)
-    rec.version_token_sum += v * tokens
-    rec.model_tokens += tokens
+        rec.recorded[i] += seg.length
+        rec.stopped[i] = seg.stopped
+        if v is not None:
+            if rec.first_version[i] == _NONE:
+                rec.first_version[i] = v
+            rec.last_version[i] = v
+            rec.version_token_sum += v * seg.length
+            rec.model_tokens += seg.length
 
 
 def lost_samples(rec: InflightSegments, keys: Iterable[str]) -> tuple[set[int], list[str]]:

@@ -7,7 +7,10 @@ step, where it took four). Every reader -- the reducer, the fold's observers, re
 sees exactly the ``EnvStepsCompleted``, ``SegmentsRecorded`` and ``EnvStepsRequested``
 events an older log holds for the same pause, with the same ids, indices and order, and
 the core's order checks run on them unchanged. Logs written before the event existed
-hold those events themselves and read as they always did.
+hold those events themselves and read as they always did. One exception, for speed: the
+fold itself checks and records a pause's results and calls straight from the pause
+(``controller.core.reducer_pauses``), with the parts' own rule functions, to exactly
+the state and violations that folding :func:`expand`'s parts gives.
 
 Pure: no I/O, no clock, no randomness.
 """
