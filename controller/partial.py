@@ -95,11 +95,17 @@ class PartialRecorder:
 
     Every pause of a durable episode is a flush too, and a large fleet's pauses come a
     few hundred microseconds apart, not in one turn: with ``linger_s`` the first call
-    waits that long, and every call returning meanwhile shares its append. The wait
+    waits that long (``LINGER_MAX`` times that once another joined within it), and
+    every call returning meanwhile shares its append. The wait
     ends early once every generator call in flight (``in_flight``) is waiting here:
     no other call can join, and a paused group's generator would only idle (a lone
     flush paid the whole linger before: 5 of its ~6 ms pause in ``bench_async``).
     """
+
+    #: a lingering append that others joined waits this many ``linger_s`` in all (see
+    #: ``_linger_due``): a large fleet's pauses share fewer appends (each a store round
+    #: trip), and a lone pause still waits one ``linger_s``
+    LINGER_MAX = 4
 
     #: segment rows deleted together (one data-plane call, not one per commit: deletes
     #: go through the trainer worker's fence and would queue between its microbatches)
@@ -116,6 +122,9 @@ class PartialRecorder:
         self.in_flight = in_flight
         #: resolved when the last call in flight joins a lingering append
         self._all_joined: asyncio.Future | None = None
+        #: the lingering append's timer, and the loop time its wait began
+        self._timer: asyncio.TimerHandle | None = None
+        self._linger_start = 0.0
         #: where segment rows are deleted (None: left to recovery's orphan sweep)
         self.payloads = payloads
         self.deletes: set[asyncio.Task] = set()
@@ -179,19 +188,33 @@ class PartialRecorder:
         return self.in_flight is not None and len(self._waiting) >= self.in_flight()
 
     async def _linger(self) -> None:
-        """Up to ``linger_s`` for other calls to join, less once no other can."""
+        """``linger_s`` for other calls to join -- ``LINGER_MAX`` of them in all once one
+        did -- less once no other can."""
         if self.linger_s <= 0 or self._nobody_else():
             return
         # a future and a timer, not ``wait_for`` on an Event: that wraps the wait in a
         # task of its own, a task step more per append (~5 appends per episode group)
         loop = asyncio.get_running_loop()
         joined = self._all_joined = loop.create_future()
-        timer = loop.call_later(self.linger_s, _resolve, joined)
+        self._linger_start = loop.time()
+        self._timer = loop.call_later(self.linger_s, self._linger_due, joined)
         try:
             await joined
         finally:
-            timer.cancel()
+            self._timer.cancel()
             self._all_joined = None
+
+    def _linger_due(self, joined: asyncio.Future) -> None:
+        """The linger's timer. A pause that joined within the first linger says pauses
+        come faster than that (a large fleet's come a few ms apart): the append waits
+        ``LINGER_MAX`` lingers in all, sharing one round trip among more of them. A lone
+        pause (a small fleet's) goes on after one, as it always did."""
+        loop = asyncio.get_running_loop()
+        due = self._linger_start + self.linger_s * (self.LINGER_MAX if len(self._waiting) > 1 else 1)
+        if due - loop.time() > self.linger_s / 100:  # not a timer's rounding
+            self._timer = loop.call_at(due, self._linger_due, joined)
+        else:
+            _resolve(joined)
 
     async def _append_waiting(self) -> None:
         try:

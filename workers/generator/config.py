@@ -63,8 +63,11 @@ class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How long the controller holds the first returned flush for others to share its
     append (group commit). Every pause of an episode is a flush; a fleet's calls return
     a few hundred microseconds apart, so a few milliseconds record several groups per
-    store round trip and fold (bench/bench_episodes.py). Each pause waits up to this
-    long more before its group goes on; 0 batches only calls that return together."""
+    store round trip and fold (bench/bench_episodes.py). Once another flush joined
+    within it, the append waits four times this in all (a large fleet's pauses then
+    share fewer round trips; ``controller.partial.PartialRecorder.LINGER_MAX``). Each
+    pause waits up to that long more before its group goes on; 0 batches only calls
+    that return together."""
 
     def __post_init__(self) -> None:
         positive("rollout.partial", self, "segment_tokens")
