@@ -107,7 +107,7 @@ def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
     This loop runs once per call of every env event and of every pause -- the bulk of an
     episode run's fold -- so each rule is inline (no call per item) and the messages are
     built only on failure. Both the separate events' handlers and a pause's one-pass fold
-    (``controller.core.pauses``) check with it: one copy of each rule."""
+    (``controller.core.reducer_pauses``) check with it: one copy of each rule."""
     if index != rec.attempt_events:
         return f"env event index {index}, expected {rec.attempt_events} for attempt {attempt}"
     if not items:
