@@ -41,16 +41,13 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_episodes import with_partial  # noqa: E402
-from bench.bench_fold_stages import recorded_log  # noqa: E402
-from bench.bench_scale import config_for, timings_for  # noqa: E402
+from bench.bench_fold_stages import now_run, recorded_log  # noqa: E402
 from controller.core import episodes, policies, reducer  # noqa: E402
 from controller.core.reducer_pauses import fold_pause  # noqa: E402
 from controller.core.state import initial_state  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
 from events.redis_store import RedisEventStore  # noqa: E402
 from events.schema import AnyEvent, EpisodeTurnsRecorded, GroupCommitted  # noqa: E402
-from sim.harness import SimSpec, simulate  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 
@@ -148,11 +145,9 @@ def fold_cpu_s(events: list[AnyEvent], reps: int) -> tuple[float, float]:
 
 def run_cpu_ms(store_for: Callable[[str], object], generators: int, groups: int, run_id: str) -> tuple[float, float]:
     """(controller CPU ms, appends) per group of one "now" run."""
-    cfg = with_partial(config_for(generators, groups, window=2, selection="oldest_first"))
     store = store_for(run_id)
     try:
-        out = simulate(store, SimSpec(config=cfg, timings=timings_for(cfg, 30.0, 0.5, 1.05),  # type: ignore[arg-type]
-                                      run_id=run_id, charge_real_time=True, episode_turns=10))
+        out = now_run(store, generators, groups, run_id)  # type: ignore[arg-type]
         committed = sum(1 for s in store.read(run_id) if type(s.event) is GroupCommitted)  # type: ignore[attr-defined]
     finally:
         getattr(store, "close", lambda: None)()

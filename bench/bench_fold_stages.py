@@ -29,20 +29,26 @@ from bench.bench_scale import config_for, timings_for  # noqa: E402
 from controller.core import episodes, segments  # noqa: E402
 from controller.core.reducer import HANDLERS, apply_event  # noqa: E402
 from controller.core.state import RunState, initial_state  # noqa: E402
-from events.memory_store import MemoryEventStore  # noqa: E402
 from controller.core.turns import expand  # noqa: E402
+from events.memory_store import MemoryEventStore  # noqa: E402
 from events.schema import AnyEvent, EpisodeTurnsRecorded, GroupCommitted  # noqa: E402
-from sim.harness import SimSpec, simulate  # noqa: E402
+from events.store import EventStore  # noqa: E402
+from sim.harness import SimOutcome, SimSpec, simulate  # noqa: E402
 
 _clock = time.thread_time
 
 
+def now_run(store: EventStore, generators: int, groups: int, run_id: str) -> SimOutcome:
+    """One "now" run (``bench_episodes``: 10-turn episodes, the default linger) on ``store``."""
+    cfg = with_partial(config_for(generators, groups, window=2, selection="oldest_first"))
+    return simulate(store, SimSpec(config=cfg, timings=timings_for(cfg, 30.0, 0.5, 1.05),
+                                   run_id=run_id, charge_real_time=True, episode_turns=10))
+
+
 def recorded_log(generators: int, groups: int, run_id: str = "stages") -> tuple[list[AnyEvent], float]:
     """The events of one "now" run on the in-memory store, and its controller CPU per group."""
-    cfg = with_partial(config_for(generators, groups, window=2, selection="oldest_first"))
     store = MemoryEventStore()
-    out = simulate(store, SimSpec(config=cfg, timings=timings_for(cfg, 30.0, 0.5, 1.05),
-                                  run_id=run_id, charge_real_time=True, episode_turns=10))
+    out = now_run(store, generators, groups, run_id)
     events = [s.event for s in store.read(run_id)]
     committed = sum(1 for e in events if type(e) is GroupCommitted)
     return events, out.controller_cpu_s / committed
