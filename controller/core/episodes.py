@@ -98,17 +98,22 @@ class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
     rewards: list[list[float]]
 
 
-def _check_each(rec: InflightEpisodes, ev: EnvStepsRequested | EnvStepsCompleted,
-                items: Sequence[EnvCall] | Sequence[EnvResult], check) -> str:  # type: ignore[no-untyped-def]
-    """The rules every env event shares (index, samples, keys), then ``check`` per item.
+def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
+                      items: Sequence[EnvCall] | Sequence[EnvResult], completed: bool) -> str:
+    """Why an env event's items cannot follow what ``rec`` holds ("" when they can): the
+    results of an ``EnvStepsCompleted`` (``completed``) or the calls of an
+    ``EnvStepsRequested``, at env event ``index`` of ``attempt``.
 
-    This loop runs once per call of every env event -- the bulk of an episode run's
-    fold -- so the sample checks are inline and the messages are built only on failure."""
-    if ev.index != rec.attempt_events:
-        return f"env event index {ev.index}, expected {rec.attempt_events} for attempt {ev.attempt}"
+    This loop runs once per call of every env event and of every pause -- the bulk of an
+    episode run's fold -- so each rule is inline (no call per item) and the messages are
+    built only on failure. Both the separate events' handlers and a pause's one-pass fold
+    (``controller.core.reducer_pauses``) check with it: one copy of each rule."""
+    if index != rec.attempt_events:
+        return f"env event index {index}, expected {rec.attempt_events} for attempt {attempt}"
     if not items:
-        return f"a {type(ev).__name__} with no calls"
-    samples = rec.samples
+        kind = "EnvStepsCompleted" if completed else "EnvStepsRequested"
+        return f"a {kind} with no calls"
+    samples, dedupes = rec.samples, rec.dedupes_by_key
     n = len(samples)
     seen = bytearray(n)
     for item in items:
@@ -120,48 +125,64 @@ def _check_each(rec: InflightEpisodes, ev: EnvStepsRequested | EnvStepsCompleted
         if item.restart != episode.restart:
             return (f"sample {i}: restart {item.restart} in the key, but the episode is at "
                     f"restart {episode.restart}")
-        problem = check(item, episode)
-        if problem:
+        turns = episode.turns  # the last turn once, inline
+        last = turns[-1] if turns else None
+        if completed:
+            if (last is None or last.result is not None or last.turn != item.turn
+                    or last.attempt != attempt):
+                return f"sample {i} turn {item.turn}: a result for a call attempt {attempt} did not request"
+            if not math.isfinite(item.reward):  # type: ignore[union-attr]
+                return f"sample {i} turn {item.turn}: reward {item.reward} is not finite"  # type: ignore[union-attr]
+            obs, ended = item.observation_tokens, item.ended  # type: ignore[union-attr]
+            if obs < 0 or (ended and obs):
+                return (f"sample {i} turn {item.turn}: {obs} observation tokens"
+                        + (" after the episode ended" if ended else ""))
+        elif last is None or last.result is not None:  # no pending call: a new turn
+            if last is not None and last.result.ended:  # type: ignore[union-attr]
+                return f"sample {i} turn {item.turn}: the episode already ended"
+            want = last.turn + 1 if last is not None else 1
+            if item.turn != want:
+                return f"sample {i} turn {item.turn}: the next call of this episode is turn {want}"
+        elif (problem := _reissue_problem(rec, last, item, attempt, dedupes)):  # type: ignore[arg-type]
             return f"sample {i} turn {item.turn}: {problem}"
+    return ""
+
+
+def _reissue_problem(rec: InflightEpisodes, pending: TurnRecord, call: EnvCall, attempt: int,
+                     dedupes: bool) -> str:
+    """Why ``call`` may not ask again for the ``pending`` call (a resumed attempt only)."""
+    if call.turn != pending.turn:
+        return f"turn {pending.turn} was requested and has no result yet"
+    if not dedupes:
+        return (f"asked again with the same key, but env {rec.env!r} cannot "
+                "deduplicate (a second call could repeat its side effect)")
+    if pending.attempt >= attempt:
+        return f"already requested by attempt {pending.attempt}"
+    if call.request != pending.request:
+        return (f"re-issued with request {call.request}, but the log recorded "
+                f"{pending.request} (a replayed agent must make the same call)")
+    return ""
+
+
+def env_problem(rec: InflightEpisodes, env: str, dedupes_by_key: bool) -> str:
+    """Why calls to ``env`` cannot follow the calls ``rec`` holds ("" when they can)."""
+    if (env, dedupes_by_key) != (rec.env, rec.dedupes_by_key):
+        return (f"env {env!r} (dedupes_by_key={dedupes_by_key}) after calls to "
+                f"{rec.env!r} (dedupes_by_key={rec.dedupes_by_key})")
     return ""
 
 
 def requested_problem(rec: InflightEpisodes, ev: EnvStepsRequested) -> str:
     """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
-    if (ev.env, ev.dedupes_by_key) != (rec.env, rec.dedupes_by_key):
-        return (f"env {ev.env!r} (dedupes_by_key={ev.dedupes_by_key}) after calls to "
-                f"{rec.env!r} (dedupes_by_key={rec.dedupes_by_key})")
-
-    def check(call: EnvCall, episode: SampleEpisode) -> str:
-        # the last turn once (not ``pending()`` and ``ended``): this runs per call of
-        # every intent, the bulk of an episode run's fold
-        last = episode.turns[-1] if episode.turns else None
-        pending = last if last is not None and last.result is None else None
-        if pending is None:
-            if last is not None and last.result.ended:  # type: ignore[union-attr]
-                return "the episode already ended"
-            want = last.turn + 1 if last is not None else 1
-            return f"the next call of this episode is turn {want}" if call.turn != want else ""
-        if call.turn != pending.turn:
-            return f"turn {pending.turn} was requested and has no result yet"
-        if not rec.dedupes_by_key:
-            return (f"asked again with the same key, but env {rec.env!r} cannot "
-                    "deduplicate (a second call could repeat its side effect)")
-        if pending.attempt >= ev.attempt:
-            return f"already requested by attempt {pending.attempt}"
-        if call.request != pending.request:
-            return (f"re-issued with request {call.request}, but the log recorded "
-                    f"{pending.request} (a replayed agent must make the same call)")
-        return ""
-
-    return _check_each(rec, ev, ev.calls, check)
+    return (env_problem(rec, ev.env, ev.dedupes_by_key)
+            or env_items_problem(rec, ev.index, ev.attempt, ev.calls, completed=False))
 
 
-def record_requested(rec: InflightEpisodes, ev: EnvStepsRequested) -> None:
-    """Fold a checked intent into ``rec``."""
+def record_requested(rec: InflightEpisodes, attempt: int, calls: Sequence[EnvCall]) -> None:
+    """Fold a checked intent (its ``attempt``'s ``calls``) into ``rec``."""
     rec.attempt_events += 1
-    samples, attempt = rec.samples, ev.attempt
-    for call in ev.calls:
+    samples = rec.samples
+    for call in calls:
         turns = samples[call.sample].turns
         last = turns[-1] if turns else None
         if last is not None and last.result is None:  # re-issued with the same key
@@ -172,27 +193,14 @@ def record_requested(rec: InflightEpisodes, ev: EnvStepsRequested) -> None:
 
 def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
     """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
-
-    def check(result: EnvResult, episode: SampleEpisode) -> str:
-        turns = episode.turns  # the last turn, inline: this runs per result
-        pending = turns[-1] if turns else None
-        if (pending is None or pending.result is not None or pending.turn != result.turn
-                or pending.attempt != ev.attempt):
-            return f"a result for a call attempt {ev.attempt} did not request"
-        if not math.isfinite(result.reward):
-            return f"reward {result.reward} is not finite"
-        if result.observation_tokens < 0 or (result.ended and result.observation_tokens):
-            return f"{result.observation_tokens} observation tokens" + (
-                " after the episode ended" if result.ended else "")
-        return ""
-
-    return _check_each(rec, ev, ev.results, check)
+    return env_items_problem(rec, ev.index, ev.attempt, ev.results, completed=True)
 
 
-def record_completed(rec: InflightEpisodes, ev: EnvStepsCompleted) -> None:
+def record_completed(rec: InflightEpisodes, results: Sequence[EnvResult]) -> None:
+    """Fold checked results into ``rec``."""
     rec.attempt_events += 1
     samples = rec.samples
-    for result in ev.results:
+    for result in results:
         samples[result.sample].turns[-1].result = result  # its pending call: checked
 
 
@@ -292,14 +300,17 @@ def turn_advantages(summary: EpisodeSummary, eps: float = 1e-6) -> tuple[list[li
         raise ValueError("a group needs at least one sample")
     mean = sum(returns) / n
     std = (sum((g - mean) ** 2 for g in returns) / n) ** 0.5
+    spread = std >= eps  # not ``not std < eps``: a NaN std gives zeros, as it always did
+    scale = std + eps  # the same float64 sum per turn as per_token_advantages computes
     runs: list[list[float]] = []
     for starts, rewards in zip(summary.starts, summary.rewards):
-        values = [0.0] * len(rewards)
-        if std >= eps:
+        k = len(rewards)
+        run = [0.0] * (2 * k)
+        run[0::2] = map(float, starts)
+        if spread:
             to_go = 0.0
-            for j in range(len(rewards) - 1, -1, -1):
+            for j in range(k - 1, -1, -1):
                 to_go += rewards[j]
-                values[j] = (to_go - mean) / (std + eps)
-        runs.append([x for pair in zip(map(float, starts), values) for x in pair])
+                run[2 * j + 1] = (to_go - mean) / scale
+        runs.append(run)
     return runs, std < eps
-

@@ -47,6 +47,7 @@ from controller.core.reducer_episodes import (
     _on_env_steps_requested,
     _on_episodes_restarted,
 )
+from controller.core.reducer_pauses import fold_pause
 from controller.core.reducer_steps import (
     _on_microbatch_trained,
     _on_step_aborted,
@@ -93,7 +94,8 @@ from events.schema import (
     WorkerLost,
 )
 
-__all__ = ["HANDLERS", "apply", "apply_event", "check_preamble", "handler_for", "initial_state"]
+__all__ = ["HANDLERS", "apply", "apply_event", "apply_parts", "check_preamble", "fold_parts",
+           "handler_for", "initial_state"]
 
 _Handler = Callable[[RunState, Any, int], None]
 
@@ -313,10 +315,12 @@ def _on_run_rewound(state: RunState, ev: RunRewound, pos: int) -> None:
     state.weight_version = min(state.weight_version, to)
 
 
-def _on_episode_turns_recorded(state: RunState, ev: EpisodeTurnsRecorded, pos: int,
-                               after: Callable[[AnyEvent], None] | None = None) -> None:
-    # A pause is the events it stands for, each checked and applied in turn at the
-    # pause's one position: the order rules of episodes hold on them unchanged.
+def fold_parts(state: RunState, ev: EpisodeTurnsRecorded, pos: int,
+               after: Callable[[AnyEvent], None] | None = None) -> None:
+    """A pause as the events it stands for, each checked and applied in turn at the
+    pause's one position (the order rules of episodes hold on them unchanged), calling
+    ``after(part)`` once each is applied. The fold's own path is the one-pass
+    ``reducer_pauses.fold_pause``, which ends in exactly the same state and problems."""
     parts = expand(ev)
     if not parts:
         _violation(pos, ev, f"group {ev.group_id}: a pause with no results, segments or calls")
@@ -335,7 +339,7 @@ def apply_parts(state: RunState, ev: EpisodeTurnsRecorded, position: int,
         check_preamble(state, ev, position)  # the position and epoch rules, on the pause
     state.position = position  # observers see the pause's position, as after any event
     try:
-        _on_episode_turns_recorded(state, ev, position, after)
+        fold_parts(state, ev, position, after)
     except InvariantViolation:
         state.position = before  # the fold stops before the pause, as for any event
         raise
@@ -354,7 +358,7 @@ HANDLERS: dict[type, _Handler] = {
     SegmentsDropped: _on_segments_dropped,
     EnvStepsRequested: _on_env_steps_requested,
     EnvStepsCompleted: _on_env_steps_completed,
-    EpisodeTurnsRecorded: _on_episode_turns_recorded,
+    EpisodeTurnsRecorded: fold_pause,
     EpisodesRestarted: _on_episodes_restarted,
     GroupFailed: _on_group_failed,
     GroupEvicted: _on_group_evicted,

@@ -46,7 +46,7 @@ def _on_env_steps_requested(state: RunState, ev: EnvStepsRequested, pos: int) ->
     problem = requested_problem(rec, ev)
     if problem:
         violation(pos, ev, f"group {ev.group_id}: {problem}")
-    record_requested(rec, ev)
+    record_requested(rec, ev.attempt, ev.calls)
     state.episodes[ev.group_id] = rec
 
 
@@ -57,7 +57,7 @@ def _on_env_steps_completed(state: RunState, ev: EnvStepsCompleted, pos: int) ->
     if problem:
         violation(pos, ev, f"group {ev.group_id}: {problem}")
     assert rec is not None
-    record_completed(rec, ev)
+    record_completed(rec, ev.results)
 
 
 def _on_episodes_restarted(state: RunState, ev: EpisodesRestarted, pos: int) -> None:

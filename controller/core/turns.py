@@ -7,7 +7,10 @@ step, where it took four). Every reader -- the reducer, the fold's observers, re
 sees exactly the ``EnvStepsCompleted``, ``SegmentsRecorded`` and ``EnvStepsRequested``
 events an older log holds for the same pause, with the same ids, indices and order, and
 the core's order checks run on them unchanged. Logs written before the event existed
-hold those events themselves and read as they always did.
+hold those events themselves and read as they always did. One exception, for speed: the
+fold itself checks and records a pause's results and calls straight from the pause
+(``controller.core.reducer_pauses``), with the parts' own rule functions, to exactly
+the state and violations that folding :func:`expand`'s parts gives.
 
 Pure: no I/O, no clock, no randomness.
 """
@@ -21,6 +24,7 @@ from events.schema import (
     EnvStepsCompleted,
     EnvStepsRequested,
     EpisodeTurnsRecorded,
+    SegmentFlush,
     SegmentsRecorded,
     env_steps_event_id,
     segments_event_id,
@@ -43,14 +47,21 @@ def expand(e: EpisodeTurnsRecorded) -> list[AnyEvent]:
             results=e.results, **common))
         env += 1
     for k, f in enumerate(e.flushes, start=e.segment_index):
-        out.append(SegmentsRecorded(
-            event_id=segments_event_id(gid, attempt, k), index=k, kind=f.kind,
-            weight_version=f.weight_version, segments=f.segments, **common))
+        out.append(flush_part(e, k, f))
     if e.calls:
         out.append(EnvStepsRequested(
             event_id=env_steps_event_id(gid, "requested", attempt, env), index=env,
             env=e.env, dedupes_by_key=e.dedupes_by_key, calls=e.calls, **common))
     return out
+
+
+def flush_part(e: EpisodeTurnsRecorded, index: int, flush: SegmentFlush) -> SegmentsRecorded:
+    """The ``SegmentsRecorded`` a pause's ``flush`` stands for, at flush ``index``: what the
+    state keeps of it (a resumed attempt is handed the group's flushes as events)."""
+    return SegmentsRecorded(
+        event_id=segments_event_id(e.group_id, e.attempt, index), epoch=e.epoch, ts=e.ts,
+        schema_version=e.schema_version, group_id=e.group_id, attempt=e.attempt, index=index,
+        kind=flush.kind, weight_version=flush.weight_version, segments=flush.segments)
 
 
 def parts(event: AnyEvent) -> list[AnyEvent]:

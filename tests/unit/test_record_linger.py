@@ -1,5 +1,5 @@
 """How long a lingering append of pauses waits (``PartialRecorder``): one linger for a
-lone pause, one more per pause that joined, at most ``LINGER_MAX`` in all.
+lone pause, ``LINGER_MAX`` lingers in all once another pause joined within the first.
 
 The recorder runs as the controller runs it -- a real journal and writer over the
 in-memory store, calls that pause by callback (``controller.pausing``) -- on the

@@ -5,6 +5,10 @@ On every model token the [B, T] advantages equal the trajectory's own
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import torch
 
 from controller.core.episodes import EpisodeSummary, turn_advantages
@@ -64,3 +68,37 @@ def test_a_row_without_turns_keeps_its_per_sample_advantage():
     assert batch.advantages[1].eq(-0.5).all()
     p = TRAJS[0].prompt_len
     assert batch.advantages[0, p:].eq(1.5).all() and batch.advantages[0, :p].eq(0.0).all()
+
+
+_GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "turn_advantages_golden.json"
+
+
+def _bits(runs: list[list[float]]) -> list[list[str]]:
+    return [[x.hex() for x in run] for run in runs]
+
+
+def test_turn_advantages_are_bit_identical_to_the_recorded_ones():
+    # computed by the code before the fold's fifth pass (``docs/agents.md``, "Cost"; the last
+    # two: returns that overflow, whose NaN spread gives zeros and no zero variance): the
+    # runs are sent to the trainer, so a cheaper computation must not move one bit
+    cases = json.loads(_GOLDEN.read_text())["cases"]
+    assert len(cases) == 62 and any(c["zero_variance"] for c in cases)
+    for case in cases:
+        summary = EpisodeSummary(starts=case["starts"],
+                                 rewards=[[float.fromhex(x) for x in r] for r in case["rewards"]])
+        runs, zero = turn_advantages(summary)
+        assert (_bits(runs), zero) == (case["runs"], case["zero_variance"])
+
+
+def test_turn_advantages_are_the_trajectory_s_in_float64_bits():
+    rng = random.Random(3)
+    for _ in range(200):
+        rewards = [[rng.choice([0.0, 0.1, 1 / 3, -0.25, rng.uniform(-2, 2)]) for _ in range(rng.randint(1, 10))]
+                   for _ in range(rng.choice([1, 2, 5, 16]))]
+        starts = [list(range(0, 7 * len(r), 7)) for r in rewards]
+        runs, zero = turn_advantages(EpisodeSummary(starts=starts, rewards=rewards))
+        # one token per turn: its reward-to-go is the turn's
+        want, want_zero = per_token_advantages(rewards, [[True] * len(r) for r in rewards])
+        assert zero == want_zero
+        assert _bits([run[1::2] for run in runs]) == _bits(want)
+        assert [run[0::2] for run in runs] == [[float(s) for s in st] for st in starts]
