@@ -12,7 +12,7 @@ the code, so both can run side by side here:
   and swapped in where it is called.
 * ``all``: both together against both befores.
 
-Tried and not kept (``docs/agents.md``, "Fifth pass: the fold"): a cheaper
+Tried and not kept (``docs/episode-cost.md``, "Fifth pass: the fold"): a cheaper
 ``summarize``, ``commit_problem`` and ``record_flush``; :func:`functions_from` swaps
 any such function in from a git revision the same way.
 

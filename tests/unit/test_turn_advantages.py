@@ -78,7 +78,7 @@ def _bits(runs: list[list[float]]) -> list[list[str]]:
 
 
 def test_turn_advantages_are_bit_identical_to_the_recorded_ones():
-    # computed by the code before the fold's fifth pass (``docs/agents.md``, "Cost"; the last
+    # computed by the code before the fold's fifth pass (``docs/episode-cost.md``; the last
     # two: returns that overflow, whose NaN spread gives zeros and no zero variance): the
     # runs are sent to the trainer, so a cheaper computation must not move one bit
     cases = json.loads(_GOLDEN.read_text())["cases"]
