@@ -197,22 +197,21 @@ class PartialRecorder:
         loop = asyncio.get_running_loop()
         joined = self._all_joined = loop.create_future()
         self._linger_start = loop.time()
-        self._timer = loop.call_later(self.linger_s, self._linger_due, joined)
+        self._timer = loop.call_later(self.linger_s, self._linger_due, joined, False)
         try:
             await joined
         finally:
             self._timer.cancel()
             self._all_joined = None
 
-    def _linger_due(self, joined: asyncio.Future) -> None:
+    def _linger_due(self, joined: asyncio.Future, extended: bool) -> None:
         """The linger's timer. A pause that joined within the first linger says pauses
         come faster than that (a large fleet's come a few ms apart): the append waits
         ``LINGER_MAX`` lingers in all, sharing one round trip among more of them. A lone
         pause (a small fleet's) goes on after one, as it always did."""
-        loop = asyncio.get_running_loop()
-        due = self._linger_start + self.linger_s * (self.LINGER_MAX if len(self._waiting) > 1 else 1)
-        if due - loop.time() > self.linger_s / 100:  # not a timer's rounding
-            self._timer = loop.call_at(due, self._linger_due, joined)
+        if not extended and self.LINGER_MAX > 1 and len(self._waiting) > 1:
+            due = self._linger_start + self.linger_s * self.LINGER_MAX
+            self._timer = asyncio.get_running_loop().call_at(due, self._linger_due, joined, True)
         else:
             _resolve(joined)
 
