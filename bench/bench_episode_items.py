@@ -21,15 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_episodes import with_partial  # noqa: E402
-from bench.bench_scale import config_for, timings_for  # noqa: E402
+from bench.bench_fold_stages import recorded_log  # noqa: E402
 from controller.core.reducer import apply_event  # noqa: E402
 from controller.core.state import initial_state  # noqa: E402
 from controller.core.turns import expand, parts  # noqa: E402
 from events.codec import encode  # noqa: E402
-from events.memory_store import MemoryEventStore  # noqa: E402
 from events.schema import EpisodeTurnsRecorded, GroupCommitted  # noqa: E402
-from sim.harness import SimSpec, simulate  # noqa: E402
 
 
 def best_cpu_s(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -60,15 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.generators < 1 or args.reps < 1:
         p.error("--generators and --reps must be >= 1")
-    cfg = with_partial(config_for(args.generators, args.groups, window=2, selection="oldest_first"))
-    store = MemoryEventStore()
-    out = simulate(store, SimSpec(config=cfg, timings=timings_for(cfg, 30.0, 0.5, 1.05),
-                                  run_id="items", charge_real_time=True, episode_turns=10))
-    events = [s.event for s in store.read("items")]
+    events, cpu_s_per_group = recorded_log(args.generators, args.groups, "items")
     raw = [encode(e) for e in events]
     groups = sum(1 for e in events if type(e) is GroupCommitted)
     items = sum(items_of(part) for e in events for part in parts(e))
-    print(f"{args.generators} generators: {groups} groups, controller CPU {1e3 * out.controller_cpu_s / groups:.3f} "
+    print(f"{args.generators} generators: {groups} groups, controller CPU {1e3 * cpu_s_per_group:.3f} "
           f"ms per group; per group {len(events) / groups:.1f} events, {items / groups:.0f} items, "
           f"{sum(map(len, raw)) / groups / 1e3:.1f} kB")
     stages = [("encode (JSON)", lambda: [encode(e) for e in events]),
