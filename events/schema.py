@@ -63,7 +63,7 @@ from events.event_ids import (  # noqa: F401
 CURRENT_SCHEMA_VERSION: Final = 1
 
 
-class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
+class Event(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True, gc=False):
     """Fields every event carries. Never instantiated directly."""
 
     event_id: str

@@ -22,7 +22,7 @@ Position = NewType("Position", int)
 SegmentKind = Literal["model", "observation"]
 
 
-class Segment(msgspec.Struct, frozen=True, kw_only=True):
+class Segment(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One sample's contiguous tokens of one flush (``docs/segments.md``).
 
     Not an event: ``SegmentsRecorded`` carries a list of them, and generators hand the
@@ -43,7 +43,7 @@ class Segment(msgspec.Struct, frozen=True, kw_only=True):
     stopped: bool = False
 
 
-class EnvCall(msgspec.Struct, frozen=True, kw_only=True):
+class EnvCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One environment/tool call of an episode, as its intent records it (``docs/agents.md``).
 
     Its idempotency key is (run, group, sample, turn) -- plus ``restart`` once the
@@ -61,7 +61,7 @@ class EnvCall(msgspec.Struct, frozen=True, kw_only=True):
     restart: int = 0
 
 
-class EnvResult(msgspec.Struct, frozen=True, kw_only=True):
+class EnvResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What one environment/tool call returned: the turn's reward, and how it goes on."""
 
     sample: int
@@ -81,7 +81,7 @@ class EnvResult(msgspec.Struct, frozen=True, kw_only=True):
     restart: int = 0
 
 
-class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True):
+class SegmentFlush(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One durable flush of one group: its rows are in the data plane; the controller
     records it as a ``SegmentsRecorded`` event, or as one of the flushes an
     ``EpisodeTurnsRecorded`` carries (``docs/segments.md``). Generators hand it over as is."""

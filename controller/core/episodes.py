@@ -55,7 +55,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, gc=False):
     result: EnvResult | None = None
 
 
-class SampleEpisode(msgspec.Struct, kw_only=True):
+class SampleEpisode(msgspec.Struct, kw_only=True, gc=False):
     """One sample's episode as the log has it."""
 
     #: times it was started again from the prompt (part of its calls' keys)
@@ -73,7 +73,7 @@ class SampleEpisode(msgspec.Struct, kw_only=True):
         return last if last is not None and last.result is None else None
 
 
-class InflightEpisodes(msgspec.Struct, kw_only=True):
+class InflightEpisodes(msgspec.Struct, kw_only=True, gc=False):
     """What an uncommitted group's environment calls recorded, over all its attempts."""
 
     #: the task that made the environment, and its declaration
@@ -92,10 +92,17 @@ class InflightEpisodes(msgspec.Struct, kw_only=True):
 
 class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
     """A committed group's turns: per sample, each turn's first completion token (its
-    offset after the prompt) and its reward, in turn order."""
+    offset after the prompt) and its reward, in turn order.
 
-    starts: list[list[int]]
-    rewards: list[list[float]]
+    Tuples, not lists (the same arrays on the wire and in snapshots): a committed
+    group's summary stays in the state for the rest of the run, and the collector stops
+    tracking a tuple of numbers the first time it looks at it, where every list would be
+    walked again by every full collection -- 34 of them per 16-sample group, the bulk of
+    what a long episode run's state held for the collector
+    (``tests/unit/test_untracked_state.py``)."""
+
+    starts: tuple[tuple[int, ...], ...]
+    rewards: tuple[tuple[float, ...], ...]
 
 
 def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
@@ -267,8 +274,8 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
         if flush.kind == "model":
             for seg in flush.segments:
                 setdefault((seg.sample, seg.turn), seg.start)
-    starts: list[list[int]] = []
-    rewards: list[list[float]] = []
+    starts: list[tuple[int, ...]] = []
+    rewards: list[tuple[float, ...]] = []
     for i, episode in enumerate(rec.samples):
         sample_starts, sample_rewards = [], []
         for t in episode.turns:
@@ -279,9 +286,9 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
                 return None  # a turn without its tokens: no per-turn credit, the return stands
             sample_starts.append(start)
             sample_rewards.append(t.result.reward)
-        starts.append(sample_starts)
-        rewards.append(sample_rewards)
-    return EpisodeSummary(starts=starts, rewards=rewards)
+        starts.append(tuple(sample_starts))
+        rewards.append(tuple(sample_rewards))
+    return EpisodeSummary(starts=tuple(starts), rewards=tuple(rewards))
 
 
 def turn_advantages(summary: EpisodeSummary, eps: float = 1e-6) -> tuple[list[list[float]], bool]:

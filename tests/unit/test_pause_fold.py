@@ -199,16 +199,19 @@ def test_a_resumed_attempt_reissues_and_its_bends_fold_alike_both_ways(dedupes: 
     assert "already requested by attempt 2" in twice
 
 
-def _first_starts(state: RunState, gid: str) -> tuple[list[list[int]], list[list[float]]]:
+Summary = tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...]]
+
+
+def _first_starts(state: RunState, gid: str) -> Summary:
     """The summary by its definition: per sample, each answered turn's first model token
     (the lowest start among the turn's model segments) and its reward."""
     segs = [s for f in state.inflight[gid].flushes if f.kind == "model" for s in f.segments]
     starts, rewards = [], []
     for i, episode in enumerate(state.episodes[gid].samples):
         answered = [t for t in episode.turns if t.result is not None]
-        starts.append([min(s.start for s in segs if (s.sample, s.turn) == (i, t.turn)) for t in answered])
-        rewards.append([t.result.reward for t in answered])  # type: ignore[union-attr]
-    return starts, rewards
+        starts.append(tuple(min(s.start for s in segs if (s.sample, s.turn) == (i, t.turn)) for t in answered))
+        rewards.append(tuple(t.result.reward for t in answered))  # type: ignore[union-attr]
+    return tuple(starts), tuple(rewards)
 
 
 @pytest.mark.parametrize("seed", range(4))

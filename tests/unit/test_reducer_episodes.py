@@ -34,7 +34,7 @@ def test_an_episode_group_commits_with_its_turns_rewards_and_starts():
     state = _commit(_two_turns(_b())).fold()
     group = state.groups["g1"]
     assert "g1" not in state.episodes and "g1" not in state.inflight
-    assert group.episode == EpisodeSummary(starts=[[0, 7], [0]], rewards=[[0.25, 0.5], [0.5]])
+    assert group.episode == EpisodeSummary(starts=((0, 7), (0,)), rewards=((0.25, 0.5), (0.5,)))
 
 
 def test_the_state_holds_what_an_episode_recorded_until_the_commit():
@@ -101,7 +101,7 @@ def test_a_deduping_env_s_call_without_result_is_reissued_by_the_next_attempt():
     b.request("g1", {0: (1, "a"), 1: (1, "b")})
     b.complete("g1", {0: (1, 1.0, True, 0), 1: (1, 0.0, True, 0)})
     state = _commit(b, rewards=(1.0, 0.0), lengths=(3, 2)).fold()
-    assert state.groups["g1"].episode == EpisodeSummary(starts=[[0], [0]], rewards=[[1.0], [0.0]])
+    assert state.groups["g1"].episode == EpisodeSummary(starts=((0,), (0,)), rewards=((1.0,), (0.0,)))
 
 
 def test_a_non_deduping_env_s_unanswered_episode_restarts_with_new_keys_from_the_prompt():
@@ -125,7 +125,7 @@ def test_a_non_deduping_env_s_unanswered_episode_restarts_with_new_keys_from_the
     b.flush("g1", {1: (4, 1)}, turn=2).request("g1", {1: (2, "c")}, dedupes=False)
     b.complete("g1", {1: (2, 0.25, True, 0)})
     state = _commit(b, rewards=(1.0, 0.75), lengths=(2, 5)).fold()
-    assert state.groups["g1"].episode == EpisodeSummary(starts=[[0], [0, 4]], rewards=[[1.0], [0.5, 0.25]])
+    assert state.groups["g1"].episode == EpisodeSummary(starts=((0,), (0, 4)), rewards=((1.0,), (0.5, 0.25)))
 
 
 def test_turn_advantages_are_the_trajectory_s_per_token_advantages_exactly():
