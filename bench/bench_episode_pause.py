@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for mode in (("four", "one") if r % 2 == 0 else ("one", "four")):
                     with writer(mode):
-                        runs[mode].append(one(server, args, n, args.turns, args.linger_s,
+                        runs[mode].append(one(server.url, args, n, args.turns, args.linger_s,
                                               tag=f"-{mode}-{r}"))
             best = {m: min(x["cpu_ms"] for x in rs) for m, rs in runs.items()}
             for m, rs in runs.items():

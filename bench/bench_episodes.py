@@ -2,7 +2,9 @@
 
 For each fleet size (default 8 and 1024 simulated generators, groups of 16 samples,
 steps of 64-512 groups as ``bench_scale``), the real ``Controller`` runs on the virtual
-clock four times, side by side on the same timings and the same real redis-server:
+clock four times, side by side on the same timings and the same real redis-server, each
+run in a fresh process (as a controller runs one run; a run made after others in the
+same process paid for what they left behind, ~0.1 ms per group):
 
   (a) single-turn -- partial rollouts on, one flush per group (``sim.partial``);
   (b) before      -- ``--turns``-turn episodes as the controller recorded them before the
@@ -42,6 +44,8 @@ stays <= 1 ms CPU per group.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,19 +81,25 @@ def as_before(cfg: Config) -> Config:
         cfg.controller, snapshot_events_per_mib=0))
 
 
-def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: int,
-        linger_s: float, before: bool = False, tag: str = "") -> dict[str, float]:
+def one(url: str, args: argparse.Namespace, generators: int, turns: int,
+        linger_s: float, before: bool = False, tag: str = "", owners: bool = False) -> dict:
+    """One run, in this process: its figures (and, with ``owners``, the loop's callbacks
+    timed by owner)."""
     cfg = with_partial(config_for(generators, args.groups, window=2, selection="oldest_first"))
     cfg = with_linger(cfg, linger_s)
     if before:
         cfg = as_before(cfg)
     timings = timings_for(cfg, args.median_s, 0.5, 1.05)
-    store = RedisEventStore(server.url)
+    store = RedisEventStore(url)
     run_id = f"ep-{generators}-{turns}-{linger_s}-{'before' if before else 'now'}{tag}"
+    spec = SimSpec(config=cfg, timings=timings, run_id=run_id, charge_real_time=True,
+                   episode_turns=turns, episode_dedupes=not before)
     try:
-        out = simulate(store, SimSpec(config=cfg, timings=timings, run_id=run_id,
-                                      charge_real_time=True, episode_turns=turns,
-                                      episode_dedupes=not before))
+        if owners:
+            with callbacks_by_owner() as timed:
+                out = simulate(store, spec)
+        else:
+            out = simulate(store, spec)
         t0 = time.perf_counter()
         folded = Projector(store).get(run_id)
         fold_s = time.perf_counter() - t0
@@ -101,24 +111,52 @@ def one(server: RedisServer, args: argparse.Namespace, generators: int, turns: i
     assert turns_played == groups * cfg.rollout.samples_per_group * turns or not turns, (
         turns_played, groups)
     cpu_ms = 1e3 * out.controller_cpu_s / groups
-    return {"generators": generators, "turns": turns, "groups": groups, "cpu_ms": cpu_ms,
-            "cpu_us_per_turn": 1e3 * cpu_ms / max(1, turns), "events_per_group": out.events / groups,
-            "appends_per_group": out.appends / groups, "fold_s": fold_s,
-            "workers_ms": 1e3 * out.workers_cpu_s / groups}
+    row = {"generators": generators, "turns": turns, "groups": groups, "cpu_ms": cpu_ms,
+           "cpu_us_per_turn": 1e3 * cpu_ms / max(1, turns), "events_per_group": out.events / groups,
+           "appends_per_group": out.appends / groups, "fold_s": fold_s,
+           "workers_ms": 1e3 * out.workers_cpu_s / groups}
+    if owners:
+        row["owners_total_s"] = timed.total_s
+        row["owners_sim_s"] = sum(s for name, s in timed.cpu_s.items() if is_simulator(name))
+        row["owners_top"] = timed.top(8)
+    return row
 
 
-def print_owners(server: RedisServer, args: argparse.Namespace, generators: int) -> None:
+def fresh(url: str, args: argparse.Namespace, generators: int, turns: int, linger_s: float,
+          before: bool = False, tag: str = "", owners: bool = False) -> dict:
+    """:func:`one` in a process of its own: every run starts from the same interpreter
+    state. Run after others in one process, a run paid for what they left behind (their
+    objects in the collector's oldest generation, a grown heap): ~0.1 ms per group more
+    for the last of four runs, whichever code ran."""
+    spec = {"url": url, "groups": args.groups, "median_s": args.median_s, "generators": generators,
+            "turns": turns, "linger_s": linger_s, "before": before, "tag": tag, "owners": owners}
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        sys.exit(f"bench_episodes: a run ({generators} generators, {turns} turns) failed: {tail[0]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    args = argparse.Namespace(groups=spec["groups"], median_s=spec["median_s"])
+    row = one(spec["url"], args, spec["generators"], spec["turns"], spec["linger_s"],
+              before=spec["before"], tag=spec["tag"], owners=spec["owners"])
+    print(json.dumps(row), flush=True)
+
+
+def print_owners(url: str, args: argparse.Namespace, generators: int) -> None:
     """One more "now" run with every loop callback timed by owner (``--owners``)."""
-    with callbacks_by_owner() as owners:
-        run = one(server, args, generators, args.turns, args.linger_s, tag="-owners")
+    run = fresh(url, args, generators, args.turns, args.linger_s, tag="-owners", owners=True)
     per = 1e3 / run["groups"]
-    sim_ms = per * sum(s for name, s in owners.cpu_s.items() if is_simulator(name))
+    sim_ms = per * run["owners_sim_s"]
     total_ms = run["cpu_ms"] + run["workers_ms"]
     print(f"       owners (timed run, +~1 us per callback): loop thread {total_ms:.3f} ms per group = "
           f"controller {run['cpu_ms']:.3f} + simulated workers {run['workers_ms']:.3f}; callbacks: "
-          f"the fleet's {sim_ms:.3f}, the controller's {per * owners.total_s - sim_ms:.3f}, "
-          f"the loop's own turns {total_ms - per * owners.total_s:.3f}", flush=True)
-    for name, calls, cpu_s in owners.top(8):
+          f"the fleet's {sim_ms:.3f}, the controller's {per * run['owners_total_s'] - sim_ms:.3f}, "
+          f"the loop's own turns {total_ms - per * run['owners_total_s']:.3f}", flush=True)
+    for name, calls, cpu_s in run["owners_top"]:
         print(f"         {per * cpu_s:7.3f} ms {calls / run['groups']:6.2f} per group  {name}")
 
 
@@ -132,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollout.partial.record_linger_s of mode (c)")
     p.add_argument("--owners", action="store_true",
                    help="one more run per fleet size with the loop's callbacks timed by owner")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return 0
     if args.turns < 1:
         p.error(f"--turns must be >= 1, got {args.turns}")
     if args.linger_s < 0:
@@ -140,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp), appendfsync="always") as server:
         for n in (int(x) for x in args.generators.split(",")):
-            single = one(server, args, n, 0, args.linger_s)
+            single = fresh(server.url, args, n, 0, args.linger_s)
             # the episode modes alternate their order from one fleet size to the next
             order = ["before", "apart", "now"] if len(rows) % 2 == 0 else ["now", "apart", "before"]
-            runs = {m: one(server, args, n, args.turns, 0.0 if m == "apart" else args.linger_s,
-                           before=m == "before") for m in order}
+            runs = {m: fresh(server.url, args, n, args.turns, 0.0 if m == "apart" else args.linger_s,
+                             before=m == "before") for m in order}
             before, apart, now = runs["before"], runs["apart"], runs["now"]
             rows.append((single, now))
             print(f"{n:>5} generators, {now['groups']} groups: controller CPU per group: "
@@ -158,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                   + " / ".join(f"{m['appends_per_group']:.1f}" for m in modes) + "; fold "
                   + " / ".join(f"{m['fold_s']:.2f} s" for m in modes), flush=True)
             if args.owners:
-                print_owners(server, args, n)
+                print_owners(server.url, args, n)
     worst = max(e["cpu_ms"] for _, e in rows)
     print(f"target: <= 1 ms controller CPU per group with episodes: worst {worst:.3f} ms -> "
           + ("met" if worst <= 1.0 else "MISSED"))
