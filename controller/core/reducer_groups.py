@@ -10,6 +10,7 @@ import struct
 
 from controller.core import failures
 from controller.core import reducer_episodes as episodes
+from controller.core.episodes import InflightEpisodes
 from controller.core.errors import violation as _violation
 from controller.core.segments import (
     InflightSegments,
@@ -150,7 +151,19 @@ def _admitted_group(
     return group
 
 
-def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
+def check_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
+    """Raise the violation applying ``ev`` at ``pos`` would raise, without applying it:
+    ``state`` is only read. The log writer checks a worker's commit with it before the
+    store write, so that a bad one is refused instead of written."""
+    _committed_checks(state, ev, pos)
+
+
+def _committed_checks(
+    state: RunState, ev: GroupCommitted, pos: int
+) -> tuple[GroupRecord, bytes, InflightEpisodes | None, InflightSegments | None]:
+    """Every rule a commit must pass, reading ``state`` only (one copy of each rule, for
+    the handler and :func:`check_committed`); returns what the handler applies: the
+    group, its packed lengths, and its episode and segment records."""
     # Hot path: the checks are inlined (see _admitted_group for messages).
     gid = ev.group_id
     group = state.groups.get(gid)
@@ -166,19 +179,26 @@ def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
     except struct.error:
         _violation(pos, ev, f"group {gid}: a length is not an int64")
     played = episodes.check_commit(state, ev, pos) if state.episodes else None
-    rec = state.inflight.pop(gid, None) if state.inflight else None
+    rec = state.inflight.get(gid) if state.inflight else None
     if rec is not None and (problem := commit_problem(rec, lengths, start, end)):
-        state.inflight[gid] = rec  # validate first: the state stays as it was
         _violation(pos, ev, f"group {gid}: {problem}")
+    return group, packed_lengths, played, rec
+
+
+def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
+    group, packed_lengths, played, rec = _committed_checks(state, ev, pos)
+    gid, start, end = ev.group_id, ev.weight_version_start, ev.weight_version_end
+    if rec is not None:
+        del state.inflight[gid]
     episodes.on_committed(state, group, played, rec)
-    group.version_token_sum, group.partial_span = commit_summary(rec, lengths, start, end)
+    group.version_token_sum, group.partial_span = commit_summary(rec, ev.lengths, start, end)
     group.status = _COMMITTED
     group.committed_ts = ev.ts
     group.committed_position = pos
     group.weight_version_start = start
     group.weight_version_end = end
-    group.packed_keys = pack_keys(keys)
-    group.rewards_f64 = pack_f64(rewards)
+    group.packed_keys = pack_keys(ev.payload_keys)
+    group.rewards_f64 = pack_f64(ev.rewards)
     group.lengths_i64 = packed_lengths
     del state.admitted[gid]
     state.buffer[gid] = None
