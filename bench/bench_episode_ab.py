@@ -73,7 +73,7 @@ TIMED = [
     ("controller.admission", "AdmissionSide._held_back"),
     ("controller.admission", "AdmissionSide._release_slot"),
     ("controller.admission", "AdmissionSide._record_flushes"),
-    ("controller.admission", "AdmissionSide._commit_events"),
+    ("controller.admission", "commit_events"),
 ]
 
 

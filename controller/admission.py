@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 
@@ -31,6 +32,8 @@ from controller.journal import Journal
 from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
+from controller.commits import PendingCommits, commit_events
+from controller.core.prefold import RejectedFact
 from controller.core.segments import segment_keys
 from controller.episodes import episode_resume, restarts_before
 from controller.partial import PartialRecorder, resume_flushes
@@ -108,7 +111,7 @@ class AdmissionSide:
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None
         #: returned generator calls waiting for their shared commit append
-        self._pending_commits: list[tuple[list[GenerationRequest], list[GenerationOutcome]]] = []
+        self.pending_commits = PendingCommits(journal, self.segment_rows)
         #: one entry (a generator's index) per free call slot: the first free generator
         #: in list order is found in O(log n), not by scanning 1024 of them
         self._gen_index = {gen.name: i for i, gen in enumerate(generators)}
@@ -259,9 +262,7 @@ class AdmissionSide:
         # Issued here, right after the appends that fencing would have refused: no
         # event-loop turn in between, so no separate epoch check (a store round trip).
         call = PausingCall(gen, requests, gen.generate(requests), self._record_flushes)
-        task = asyncio.create_task(self._generate(call))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task = self._spawn(self._generate(call))
         # a task cancelled before its first step never awaited the call
         task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
 
@@ -286,7 +287,7 @@ class AdmissionSide:
                 return
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
-            self._queue_commit(call.reqs, outcomes)
+            self._queue_commit(gen, call.reqs, outcomes)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
@@ -297,57 +298,39 @@ class AdmissionSide:
         append is also the fencing check before the next call, as the admission's is
         before the first."""
         done = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "done"]
-        commits = self._commit_events([r for r, _ in done], [o for _, o in done])
+        commits = commit_events(self.journal, [r for r, _ in done], [o for _, o in done])
         self.segment_rows.hold(call, outs, commits)
 
-    def _queue_commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
+    def _queue_commit(self, gen: GeneratorClient, reqs: list[GenerationRequest],
+                      outs: list[GenerationOutcome]) -> None:
         """Calls that return in the same turn of the loop commit in one append (group
         commit: one round trip and one fsync for all of them), with the pauses'
         append if one is gathering. The flush runs right after the tasks of that turn;
-        ``drain`` flushes what is left."""
+        ``drain`` flushes what is left. A commit the log refuses fails its group's
+        attempt, as its generator's failure (``controller.commits``)."""
+        def refused(gid: str, err: RejectedFact) -> None:
+            req = next(r for r in reqs if r.group_id == gid)
+            self._spawn(self._fail_refused(gen, req, err))
+
         if self.rollout.partial.enabled:  # with the pauses' next append: one, not two
-            self.segment_rows.join(self._commit_events(reqs, outs), self._stop_with)
+            self.segment_rows.join(commit_events(self.journal, reqs, outs), self._stop_with, refused)
             return
-        self._pending_commits.append((reqs, outs))
-        if len(self._pending_commits) == 1:
+        if self.pending_commits.add(reqs, outs, refused):
             # a task's first step is scheduled like ``call_soon``: right after this turn
-            task = asyncio.get_running_loop().create_task(self._flush_commits())
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._spawn(self.pending_commits.flush(self._stop_with))
 
-    async def _flush_commits(self) -> None:
-        pending, self._pending_commits = self._pending_commits, []
-        if not pending:
-            return
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """A task of this side's, held until it is done (``drain`` waits for them)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def _fail_refused(self, gen: GeneratorClient, req: GenerationRequest, err: RejectedFact) -> None:
         try:
-            await self._commit([req for reqs, _ in pending for req in reqs],
-                               [out for _, outs in pending for out in outs])
-        except Exception as err:  # fenced, or the store is gone: stop the run
-            self._stop_with(err)
-
-    async def _commit(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]) -> None:
-        """Returned calls' groups, committed in one append (the facts after the side effect)."""
-        for req in reqs:
-            crash_point("before_group_committed", req.group_id)
-        scratch = segment_keys(self.journal.state.inflight, [r.group_id for r in reqs])
-        await self.journal.append(*self._commit_events(reqs, outs))
-        self.segment_rows.drop(scratch)
-
-    def _commit_events(self, reqs: list[GenerationRequest], outs: list[GenerationOutcome]):
-        return [
-            self.journal.make(
-                ev.GroupCommitted,
-                event_id=ev.group_event_id(req.group_id, "committed", req.attempt),
-                group_id=req.group_id,
-                attempt=req.attempt,
-                weight_version_start=out.weight_version_start,
-                weight_version_end=out.weight_version_end,
-                payload_keys=list(out.payload_keys),
-                rewards=list(out.rewards),
-                lengths=list(out.lengths),
-            )
-            for req, out in zip(reqs, outs)
-        ]
+            await self._on_generation_failed(gen, [req], error_line(err))
+        except Exception as stop:  # fenced, store gone, or the failure budget ran out
+            self._stop_with(stop)
 
     async def _on_generation_failed(
         self, gen: GeneratorClient, reqs: list[GenerationRequest], cause: str,
@@ -386,7 +369,7 @@ class AdmissionSide:
             _, pending = await asyncio.wait(self.tasks, timeout=timeout_s)
             for task in pending:
                 task.cancel()
-        await self._flush_commits()
+        await self.pending_commits.flush(self._stop_with)
         await self.segment_rows.settle(timeout_s)  # commits riding with a pause's append
         self.segment_rows.drop([], now=True)
         if self.segment_rows.deletes:  # best effort: recovery deletes what is left

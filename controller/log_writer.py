@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from controller import crashpoints
 from controller.core.decisions import Stamp
+from controller.core.prefold import advance, prefold, undo
 from controller.core.reducer import apply
 from controller.core.state import RunState, encode_state
 from events.errors import ConcurrencyError, FencedError, StoreUnavailableError
@@ -95,23 +96,33 @@ class LogWriter:
     def append(self, *events: Event, batch_point: str | None = None) -> list[int]:
         """Append a batch atomically (one attempt); fold it into ``state`` once
         acknowledged, then fire its crash points (``batch_point``: the one that follows
-        this whole batch, see ``crashpoints.BATCH_POINTS``)."""
+        this whole batch, see ``crashpoints.BATCH_POINTS``).
+
+        A batch of worker facts (pauses, commits) is folded before the write
+        (``controller.core.prefold``): one that breaks a rule raises
+        :class:`~controller.core.prefold.RejectedFact` and nothing is written."""
         if self.fenced is not None:
             raise self.fenced
         batch: Sequence[Event] = events
+        state = self.state
+        applied = prefold(state, batch, self.position + 1)
         try:
             positions = self.store.append(
                 self.run_id, batch, expected_position=self.position, epoch=self.epoch
             )
-        except FencedError as err:
-            self.fenced = err
+        except BaseException as err:
+            undo(state, applied)  # not written: neither are they folded
+            if isinstance(err, FencedError):
+                self.fenced = err
+            elif isinstance(err, ConcurrencyError):
+                self.diverged = err
             raise
-        except ConcurrencyError as err:
-            self.diverged = err
-            raise
-        state = self.state
-        for pos, event in zip(positions, batch):
-            apply(state, StoredEvent(position=pos, event=event))
+        done = {k for k, _ in applied}
+        for k, (pos, event) in enumerate(zip(positions, batch)):
+            if k in done:
+                advance(state, event, pos)
+            else:
+                apply(state, StoredEvent(position=pos, event=event))
         self.appended += len(batch)
         for listen in self.listeners:
             listen(batch, self.state)

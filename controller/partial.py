@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from controller.core.prefold import RejectedFact
 from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
 from controller import episodes
@@ -77,6 +78,13 @@ def next_requests(
     ]
 
 
+#: a call waiting for the shared append: (call, outcomes, commits, when it paused)
+_Waiting = tuple[PausingCall, list[GenerationOutcome], list[ev.GroupCommitted], float]
+#: commits riding with it: (commits, who hears if the append fails, who hears (group id,
+#: why) if the log refuses one of them before it is written)
+_Rider = tuple[list[ev.GroupCommitted], Callable[[BaseException], None], Callable[[str, RejectedFact], None]]
+
+
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -130,10 +138,10 @@ class PartialRecorder:
         self.deletes: set[asyncio.Task] = set()
         self._scratch: list[str] = []
         #: calls waiting for the shared append: (call, outcomes, commits, when it paused)
-        self._waiting: list[tuple[PausingCall, list[GenerationOutcome], list[ev.GroupCommitted], float]] = []
+        self._waiting: list[_Waiting] = []
         self._appending: set[asyncio.Task] = set()
         #: commits riding with the gathering append, and who hears if it fails
-        self._riders: list[tuple[list[ev.GroupCommitted], Callable[[BaseException], None]]] = []
+        self._riders: list[_Rider] = []
         #: appends made, calls they recorded (``bench_scale`` prints the ratio)
         self.appends = 0
         self.calls = 0
@@ -163,12 +171,15 @@ class PartialRecorder:
         self._appending.add(task)  # a reference until it is done
         task.add_done_callback(self._appending.discard)
 
-    def join(self, commits: list[ev.GroupCommitted], on_error: Callable[[BaseException], None]) -> None:
+    def join(self, commits: list[ev.GroupCommitted], on_error: Callable[[BaseException], None],
+             on_refused: Callable[[str, RejectedFact], None]) -> None:
         """Finished groups' commits, appended with the pauses that come within the
         linger: a group's last call ends right after its last pause is recorded, and
         with a large fleet other pauses follow within a few milliseconds -- one append
-        for both instead of two. ``on_error`` hears if the append fails."""
-        self._riders.append((commits, on_error))
+        for both instead of two. ``on_error`` hears if the append fails; ``on_refused``
+        (group id, why) if the log refuses one of the commits before it is written (the
+        others are appended)."""
+        self._riders.append((commits, on_error, on_refused))
         self._gather()
 
     async def settle(self, timeout_s: float) -> None:
@@ -227,45 +238,82 @@ class PartialRecorder:
         riders, self._riders = self._riders, []
         journal = self.journal
         try:
-            events: list[ev.Event] = []
-            finished: list[str] = []
-            for call, outs, commits, _ in waiting:
-                flushed = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "flushed"]
-                for req, out in flushed:
-                    crash_point("before_segments_recorded", req.group_id)
-                    if out.episode is not None and out.episode.completed:  # ran, unrecorded
-                        crash_point("before_env_steps_completed", req.group_id)
-                for c in commits:
-                    crash_point("before_group_committed", c.group_id)
-                # built in turn: a group is in one call only, so indices never collide
-                events += [e for req, out in flushed for e in (
-                    episodes.flush_events(journal, req, out.episode) if out.episode is not None
-                    else [segments_event(journal, req, out)])]
-                events += commits
-                finished += [c.group_id for c in commits]
-            for commits, _ in riders:
-                for c in commits:
-                    crash_point("before_group_committed", c.group_id)
-                events += commits
-                finished += [c.group_id for c in commits]
-            scratch = segment_keys(journal.state.inflight, finished)
-            # the writer fires after_segments_recorded / after_group_committed once acknowledged
-            await journal.append(*events)
+            events, owners, finished = self._batch(waiting, riders)
+            # the rows of committed groups: read before their commits fold the records away
+            rows = {gid: segment_keys(journal.state.inflight, [gid]) for gid in finished}
+            refused = await self._append_refusing(events, owners, waiting, riders)
         except BaseException as err:
             for call, *_ in waiting:
                 call.fail(err)
-            for _, on_error in riders:
+            for _, on_error, _ in riders:
                 on_error(err)
             if not isinstance(err, Exception):
                 raise
             return
-        self.appends += 1
-        self.calls += len(waiting)
-        self.drop(scratch)
+        self.calls += sum(1 for w in range(len(waiting)) if w not in refused)
+        self.drop([key for gid in finished if gid not in refused for key in rows[gid]])
         now, state = journal.clock(), journal.state
-        for call, outs, _, paused in waiting:  # every acknowledged call goes on, in turn
-            self.paused_s += now - paused
-            call.resume(next_requests(state, call.reqs, outs))
+        for w, (call, outs, _, paused) in enumerate(waiting):  # every acknowledged call goes on
+            if w not in refused:
+                self.paused_s += now - paused
+                call.resume(next_requests(state, call.reqs, outs))
+
+    def _batch(self, waiting: list[_Waiting], riders: list[_Rider]) -> tuple[list[ev.Event], list[int | str], list[str]]:
+        """The waiting calls' events, then the riders' commits; per event its owner (the
+        call's index, or a rider commit's group); the groups committed."""
+        journal = self.journal
+        events: list[ev.Event] = []
+        owners: list[int | str] = []
+        finished: list[str] = []
+        for w, (call, outs, commits, _) in enumerate(waiting):
+            flushed = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "flushed"]
+            for req, out in flushed:
+                crash_point("before_segments_recorded", req.group_id)
+                if out.episode is not None and out.episode.completed:  # ran, unrecorded
+                    crash_point("before_env_steps_completed", req.group_id)
+            for c in commits:
+                crash_point("before_group_committed", c.group_id)
+            # built in turn: a group is in one call only, so indices never collide
+            mine = [e for req, out in flushed for e in (
+                episodes.flush_events(journal, req, out.episode) if out.episode is not None
+                else [segments_event(journal, req, out)])] + list(commits)
+            events += mine
+            owners += [w] * len(mine)
+            finished += [c.group_id for c in commits]
+        for commits, _, _ in riders:
+            for c in commits:
+                crash_point("before_group_committed", c.group_id)
+            events += commits
+            owners += [c.group_id for c in commits]
+            finished += [c.group_id for c in commits]
+        return events, owners, finished
+
+    async def _append_refusing(self, events: list[ev.Event], owners: list[int | str],
+                               waiting: list[_Waiting], riders: list[_Rider]) -> dict[int | str, RejectedFact]:
+        """Append ``events``, less what the log refuses before it is written
+        (``controller.core.prefold``): a refused pause or commit of a waiting call fails
+        that call as its worker's failure (every event of it is left out); a refused rider
+        commit goes to its rider's ``on_refused``. The rest is appended; at most one try
+        per event. Returns what was refused: call indices and group ids."""
+        refused: dict[int | str, RejectedFact] = {}
+        while events:
+            try:
+                # the writer fires after_segments_recorded / after_group_committed once acknowledged
+                await self.journal.append(*events)
+                self.appends += 1
+                break
+            except RejectedFact as err:
+                owner = owners[err.index]
+                refused[owner] = err
+                keep = [k for k, o in enumerate(owners) if o != owner]
+                events, owners = [events[k] for k in keep], [owners[k] for k in keep]
+                if isinstance(owner, int):
+                    call = waiting[owner][0]
+                    refused.update({c.group_id: err for c in waiting[owner][2]})
+                    call.refuse(err)
+                else:
+                    next(r for r in riders if any(c.group_id == owner for c in r[0]))[2](owner, err)
+        return refused
 
     def dropped(
         self, reqs: list[GenerationRequest], err: BaseException | None

@@ -77,6 +77,14 @@ class PausingCall:
             return
         self.pending.add_done_callback(self._returned)
 
+    def refuse(self, err: BaseException) -> None:
+        """The log refused what the call returned before it was written (a pause or
+        commit that breaks a rule: ``controller.core.prefold``): its worker's failure,
+        as if the call had raised -- its groups' attempts fail and may be retried."""
+        if not self.result.done():
+            self.worker_failed = True
+            self.result.set_exception(err)
+
     def fail(self, err: BaseException) -> None:
         """The controller could not record a pause (or issue the next call)."""
         if not self.result.done():

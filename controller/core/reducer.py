@@ -94,7 +94,7 @@ from events.schema import (
     WorkerLost,
 )
 
-__all__ = ["HANDLERS", "apply", "apply_event", "apply_parts", "check_preamble", "fold_parts",
+__all__ = ["HANDLERS", "apply", "handle", "apply_event", "apply_parts", "check_preamble", "fold_parts",
            "handler_for", "initial_state"]
 
 _Handler = Callable[[RunState, Any, int], None]
@@ -116,6 +116,15 @@ def apply_event(state: RunState, event: AnyEvent, position: int) -> RunState:
     handler(state, event, position)
     state.position = position
     return state
+
+
+def handle(state: RunState, event: AnyEvent, position: int) -> None:
+    """Only the event's handler (its checks and its change to ``state``), not the
+    position bookkeeping: a worker fact folded before the write (``core.prefold``)."""
+    handler = HANDLERS.get(type(event))
+    if handler is None:
+        handler = handler_for(event)
+    handler(state, event, position)
 
 
 def handler_for(event: AnyEvent) -> _Handler:

@@ -1,0 +1,106 @@
+"""Worker facts folded before they are written: a generator's bad output is refused, never logged.
+
+A pause (``EpisodeTurnsRecorded``, ``SegmentsRecorded``) and a commit (``GroupCommitted``)
+carry what a generator returned. The fold is what checks them, and it used to run only
+after the store had the batch: one out-of-rule flush from a buggy worker was written,
+the fold refused it, and the log could never be folded past it again. The log writer
+now calls :func:`prefold` on the state the batch will be folded onto, before the write:
+
+* each pause is applied to the state at once, by its own handler (so the checks are the
+  fold's, one copy of each rule), its group's in-flight records marked first
+  (``controller.core.group_marks``);
+* each commit is checked without being applied (``reducer_groups.check_committed``);
+* the first that breaks a rule puts every pause applied so far back, exactly, and
+  raises :class:`RejectedFact` naming it: nothing of the batch is written, and the
+  writer's caller decides what stands in for it (its group's attempt fails);
+* otherwise the write goes on; if it fails, :func:`undo` puts the pauses back, and once
+  it lands the writer folds the rest of the batch and only advances the position over
+  the pauses already applied (:func:`controller.core.reducer.advance`).
+
+Exact only where no event of the batch depends on another: every event is about a
+group (``group_id``), no two about the same one, none changes what another's checks
+read (the trainer version, the run's end). The batches of worker facts are those (a
+group is in one generator call; its commit follows its last pause's append); any other
+batch is folded after the write as before (:func:`independent`).
+
+Pure: no I/O, no clock, no randomness, no logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from controller.core.errors import InvariantViolation
+from controller.core.group_marks import GroupMark, mark_group, restore_group
+from controller.core.reducer import check_preamble, handle
+from controller.core.reducer_groups import check_committed
+from controller.core.state import RunState
+from events.schema import EpisodeTurnsRecorded, Event, GroupCommitted, SegmentsRecorded
+
+#: the worker facts applied before the write (their group's records can be put back)
+PAUSES: frozenset[type] = frozenset({EpisodeTurnsRecorded, SegmentsRecorded})
+#: what a batch of worker facts may hold: these, and the commits
+_FACTS = PAUSES | {GroupCommitted}
+
+
+class RejectedFact(Exception):
+    """A worker fact of a batch breaks a rule of the log: nothing of the batch was
+    written. ``index`` is its place in the batch."""
+
+    def __init__(self, index: int, event: Event, violation: InvariantViolation) -> None:
+        self.index, self.event, self.violation = index, event, violation
+        super().__init__(f"{type(event).__name__} {event.event_id} refused before it was "
+                         f"written: {violation.reason}")
+
+
+#: pauses applied before the write: (index in the batch, their group's mark)
+Applied = list[tuple[int, GroupMark]]
+
+
+def independent(state: RunState, batch: Sequence[Event]) -> bool:
+    """Whether :func:`prefold` is exact for ``batch`` (see the module docstring): worker
+    facts only, each about another group, written by the run's current epoch."""
+    seen: set[str] = set()
+    for event in batch:
+        if type(event) not in _FACTS or event.epoch != state.epoch:
+            return False
+        gid = event.group_id  # type: ignore[attr-defined]
+        if gid in seen:
+            return False
+        seen.add(gid)
+    return state.started
+
+
+def prefold(state: RunState, batch: Sequence[Event], first: int) -> Applied:
+    """Apply ``batch``'s pauses and check its commits, the batch to be written at
+    positions ``first``, ``first + 1``, ...; raises :class:`RejectedFact` for the first
+    that breaks a rule, with the state as it was. Nothing (``[]``) for a batch
+    :func:`independent` does not vouch for: the fold after the write checks it."""
+    if not any(type(e) in _FACTS for e in batch) or not independent(state, batch):
+        return []
+    applied: Applied = []
+    for k, event in enumerate(batch):
+        try:
+            if type(event) is GroupCommitted:
+                check_committed(state, event, first + k)
+                continue
+            applied.append((k, mark_group(state, event.group_id)))  # type: ignore[attr-defined]
+            handle(state, event, first + k)
+        except InvariantViolation as err:
+            undo(state, applied)
+            raise RejectedFact(k, event, err) from None
+    return applied
+
+
+def undo(state: RunState, applied: Applied) -> None:
+    """Put back every pause :func:`prefold` applied (the write did not happen)."""
+    for _, mark in reversed(applied):
+        restore_group(state, mark)
+
+
+def advance(state: RunState, event: Event, position: int) -> None:
+    """What ``reducer.apply_event`` does besides the handler, for a pause whose handler
+    ran before the write (:func:`prefold`)."""
+    if position != state.position + 1 or event.epoch != state.epoch or not state.started:
+        check_preamble(state, event, position)  # type: ignore[arg-type]
+    state.position = position
