@@ -2,9 +2,12 @@
 
 ``LogWriter.append`` sends a batch to the store at the position the writer last saw,
 with the writer's epoch, and only after the store acknowledges it folds the events
-into the in-memory state. State therefore never runs ahead of the log: the write-ahead
-protocol's "no side effect on state the log has not acknowledged" holds by
-construction. Then it fires the crash points that follow the append
+into the in-memory state. The one exception is a batch of worker facts (pauses,
+commits): its pauses are applied before the write, so that a bad one is refused
+instead of written (``controller.core.prefold``), and taken back if the write fails --
+all inside this one synchronous call, so no caller ever sees a state ahead of the log:
+the write-ahead protocol's "no side effect on state the log has not acknowledged"
+holds. Then it fires the crash points that follow the append
 (``controller.crashpoints.after_append``).
 
 One append is one attempt: a ``FencedError`` is final (a newer controller owns the run

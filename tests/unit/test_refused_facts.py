@@ -113,7 +113,8 @@ def test_a_write_that_fails_leaves_the_pauses_it_applied_unapplied():
     assert encode_state(writer.state) == before and writer.diverged is not None
 
 
-def _bent_run(monkeypatch: pytest.MonkeyPatch, bend_pause: bool) -> tuple[MemoryEventStore, list[str]]:
+def _bent_run(monkeypatch: pytest.MonkeyPatch, bend_pause: bool,
+             groups_per_call: int = 1) -> tuple[MemoryEventStore, list[str]]:
     """A simulated run whose generators return one bad pause (or one bad commit)."""
     bent: list[str] = []
     pause, done = sim_episodes.SimEpisodeGenerator._pause, sim_episodes.SimEpisodeGenerator._done
@@ -138,7 +139,7 @@ def _bent_run(monkeypatch: pytest.MonkeyPatch, bend_pause: bool) -> tuple[Memory
     monkeypatch.setattr(sim_episodes.SimEpisodeGenerator, "_pause", bad_pause)
     monkeypatch.setattr(sim_episodes.SimEpisodeGenerator, "_done", bad_done)
     cfg = load_config(None, [
-        "run.steps=4", "rollout.num_generators=4", "rollout.groups_per_call=1",
+        "run.steps=4", "rollout.num_generators=4", f"rollout.groups_per_call={groups_per_call}",
         "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
         "rollout.samples_per_group=2", "rollout.max_attempts=2"])
     timings = SyntheticTimings(generation=Lognormal(20.0, 0.8), train_per_sequence_s=0.05,
@@ -162,6 +163,21 @@ def test_a_run_refuses_a_generators_bad_output_fails_its_group_and_goes_on(monke
     assert failed and f"{want} group:{bent[0]}" in failed[0].reason
     assert "refused before it was written" in failed[0].reason
     assert ("segment starts at token" if bend_pause else "tokens committed but") in failed[0].reason
+
+
+def test_a_refused_pause_fails_every_group_of_its_call_once(monkeypatch):
+    """A generator call is one unit: its refused pause fails the attempt of each of its
+    groups, the valid one's too (none of the call's events is written), each once, the
+    reason naming the refused event; no other group of the run fails."""
+    store, bent = _bent_run(monkeypatch, True, groups_per_call=2)
+    assert Projector(store).get("bent").problem is None
+    failed = [e for e in (s.event for s in store.read("bent")) if type(e) is ev.GroupFailed]
+    first = [e for e in failed if e.attempt == 1]
+    assert len(first) == 2 and bent[0] in {e.group_id for e in first}
+    assert all(f"EpisodeTurnsRecorded group:{bent[0]}:" in e.reason for e in first)
+    pairs = [(e.group_id, e.attempt) for e in failed]
+    assert len(pairs) == len(set(pairs))  # an attempt fails once
+    assert {e.group_id for e in failed} == {e.group_id for e in first}
 
 
 def test_without_partial_rollouts_a_refused_commit_fails_its_group_and_the_rest_commit(monkeypatch):
