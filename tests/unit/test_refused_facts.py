@@ -24,7 +24,7 @@ from controller.core.state import encode_state
 from controller.log_writer import LogWriter
 from controller.projector import Projector
 from events import schema as ev
-from events.errors import ConcurrencyError
+from events.errors import ConcurrencyError, StoreUnavailableError
 from events.memory_store import MemoryEventStore
 from sim import episodes as sim_episodes
 from sim.harness import SimSpec, simulate
@@ -111,6 +111,42 @@ def test_a_write_that_fails_leaves_the_pauses_it_applied_unapplied():
     with pytest.raises(ConcurrencyError):
         writer.append(p1[0], p2[0])
     assert encode_state(writer.state) == before and writer.diverged is not None
+
+
+class _LandsThenTimesOut(MemoryEventStore):
+    """A store whose next append lands and then reports the store unavailable, as a
+    reply lost to a timeout does."""
+
+    lose_reply = False
+
+    def append(self, run_id, events, *, expected_position, epoch):  # type: ignore[no-untyped-def]
+        positions = super().append(run_id, events, expected_position=expected_position, epoch=epoch)
+        if self.lose_reply:
+            self.lose_reply = False
+            raise StoreUnavailableError("reply lost after the batch landed")
+        return positions
+
+
+def test_a_batch_that_landed_but_timed_out_is_folded_once_when_retried():
+    """The pauses applied before the write are taken back when the store reports a
+    failure, though the batch landed; the retry (same position: the store recognises
+    the batch) applies them again, and the state is the log's fold, byte for byte."""
+    _, plain, p1, p2 = _writer_with_two_groups()
+    store = _LandsThenTimesOut()
+    assert store.claim_epoch("r1") == 1
+    store.append("r1", [s.event for s in plain.read("r1")], expected_position=0, epoch=1)
+    writer = LogWriter(store, "r1", 1, fold(store.read("r1")))
+    writer.append(p1[0], p2[0])
+    before = encode_state(writer.state)
+    store.lose_reply = True
+    with pytest.raises(StoreUnavailableError):
+        writer.append(p1[1], p2[1])
+    assert encode_state(writer.state) == before  # not folded: the writer does not know
+    writer.append(p1[1], p2[1])
+    assert store.last_position("r1") == writer.position
+    for a, b in zip(p1[2:], p2[2:]):
+        writer.append(a, b)
+    assert encode_state(fold(store.read("r1"))) == encode_state(writer.state)
 
 
 def _bent_run(monkeypatch: pytest.MonkeyPatch, bend_pause: bool,
