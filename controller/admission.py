@@ -371,6 +371,8 @@ class AdmissionSide:
                 task.cancel()
         await self.pending_commits.flush(self._stop_with)
         await self.segment_rows.settle(timeout_s)  # commits riding with a pause's append
+        if self.tasks:  # the failure of a commit those appends refused (``_fail_refused``)
+            await asyncio.wait(self.tasks, timeout=timeout_s)
         self.segment_rows.drop([], now=True)
         if self.segment_rows.deletes:  # best effort: recovery deletes what is left
             await asyncio.wait(self.segment_rows.deletes, timeout=timeout_s)
