@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from controller import crashpoints
 from controller.core.decisions import Stamp
-from controller.core.prefold import advance, prefold, undo
+from controller.core.prefold import fold_after_write, prefold, undo
 from controller.core.reducer import apply
 from controller.core.state import RunState, encode_state
 from events.errors import ConcurrencyError, FencedError, StoreUnavailableError
@@ -120,11 +120,11 @@ class LogWriter:
             elif isinstance(err, ConcurrencyError):
                 self.diverged = err
             raise
-        done = {k for k, _ in applied}
-        for k, (pos, event) in enumerate(zip(positions, batch)):
-            if k in done:
-                advance(state, event, pos)
-            else:
+        if applied.pauses or applied.commits:
+            for k, (pos, event) in enumerate(zip(positions, batch)):
+                fold_after_write(state, applied, k, event, pos)
+        else:
+            for pos, event in zip(positions, batch):
                 apply(state, StoredEvent(position=pos, event=event))
         self.appended += len(batch)
         for listen in self.listeners:

@@ -14,8 +14,9 @@ now calls :func:`prefold` on the state the batch will be folded onto, before the
   raises :class:`RejectedFact` naming it: nothing of the batch is written, and the
   writer's caller decides what stands in for it (its group's attempt fails);
 * otherwise the write goes on; if it fails, :func:`undo` puts the pauses back, and once
-  it lands the writer folds the rest of the batch and only advances the position over
-  the pauses already applied (:func:`controller.core.reducer.advance`).
+  it lands the writer folds the rest of the batch, only advances the position over the
+  pauses already applied, and applies each checked commit with what its checks found
+  instead of checking it again (:func:`fold_after_write`).
 
 Exact only where no event of the batch depends on another: every event is about a
 group (``group_id``), no two about the same one, none changes what another's checks
@@ -29,11 +30,12 @@ Pure: no I/O, no clock, no randomness, no logging.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from controller.core.errors import InvariantViolation
 from controller.core.group_marks import GroupMark, mark_group, restore_group
-from controller.core.reducer import check_preamble, handle
-from controller.core.reducer_groups import check_committed
+from controller.core.reducer import apply_event, check_preamble, handle
+from controller.core.reducer_groups import CheckedCommit, apply_checked_commit, check_committed
 from controller.core.state import RunState
 from events.schema import EpisodeTurnsRecorded, Event, GroupCommitted, SegmentsRecorded
 
@@ -53,8 +55,14 @@ class RejectedFact(Exception):
                          f"written: {violation.reason}")
 
 
-#: pauses applied before the write: (index in the batch, their group's mark)
-Applied = list[tuple[int, GroupMark]]
+@dataclass
+class Prefolded:
+    """What :func:`prefold` did to a batch: the pauses it applied (index in the batch ->
+    their group's mark, in batch order) and the commits it checked (index -> what the
+    checks found, for :func:`fold_after_write`)."""
+
+    pauses: dict[int, GroupMark] = field(default_factory=dict)
+    commits: dict[int, CheckedCommit] = field(default_factory=dict)
 
 
 def independent(state: RunState, batch: Sequence[Event]) -> bool:
@@ -71,36 +79,51 @@ def independent(state: RunState, batch: Sequence[Event]) -> bool:
     return state.started
 
 
-def prefold(state: RunState, batch: Sequence[Event], first: int) -> Applied:
+def prefold(state: RunState, batch: Sequence[Event], first: int) -> Prefolded:
     """Apply ``batch``'s pauses and check its commits, the batch to be written at
     positions ``first``, ``first + 1``, ...; raises :class:`RejectedFact` for the first
-    that breaks a rule, with the state as it was. Nothing (``[]``) for a batch
+    that breaks a rule, with the state as it was. Nothing for a batch
     :func:`independent` does not vouch for: the fold after the write checks it."""
+    done = Prefolded()
     if not any(type(e) in _FACTS for e in batch) or not independent(state, batch):
-        return []
-    applied: Applied = []
+        return done
     for k, event in enumerate(batch):
         try:
             if type(event) is GroupCommitted:
-                check_committed(state, event, first + k)
+                done.commits[k] = check_committed(state, event, first + k)
                 continue
-            applied.append((k, mark_group(state, event.group_id)))  # type: ignore[attr-defined]
+            done.pauses[k] = mark_group(state, event.group_id)  # type: ignore[attr-defined]
             handle(state, event, first + k)
         except InvariantViolation as err:
-            undo(state, applied)
+            undo(state, done)
             raise RejectedFact(k, event, err) from None
-    return applied
+    return done
 
 
-def undo(state: RunState, applied: Applied) -> None:
+def undo(state: RunState, done: Prefolded) -> None:
     """Put back every pause :func:`prefold` applied (the write did not happen)."""
-    for _, mark in reversed(applied):
+    for mark in reversed(done.pauses.values()):
         restore_group(state, mark)
 
 
-def advance(state: RunState, event: Event, position: int) -> None:
-    """What ``reducer.apply_event`` does besides the handler, for a pause whose handler
-    ran before the write (:func:`prefold`)."""
+def fold_after_write(state: RunState, done: Prefolded, k: int, event: Event, position: int) -> None:
+    """Fold the ``k``-th event of a written batch: a pause :func:`prefold` applied only
+    advances the position, a commit it checked is applied with what its checks found
+    (nothing about its group changed since: the batch is :func:`independent`), any
+    other event is folded as always."""
+    if k not in done.pauses:
+        checked = done.commits.get(k)
+        if checked is None:
+            apply_event(state, event, position)  # type: ignore[arg-type]
+            return
+        _preamble(state, event, position)
+        apply_checked_commit(state, event, position, checked)  # type: ignore[arg-type]
+    else:
+        _preamble(state, event, position)
+    state.position = position
+
+
+def _preamble(state: RunState, event: Event, position: int) -> None:
+    """What ``reducer.apply_event`` checks before the handler (position, epoch, start)."""
     if position != state.position + 1 or event.epoch != state.epoch or not state.started:
         check_preamble(state, event, position)  # type: ignore[arg-type]
-    state.position = position

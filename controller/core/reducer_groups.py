@@ -151,16 +151,21 @@ def _admitted_group(
     return group
 
 
-def check_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
+#: what a commit's checks found, for its handler to apply: the group, its packed lengths,
+#: and its episode and segment records
+CheckedCommit = tuple[GroupRecord, bytes, "InflightEpisodes | None", "InflightSegments | None"]
+
+
+def check_committed(state: RunState, ev: GroupCommitted, pos: int) -> CheckedCommit:
     """Raise the violation applying ``ev`` at ``pos`` would raise, without applying it:
     ``state`` is only read. The log writer checks a worker's commit with it before the
-    store write, so that a bad one is refused instead of written."""
-    _committed_checks(state, ev, pos)
+    store write, so that a bad one is refused instead of written; once written, the
+    commit is applied with what the checks found (:func:`apply_checked_commit`), valid as
+    long as nothing about its group changed in between."""
+    return _committed_checks(state, ev, pos)
 
 
-def _committed_checks(
-    state: RunState, ev: GroupCommitted, pos: int
-) -> tuple[GroupRecord, bytes, InflightEpisodes | None, InflightSegments | None]:
+def _committed_checks(state: RunState, ev: GroupCommitted, pos: int) -> CheckedCommit:
     """Every rule a commit must pass, reading ``state`` only (one copy of each rule, for
     the handler and :func:`check_committed`); returns what the handler applies: the
     group, its packed lengths, and its episode and segment records."""
@@ -186,7 +191,12 @@ def _committed_checks(
 
 
 def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
-    group, packed_lengths, played, rec = _committed_checks(state, ev, pos)
+    apply_checked_commit(state, ev, pos, _committed_checks(state, ev, pos))
+
+
+def apply_checked_commit(state: RunState, ev: GroupCommitted, pos: int, checked: CheckedCommit) -> None:
+    """The commit's change to ``state``, its checks passed (``checked``: what they found)."""
+    group, packed_lengths, played, rec = checked
     gid, start, end = ev.group_id, ev.weight_version_start, ev.weight_version_end
     if rec is not None:
         del state.inflight[gid]
