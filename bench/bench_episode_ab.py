@@ -63,7 +63,7 @@ TIMED = [
     ("controller.log_writer", "prefold"),
     ("controller.log_writer", "fold_after_write"),
     ("controller.core.prefold", "independent"),
-    ("controller.core.prefold", "mark_group"),
+    ("controller.core.prefold", "mark_pause"),
     ("controller.core.prefold", "handle"),
     ("controller.core.prefold", "check_committed"),
     ("controller.log_writer", "crashpoints.after_append"),

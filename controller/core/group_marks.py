@@ -51,7 +51,7 @@ from __future__ import annotations
 from controller.core.episodes import InflightEpisodes, TurnRecord
 from controller.core.segments import InflightSegments
 from controller.core.state import RunState
-from events.schema import EnvResult
+from events.schema import EnvResult, EpisodeTurnsRecorded, SegmentsRecorded
 
 #: a sample's turns at the mark: (len(turns), last TurnRecord, its result, its attempt);
 #: None for a sample with no turn yet
@@ -61,7 +61,8 @@ _TurnsMark = tuple[int, TurnRecord, EnvResult | None, int] | None
 class GroupMark:
     """What one group's in-flight records were at :func:`mark_group` (opaque)."""
 
-    __slots__ = ("group_id", "segments", "seg_lists", "seg_counts", "episodes", "events", "turns")
+    __slots__ = ("group_id", "segments", "seg_lists", "seg_counts", "episodes", "events", "turns",
+                 "pause", "reissued")
 
     def __init__(self, group_id: str) -> None:
         self.group_id = group_id
@@ -76,20 +77,57 @@ class GroupMark:
         #: its attempt_events, and per sample what ``_TurnsMark`` says
         self.events = 0
         self.turns: list[_TurnsMark] = []
+        #: :func:`mark_pause`: the one pause marked for, and the old ``attempt`` of each
+        #: sample whose call it would re-issue (None: a :func:`mark_group` mark)
+        self.pause: EpisodeTurnsRecorded | SegmentsRecorded | None = None
+        self.reissued: dict[int, int] = {}
+
+
+def _mark_segments(state: RunState, mark: GroupMark) -> InflightEpisodes | None:
+    seg = state.inflight.get(mark.group_id)
+    if seg is not None:
+        mark.segments = seg
+        mark.seg_lists = (seg.recorded[:], seg.stopped[:], seg.first_version[:], seg.last_version[:])
+        mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum, seg.model_tokens)
+    rec = state.episodes.get(mark.group_id)
+    if rec is not None:
+        mark.episodes = rec
+        mark.events = rec.attempt_events
+    return rec
+
+
+def mark_pause(state: RunState, pause: EpisodeTurnsRecorded | SegmentsRecorded) -> GroupMark:
+    """:func:`mark_group` for exactly one pause of its group, reading only what that
+    pause can change. Its results and calls say which turns it touches: a result sets
+    its sample's pending call's ``result`` (undone by setting it back to None); a call
+    appends a turn (undone by removing it) unless its sample's last call is pending,
+    when it re-issues that call (``episodes.record_requested``) and only its
+    ``attempt`` is noted -- which can be the case only for a sample without a result in
+    the same pause. So the mark reads no sample's turns but those, where
+    :func:`mark_group` reads every sample's last turn: in a live run those are cold in
+    the cache, ~9 us a pause for 16 samples."""
+    mark = GroupMark(pause.group_id)
+    mark.pause = pause
+    rec = _mark_segments(state, mark)
+    if rec is None or type(pause) is not EpisodeTurnsRecorded or not pause.calls:
+        return mark
+    answered = {r.sample for r in pause.results}
+    samples, n = rec.samples, len(rec.samples)
+    for call in pause.calls:
+        i = call.sample
+        if i in answered or not 0 <= i < n:
+            continue
+        turns = samples[i].turns
+        if turns and turns[-1].result is None:
+            mark.reissued[i] = turns[-1].attempt
+    return mark
 
 
 def mark_group(state: RunState, group_id: str) -> GroupMark:
     """Note what a pause of ``group_id`` may change in ``state.inflight`` and ``state.episodes``."""
     mark = GroupMark(group_id)
-    seg = state.inflight.get(group_id)
-    if seg is not None:
-        mark.segments = seg
-        mark.seg_lists = (seg.recorded[:], seg.stopped[:], seg.first_version[:], seg.last_version[:])
-        mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum, seg.model_tokens)
-    rec = state.episodes.get(group_id)
+    rec = _mark_segments(state, mark)
     if rec is not None:
-        mark.episodes = rec
-        mark.events = rec.attempt_events
         turns_marks: list[_TurnsMark] = []
         append = turns_marks.append  # once per sample per pause: an inline loop, no calls
         for episode in rec.samples:
@@ -119,6 +157,9 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
     if rec is None:
         state.episodes.pop(gid, None)
         return
+    if mark.pause is not None:
+        _restore_pause(rec, mark)
+        return
     rec.attempt_events = mark.events
     for episode, turns_mark in zip(rec.samples, mark.turns):
         if turns_mark is None:
@@ -126,3 +167,25 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
         else:
             n, last, last.result, last.attempt = turns_mark
             del episode.turns[n:]
+
+
+def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
+    """Undo what :func:`mark_pause`'s one pause recorded in ``rec``: its results are
+    recorded before its calls, each part whole or not at all (checked, then recorded),
+    and each adds one to ``attempt_events`` -- so the count says which parts went in."""
+    pause = mark.pause
+    applied, rec.attempt_events = rec.attempt_events - mark.events, mark.events
+    if type(pause) is not EpisodeTurnsRecorded or not applied:
+        return
+    samples = rec.samples
+    if pause.calls and applied == 1 + bool(pause.results):  # the calls went in: undo them first
+        reissued = mark.reissued
+        for call in pause.calls:
+            turns = samples[call.sample].turns
+            if call.sample in reissued:
+                turns[-1].attempt = reissued[call.sample]
+            else:
+                turns.pop()
+    if pause.results:  # recorded first: in whenever anything is
+        for result in pause.results:
+            samples[result.sample].turns[-1].result = None

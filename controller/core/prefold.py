@@ -7,8 +7,8 @@ the fold refused it, and the log could never be folded past it again. The log wr
 now calls :func:`prefold` on the state the batch will be folded onto, before the write:
 
 * each pause is applied to the state at once, by its own handler (so the checks are the
-  fold's, one copy of each rule), its group's in-flight records marked first
-  (``controller.core.group_marks``);
+  fold's, one copy of each rule), what it can change in its group's in-flight records
+  marked first (``controller.core.group_marks.mark_pause``);
 * each commit is checked without being applied (``reducer_groups.check_committed``);
 * the first that breaks a rule puts every pause applied so far back, exactly, and
   raises :class:`RejectedFact` naming it: nothing of the batch is written, and the
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from controller.core.errors import InvariantViolation
-from controller.core.group_marks import GroupMark, mark_group, restore_group
+from controller.core.group_marks import GroupMark, mark_pause, restore_group
 from controller.core.reducer import apply_event, check_preamble, handle
 from controller.core.reducer_groups import CheckedCommit, apply_checked_commit, check_committed
 from controller.core.state import RunState
@@ -92,7 +92,7 @@ def prefold(state: RunState, batch: Sequence[Event], first: int) -> Prefolded:
             if type(event) is GroupCommitted:
                 done.commits[k] = check_committed(state, event, first + k)
                 continue
-            done.pauses[k] = mark_group(state, event.group_id)  # type: ignore[attr-defined]
+            done.pauses[k] = mark_pause(state, event)  # type: ignore[arg-type]
             handle(state, event, first + k)
         except InvariantViolation as err:
             undo(state, done)

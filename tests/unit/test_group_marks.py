@@ -17,7 +17,7 @@ import pytest
 
 from controller.core.errors import InvariantViolation
 from controller.core.fold import fold
-from controller.core.group_marks import mark_group, restore_group
+from controller.core.group_marks import mark_group, mark_pause, restore_group
 from controller.core.reducer import apply_event
 from controller.core.state import RunState, encode_state
 from events import schema as ev
@@ -32,14 +32,21 @@ def _records(state: RunState, gid: str) -> tuple[object, object]:
 
 
 def _round_trip(state: RunState, event: ev.Event, gid: str) -> tuple[bool, bool]:
-    """Mark ``gid``, apply ``event`` at the next position, restore; asserts the state and
-    the records held before are exactly as they were. Returns (raised, changed): whether
-    applying raised, and whether it had changed the state before the restore."""
+    """Mark ``gid`` (with :func:`mark_group`, then again with :func:`mark_pause` for the
+    event), apply ``event`` at the next position, restore; asserts the state and the
+    records held before are exactly as they were, both ways. Returns (raised, changed):
+    whether applying raised, and whether it had changed the state before the restore."""
+    first = _round_trip_with(state, event, gid, lambda: mark_group(state, gid))
+    assert _round_trip_with(state, event, gid, lambda: mark_pause(state, event)) == first
+    return first
+
+
+def _round_trip_with(state: RunState, event: ev.Event, gid: str, marker) -> tuple[bool, bool]:  # type: ignore[no-untyped-def]
     pos = state.position + 1
     before = encode_state(state)
     held = _records(state, gid)
     held_bytes = [msgspec.msgpack.encode(r) for r in held]
-    mark = mark_group(state, gid)
+    mark = marker()
     try:
         apply_event(state, event, pos)
         raised = False
