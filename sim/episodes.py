@@ -18,7 +18,9 @@ Either way a 10-turn group appends 40 episode events besides its admission and c
 the log a real run of the same shape writes. Every sample plays every turn with the same
 lengths (``model_tokens``, ``observation_tokens``); its per-turn reward is its group
 reward over ``turns``, and the committed reward is their sum in turn order (the core
-checks it exactly).
+checks it exactly). A re-admitted attempt resumes from what the log recorded
+(``GenerationRequest.episode`` and ``resume``): with a deduplicating env its pending
+calls are asked again first, with the same keys, then the turns go on.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class _Episode:
     #: the oldest and newest model token versions
     oldest: int | None = None
     newest: int = 0
+    #: a resumed attempt's calls asked for and never answered: asked again first
+    reissue: list[EnvCall] | None = None
 
 
 class SimEpisodeGenerator:
@@ -108,15 +112,43 @@ class SimEpisodeGenerator:
             fleet.groups += 1
             rewards = fleet.timings.group_rewards(req.group_id, req.n_samples)
             ep = self.held[req.group_id] = _Episode(req.attempt, rewards, duration / self.turns)
+            self._resume(ep, req)
         if ep.due is None:  # it goes on once its last pause is recorded: now
             # after the last pause the episode has ended: the call commits it
             share = self.plan[ep.pauses][0] if ep.pauses < len(self.plan) else 0.0
             ep.due = fleet.loop.time() + ep.turn_s * share
         return ep
 
+    def _resume(self, ep: _Episode, req: GenerationRequest) -> None:
+        """A re-admitted attempt goes on from what the log recorded, as the real runner
+        does with a deduplicating env: its calls asked for and never answered are asked
+        again at once, with the same keys, then the turns go on. (An env that cannot
+        deduplicate has its episodes started over by the core: from the first pause.)"""
+        rec = req.episode
+        if rec is None or not rec.calls or not self.dedupes_by_key or any(rec.restarts):
+            return
+        versions = [f.weight_version for f in req.resume if f.kind == "model" and f.weight_version is not None]
+        if versions:
+            ep.oldest, ep.newest = min(versions), max(versions)
+        # every sample plays the same turns: the first one's count stands for all
+        asked = [c for c in rec.calls if c.call.sample == 0]
+        answered = sum(c.result is not None for c in asked)
+        ep.due = self.fleet.loop.time()
+        if answered == len(asked):  # the last results are recorded: it has ended
+            ep.pauses = len(self.plan)
+            return
+        ep.pauses = len(asked)  # the pause with the pending turn's results comes next
+        ep.reissue = [c.call for c in rec.calls if c.result is None]
+
     def _pause(self, req: GenerationRequest, ep: _Episode) -> GenerationOutcome:
         if ep.pauses == len(self.plan):
             return self._done(req, ep)
+        if ep.reissue:  # a resumed attempt asks again first (nothing else in that pause)
+            calls, ep.reissue, ep.due = ep.reissue, None, None
+            flush = EpisodeFlush(env=ENV, dedupes_by_key=self.dedupes_by_key, completed=[],
+                                 segments=[], requested=calls)
+            return GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
+                                     weight_version_end=0, status="flushed", episode=flush)
         _, results_turn, model_turn = self.plan[ep.pauses]
         ep.pauses, ep.due = ep.pauses + 1, None
         results, segments, calls = [], [], []

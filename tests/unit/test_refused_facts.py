@@ -200,6 +200,19 @@ def test_a_run_refuses_a_generators_bad_output_fails_its_group_and_goes_on(monke
     assert failed and f"{want} group:{bent[0]}" in failed[0].reason
     assert "refused before it was written" in failed[0].reason
     assert ("segment starts at token" if bend_pause else "tokens committed but") in failed[0].reason
+    # the retry resumes from what attempt 1 recorded (the pending call asked again with
+    # its key) and commits: one failed attempt, not the group
+    assert len(failed) == 1
+    group = state.groups[bent[0]]
+    assert group.attempt == 2 and group.committed_position is not None
+    assert [len(r) for r in group.episode.rewards] == [3, 3]
+    again = [e for e in (s.event for s in store.read("bent"))
+             if type(e) is ev.EpisodeTurnsRecorded and e.group_id == bent[0] and e.attempt == 2]
+    if bend_pause:  # turn 1's call was pending: asked again first, alone, same key
+        assert again and not again[0].results and not again[0].flushes
+        assert [c.turn for c in again[0].calls] == [1, 1]
+    else:  # every turn was recorded: the retry only commits
+        assert again == []
 
 
 def test_a_refused_pause_fails_every_group_of_its_call_once(monkeypatch):
