@@ -97,6 +97,13 @@ def prefold(state: RunState, batch: Sequence[Event], first: int) -> Prefolded:
         except InvariantViolation as err:
             undo(state, done)
             raise RejectedFact(k, event, err) from None
+        except Exception as err:  # a malformed value (a None where a number goes): refused too
+            undo(state, done)
+            why = f"malformed: {type(err).__name__}: {err}"
+            raise RejectedFact(k, event, InvariantViolation(first + k, why, event.event_id)) from None
+        except BaseException:  # an interrupt: nothing stays applied either
+            undo(state, done)
+            raise
     return done
 
 

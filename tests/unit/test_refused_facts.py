@@ -82,6 +82,18 @@ def test_a_bad_pause_is_refused_and_nothing_of_its_batch_is_written(at: int):
     assert encode_state(fold(store.read("r1"))) == encode_state(writer.state)
 
 
+def test_a_malformed_pause_is_refused_like_a_bad_one():
+    """A value of the wrong type (a worker's bug: structs are not validated when built)
+    makes the handler raise something other than a broken rule: refused all the same."""
+    writer, store, p1, p2 = _writer_with_two_groups()
+    writer.append(p1[0], p2[0])
+    before, last = encode_state(writer.state), store.last_position("r1")
+    results = [_replace(p2[1].results[0], reward=None), *p2[1].results[1:]]
+    with pytest.raises(RejectedFact, match="malformed: TypeError"):
+        writer.append(p1[1], _replace(p2[1], results=results))
+    _unchanged(writer, store, before, last)
+
+
 def test_a_commit_that_disagrees_with_the_recorded_turns_is_refused():
     writer, store, p1, p2 = _writer_with_two_groups()
     for p in p1:
