@@ -27,14 +27,12 @@ from controller.core import decisions, failures, policies
 from controller.core.failures import FailuresSection
 from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus
-from controller.crashpoints import crash_point
 from controller.journal import Journal
 from controller.settings import RolloutSection
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
 from controller.commits import PendingCommits, commit_events
 from controller.core.prefold import RejectedFact
-from controller.core.segments import segment_keys
 from controller.episodes import episode_resume, restarts_before
 from controller.partial import PartialRecorder, resume_flushes
 from controller.pausing import PausingCall

@@ -157,18 +157,12 @@ CheckedCommit = tuple[GroupRecord, bytes, "InflightEpisodes | None", "InflightSe
 
 
 def check_committed(state: RunState, ev: GroupCommitted, pos: int) -> CheckedCommit:
-    """Raise the violation applying ``ev`` at ``pos`` would raise, without applying it:
-    ``state`` is only read. The log writer checks a worker's commit with it before the
-    store write, so that a bad one is refused instead of written; once written, the
-    commit is applied with what the checks found (:func:`apply_checked_commit`), valid as
-    long as nothing about its group changed in between."""
-    return _committed_checks(state, ev, pos)
-
-
-def _committed_checks(state: RunState, ev: GroupCommitted, pos: int) -> CheckedCommit:
-    """Every rule a commit must pass, reading ``state`` only (one copy of each rule, for
-    the handler and :func:`check_committed`); returns what the handler applies: the
-    group, its packed lengths, and its episode and segment records."""
+    """Every rule a commit must pass: raises the violation applying ``ev`` at ``pos``
+    would raise, reading ``state`` only (one copy of each rule, for the handler and the
+    log writer, which checks a worker's commit before the store write so that a bad one
+    is refused instead of written). Returns what :func:`apply_checked_commit` applies:
+    the group, its packed lengths, and its episode and segment records -- valid as long
+    as nothing about its group changes in between."""
     # Hot path: the checks are inlined (see _admitted_group for messages).
     gid = ev.group_id
     group = state.groups.get(gid)
@@ -191,7 +185,7 @@ def _committed_checks(state: RunState, ev: GroupCommitted, pos: int) -> CheckedC
 
 
 def _on_group_committed(state: RunState, ev: GroupCommitted, pos: int) -> None:
-    apply_checked_commit(state, ev, pos, _committed_checks(state, ev, pos))
+    apply_checked_commit(state, ev, pos, check_committed(state, ev, pos))
 
 
 def apply_checked_commit(state: RunState, ev: GroupCommitted, pos: int, checked: CheckedCommit) -> None:
