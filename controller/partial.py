@@ -21,6 +21,7 @@ from controller.core.prefold import RejectedFact
 from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
 from controller import episodes
+from controller import crashpoints
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from controller.pausing import PausingCall
@@ -250,8 +251,9 @@ class PartialRecorder:
             if not isinstance(err, Exception):
                 raise
             return
-        self.calls += sum(1 for w in range(len(waiting)) if w not in refused)
-        self.drop([key for gid in finished if gid not in refused for key in rows[gid]])
+        self.calls += len(waiting) - sum(isinstance(owner, int) for owner in refused)
+        if rows:
+            self.drop([key for gid in finished if gid not in refused for key in rows[gid]])
         now, state = journal.clock(), journal.state
         for w, (call, outs, _, paused) in enumerate(waiting):  # every acknowledged call goes on
             if w not in refused:
@@ -261,32 +263,44 @@ class PartialRecorder:
     def _batch(self, waiting: list[_Waiting], riders: list[_Rider]) -> tuple[list[ev.Event], list[int | str], list[str]]:
         """The waiting calls' events, then the riders' commits; per event its owner (the
         call's index, or a rider commit's group); the groups committed."""
+        if crashpoints.armed():  # a test's: ~23 unarmed checks a group otherwise
+            self._crash_points(waiting, riders)
         journal = self.journal
         events: list[ev.Event] = []
         owners: list[int | str] = []
         finished: list[str] = []
         for w, (call, outs, commits, _) in enumerate(waiting):
-            flushed = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "flushed"]
-            for req, out in flushed:
-                crash_point("before_segments_recorded", req.group_id)
-                if out.episode is not None and out.episode.completed:  # ran, unrecorded
-                    crash_point("before_env_steps_completed", req.group_id)
-            for c in commits:
-                crash_point("before_group_committed", c.group_id)
+            before = len(events)
             # built in turn: a group is in one call only, so indices never collide
-            mine = [e for req, out in flushed for e in (
-                episodes.flush_events(journal, req, out.episode) if out.episode is not None
-                else [segments_event(journal, req, out)])] + list(commits)
-            events += mine
-            owners += [w] * len(mine)
-            finished += [c.group_id for c in commits]
+            for req, out in zip(call.reqs, outs):
+                if out.status == "flushed":
+                    events += (episodes.flush_events(journal, req, out.episode) if out.episode is not None
+                               else [segments_event(journal, req, out)])
+            if commits:
+                events += commits
+                finished += [c.group_id for c in commits]
+            owners += [w] * (len(events) - before)
         for commits, _, _ in riders:
-            for c in commits:
-                crash_point("before_group_committed", c.group_id)
             events += commits
             owners += [c.group_id for c in commits]
             finished += [c.group_id for c in commits]
         return events, owners, finished
+
+    @staticmethod
+    def _crash_points(waiting: list[_Waiting], riders: list[_Rider]) -> None:
+        """The points before a batch's facts, in the order of its events; a point exits
+        the process, so announcing them all before the events are built is the same."""
+        for call, outs, commits, _ in waiting:
+            for req, out in zip(call.reqs, outs):
+                if out.status == "flushed":
+                    crash_point("before_segments_recorded", req.group_id)
+                    if out.episode is not None and out.episode.completed:  # ran, unrecorded
+                        crash_point("before_env_steps_completed", req.group_id)
+            for c in commits:
+                crash_point("before_group_committed", c.group_id)
+        for commits, _, _ in riders:
+            for c in commits:
+                crash_point("before_group_committed", c.group_id)
 
     async def _append_refusing(self, events: list[ev.Event], owners: list[int | str],
                                waiting: list[_Waiting], riders: list[_Rider]) -> dict[int | str, RejectedFact]:
