@@ -155,7 +155,10 @@ class PartialRecorder:
         episode's events) per flushed group and the ``commits`` of the finished ones,
         appended with the other calls of this turn; the append then resumes the call
         (``PausingCall.resume``) with the requests that let the paused groups go on."""
-        if not any(out.status == "flushed" for out in outs):
+        for out in outs:  # a loop, not ``any`` over a generator: once a pause
+            if out.status == "flushed":
+                break
+        else:
             raise RuntimeError("a generator call returned unfinished groups without a flush")
         self._waiting.append((call, outs, commits, self.journal.clock()))
         self.recheck()
