@@ -296,8 +296,7 @@ class AdmissionSide:
         append is also the fencing check before the next call, as the admission's is
         before the first."""
         done = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "done"]
-        # most pauses finish no group (a 10-turn episode pauses 11 times, finishes once)
-        commits = commit_events(self.journal, [r for r, _ in done], [o for _, o in done]) if done else []
+        commits = commit_events(self.journal, [r for r, _ in done], [o for _, o in done])
         self.segment_rows.hold(call, outs, commits)
 
     def _queue_commit(self, gen: GeneratorClient, reqs: list[GenerationRequest],

@@ -137,12 +137,6 @@ def set_worker_killer(kill: Callable[[str], None] | None) -> None:
     _killer = kill
 
 
-def armed() -> bool:
-    """Whether any point is armed: a caller announcing points per item of a batch skips
-    its loop when none is (no process outside a test arms one)."""
-    return bool(_armed)
-
-
 def crash_point(name: str, key: object = None) -> None:
     """Exit the process abruptly if ``name`` (with ``key``) is armed.
 

@@ -35,19 +35,17 @@ def flush_events(journal: Journal, req: GenerationRequest, flush: EpisodeFlush) 
     """The events recording one pause of ``req``'s group: one ``EpisodeTurnsRecorded``
     standing for its results, segments and intent (``controller.core.turns``), or the
     pause's one event itself when it has a single part (a flush of model tokens only)."""
-    # the writer's own ``make``: the journal's passes the fields on once more (~0.5 us a pause)
-    writer, gid, attempt = journal.writer, req.group_id, req.attempt
-    state = writer.state
+    state, gid, attempt = journal.state, req.group_id, req.attempt
     seg, env = segment_index(state, gid), env_index(state, gid)
     if flush.events == 1 and flush.segments:
         f = flush.segments[0]
-        return [writer.make(
+        return [journal.make(
             ev.SegmentsRecorded, event_id=ev.segments_event_id(gid, attempt, seg), group_id=gid,
             attempt=attempt, index=seg, kind=f.kind, weight_version=f.weight_version,
             segments=list(f.segments))]
     if flush.events == 0:
         return []
-    return [writer.make(
+    return [journal.make(
         ev.EpisodeTurnsRecorded, event_id=ev.episode_turns_event_id(gid, attempt, seg, env),
         group_id=gid, attempt=attempt, segment_index=seg, env_index=env,
         results=list(flush.completed), flushes=list(flush.segments), env=flush.env,

@@ -21,7 +21,6 @@ from controller.core.prefold import RejectedFact
 from controller.core.segments import InflightSegments, lost_samples, segment_keys
 from controller.core.state import RunState
 from controller import episodes
-from controller import crashpoints
 from controller.crashpoints import crash_point
 from controller.journal import Journal
 from controller.pausing import PausingCall
@@ -155,10 +154,7 @@ class PartialRecorder:
         episode's events) per flushed group and the ``commits`` of the finished ones,
         appended with the other calls of this turn; the append then resumes the call
         (``PausingCall.resume``) with the requests that let the paused groups go on."""
-        for out in outs:  # a loop, not ``any`` over a generator: once a pause
-            if out.status == "flushed":
-                break
-        else:
+        if not any(out.status == "flushed" for out in outs):
             raise RuntimeError("a generator call returned unfinished groups without a flush")
         self._waiting.append((call, outs, commits, self.journal.clock()))
         self.recheck()
@@ -254,9 +250,8 @@ class PartialRecorder:
             if not isinstance(err, Exception):
                 raise
             return
-        self.calls += len(waiting) - sum(isinstance(owner, int) for owner in refused)
-        if rows:
-            self.drop([key for gid in finished if gid not in refused for key in rows[gid]])
+        self.calls += sum(1 for w in range(len(waiting)) if w not in refused)
+        self.drop([key for gid in finished if gid not in refused for key in rows[gid]])
         now, state = journal.clock(), journal.state
         for w, (call, outs, _, paused) in enumerate(waiting):  # every acknowledged call goes on
             if w not in refused:
@@ -266,44 +261,32 @@ class PartialRecorder:
     def _batch(self, waiting: list[_Waiting], riders: list[_Rider]) -> tuple[list[ev.Event], list[int | str], list[str]]:
         """The waiting calls' events, then the riders' commits; per event its owner (the
         call's index, or a rider commit's group); the groups committed."""
-        if crashpoints.armed():  # a test's: ~23 unarmed checks a group otherwise
-            self._crash_points(waiting, riders)
         journal = self.journal
         events: list[ev.Event] = []
         owners: list[int | str] = []
         finished: list[str] = []
         for w, (call, outs, commits, _) in enumerate(waiting):
-            before = len(events)
+            flushed = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "flushed"]
+            for req, out in flushed:
+                crash_point("before_segments_recorded", req.group_id)
+                if out.episode is not None and out.episode.completed:  # ran, unrecorded
+                    crash_point("before_env_steps_completed", req.group_id)
+            for c in commits:
+                crash_point("before_group_committed", c.group_id)
             # built in turn: a group is in one call only, so indices never collide
-            for req, out in zip(call.reqs, outs):
-                if out.status == "flushed":
-                    events += (episodes.flush_events(journal, req, out.episode) if out.episode is not None
-                               else [segments_event(journal, req, out)])
-            if commits:
-                events += commits
-                finished += [c.group_id for c in commits]
-            owners += [w] * (len(events) - before)
+            mine = [e for req, out in flushed for e in (
+                episodes.flush_events(journal, req, out.episode) if out.episode is not None
+                else [segments_event(journal, req, out)])] + list(commits)
+            events += mine
+            owners += [w] * len(mine)
+            finished += [c.group_id for c in commits]
         for commits, _, _ in riders:
+            for c in commits:
+                crash_point("before_group_committed", c.group_id)
             events += commits
             owners += [c.group_id for c in commits]
             finished += [c.group_id for c in commits]
         return events, owners, finished
-
-    @staticmethod
-    def _crash_points(waiting: list[_Waiting], riders: list[_Rider]) -> None:
-        """The points before a batch's facts, in the order of its events; a point exits
-        the process, so announcing them all before the events are built is the same."""
-        for call, outs, commits, _ in waiting:
-            for req, out in zip(call.reqs, outs):
-                if out.status == "flushed":
-                    crash_point("before_segments_recorded", req.group_id)
-                    if out.episode is not None and out.episode.completed:  # ran, unrecorded
-                        crash_point("before_env_steps_completed", req.group_id)
-            for c in commits:
-                crash_point("before_group_committed", c.group_id)
-        for commits, _, _ in riders:
-            for c in commits:
-                crash_point("before_group_committed", c.group_id)
 
     async def _append_refusing(self, events: list[ev.Event], owners: list[int | str],
                                waiting: list[_Waiting], riders: list[_Rider]) -> dict[int | str, RejectedFact]:

@@ -58,11 +58,10 @@ class PausingCall:
             self.result.set_exception(err)
             return
         try:  # no one awaits this callback: whatever raises here must end ``result``
-            for out in outcomes:  # a loop, not ``all`` over a generator: ~12 times a group
-                if out.status != "done":
-                    self.on_pause(self, outcomes)
-                    return
-            self.result.set_result(outcomes)
+            if all(out.status == "done" for out in outcomes):
+                self.result.set_result(outcomes)
+            else:
+                self.on_pause(self, outcomes)
         except Exception as err:
             self.fail(err)
 
@@ -72,9 +71,7 @@ class PausingCall:
             return  # cancelled (fenced, or the run stopped) while its pause was appended
         self.reqs = reqs
         try:
-            pending = self.gen.generate(reqs)
-            # a client's future as it is (``ensure_future`` only checks that), a coroutine wrapped
-            self.pending = pending if isinstance(pending, asyncio.Future) else asyncio.ensure_future(pending)
+            self.pending = asyncio.ensure_future(self.gen.generate(reqs))
         except Exception as err:
             self.fail(err)
             return

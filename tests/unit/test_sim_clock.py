@@ -176,3 +176,26 @@ def test_a_section_reads_the_clocks_only_at_its_outermost_edges(monkeypatch):
     assert (cpu.reads, loop.uncharged_cpu_s) == (7, 5.0)  # subtracted all the same
     assert loop._uncharged_depth == 0
     loop.close()
+
+
+def test_deleting_an_episodes_scratch_rows_is_not_a_checkpoint_release():
+    # A committed episode group's rows are its model turns ("seg:") and observations
+    # ("obs:"): scratch, deleted at once. A release of payload rows takes the recorded
+    # release time; mistaking scratch for one charged it to the trainer's checkpoints.
+    from sim.timings import Lognormal, SyntheticTimings
+    from sim.workers import Fleet, SimPayloads, SimTrainer
+
+    loop = VirtualTimeLoop()
+    fleet = Fleet(loop=loop, timings=SyntheticTimings(generation=Lognormal(1.0), train_per_sequence_s=0.0,
+                                                      release=2.0))
+    trainer = SimTrainer(fleet)
+    payloads = SimPayloads(fleet, trainer)
+
+    async def main() -> list[tuple[float, float]]:
+        seen = []
+        for keys in (["seg:g1/a1/s0/t1", "obs:g1/a1/s0/t1", "seg:g1/a1/s0/t2"], ["g1/1/0", "g1/1/1"]):
+            await payloads.delete(keys)
+            seen.append((loop.time(), trainer.checkpoint_s))
+        return seen
+
+    assert _run(loop, main()) == [(0.0, 0.0), (2.0, 2.0)]
