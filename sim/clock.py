@@ -94,8 +94,8 @@ class _Uncharged:
     What it subtracts is the loop thread's CPU between its two clock reads, so whatever
     the section's own machinery runs outside them is charged to the controller. A
     generator-based context manager ran most of its work there -- building the manager
-    and its generator, stepping into it and out of it through ``StopIteration``: ~1.4 us
-    charged per section against ~0.6 us here (``bench/bench_uncharged.py``), with ~25
+    and its generator, stepping into it and out of it through ``StopIteration``: ~1.3 us
+    charged per section against ~0.7 us here (``bench/bench_uncharged.py``), with ~25
     sections per episode group. This one is built once per loop, and reads the CPU clock
     last on entry and first on exit. Sections nest (a worker's timer resolving a call
     inside the fleet's section): only the outermost reads the clocks.
