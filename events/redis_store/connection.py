@@ -97,17 +97,19 @@ def pack(args: tuple[Any, ...]) -> list[bytes] | None:
     The bytes redis-py would send (its hiredis packer makes the same call), less its
     wrapper: a command name split on spaces and a per-argument type check over an
     append's ~35 arguments; a 5-pause append's round trip costs ~36 us of client CPU
-    this way against ~42 us through ``send_command`` (``bench/bench_append_cpu.py``). Arguments are str, int or bytes (every command
-    the store sends); anything else is redis-py's ``DataError``, as its packer raises.
-    A name with a space in it (``"CONFIG GET"``) is left to redis-py, which splits it.
+    this way against ~42 us through ``send_command`` (``bench/bench_append_cpu.py``).
+    hiredis takes str, int, float and bytes (every command the store sends); what it
+    refuses is left to redis-py (None), whose packer turns a bytearray or memoryview
+    into bytes first and raises its own ``DataError`` for the rest. So is a name with a
+    space in it (``"CONFIG GET"``), which redis-py splits.
     """
     name = args[0]
     if _pack_command is None or (" " if isinstance(name, str) else b" ") in name:
         return None
     try:
         return [_pack_command(args)]
-    except TypeError as err:
-        raise rex.DataError(str(err)) from None
+    except TypeError:
+        return None
 
 
 def send_many(conn: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:

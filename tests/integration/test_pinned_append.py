@@ -39,10 +39,29 @@ def test_packed_bytes_are_what_redis_py_sends() -> None:
     assert pack(args) == [b"".join(python)]
 
 
-def test_what_the_packer_cannot_send_is_redis_pys_error() -> None:
-    with pytest.raises(rex.DataError):
-        pack(("SET", "k", None))
+def test_what_hiredis_refuses_is_left_to_redis_py() -> None:
+    # redis-py turns a bytearray or memoryview into bytes before its hiredis call, and
+    # raises its own DataError for the rest: its packer decides, as before the one call
+    for refused in (("SET", "k", None), ("SET", "k", bytearray(b"v"))):
+        assert pack(refused) is None
     assert pack(("CONFIG GET", "maxmemory")) is None  # redis-py splits such a name itself
+
+
+def test_a_command_sends_what_redis_py_sends_and_refuses_what_it_refuses(redis_url: str) -> None:
+    store = RedisEventStore(redis_url)
+    pinned = PinnedConnection(store.client)
+    try:
+        # bytes-like arguments redis-py accepts: a bytearray (hiredis alone refuses it)
+        assert pinned.execute_command("SET", "pinned:k", bytearray(b"v1")) in (b"OK", "OK", True)
+        assert store.client.get("pinned:k") == b"v1"
+        assert pinned.execute_command("SET", "pinned:k", memoryview(b"v2")) in (b"OK", "OK", True)
+        assert store.client.get("pinned:k") == b"v2"
+        with pytest.raises(rex.DataError):
+            pinned.execute_command("SET", "pinned:k", None)
+        assert pinned.execute_command("GET", "pinned:k") == b"v2"  # still in step
+    finally:
+        pinned.close()
+        store.close()
 
 
 @pytest.fixture
