@@ -295,9 +295,7 @@ def run_once(
     per_group = 1e3 / max(1, len(consumed))
     lags = [g.lag for g in consumed if g.lag is not None]
     simulated, token_lag = _token_figures(args, cfg, consumed)
-    # generated in full, then too stale to train on: under a tail, the long ones
-    evicted = [g for g in state.groups.values() if g.status.name == "EVICTED"]
-    wasted = _simulated_tokens(args, cfg, evicted)
+    evicted, evicted_share = eviction_figures(args, cfg, list(state.groups.values()))
     _, data_wait, controller_gap = trainer.gaps_s(publisher.intervals)
     recorder = controller.admission.segment_rows
     return {
@@ -316,8 +314,8 @@ def run_once(
         "events_per_group": state.position / max(1, len(consumed)),
         "lag_mean": statistics.fmean(lags) if lags else 0.0,
         "lag_max": float(max(lags, default=0)),
-        "evicted": float(len(evicted)),
-        "evicted_tokens": wasted / max(1.0, simulated + wasted),
+        "evicted": float(evicted),
+        "evicted_tokens": evicted_share,
         "tokens_per_s": simulated / wall,
         "tokens_per_group": simulated / max(1, len(consumed)),
         "trainer_idle": 1.0 - trainer.busy_s() / wall,
@@ -356,6 +354,18 @@ def _simulated_tokens(args: argparse.Namespace, cfg: Config, groups: list) -> fl
     task = LatencyTask(**task_options(args))
     prompts = prompt_set(task, cfg.task.num_prompts, cfg.run.seed)
     return float(sum(task.prompt_tokens(prompts[g.prompt_index]) * g.n_samples for g in groups))
+
+
+def eviction_figures(args: argparse.Namespace, cfg: Config, groups: list) -> tuple[int, float]:
+    """(groups evicted, their share of the simulated tokens of every committed group).
+
+    An evicted group was generated in full, then too stale to train on: under a tail,
+    the long ones. Generated means committed: consumed, evicted, or still in the buffer
+    when the run stopped (the share of the consumed and evicted alone overstated it)."""
+    committed = [g for g in groups if g.committed_position is not None]
+    evicted = [g for g in committed if g.status.name == "EVICTED"]
+    generated = _simulated_tokens(args, cfg, committed)
+    return len(evicted), _simulated_tokens(args, cfg, evicted) / max(1.0, generated)
 
 
 def _token_figures(args: argparse.Namespace, cfg: Config, consumed: list) -> tuple[float, float]:
