@@ -161,3 +161,49 @@ def test_an_old_log_continued_by_this_code_audits_and_folds_the_same(redis_url: 
         assert encode_state(resumed.state) == encode_state(result.state)
     finally:
         store.close()
+
+
+# -- a field lost from a compact entry is still refused -----------------------------
+# ``EnvResult.ended`` and ``SegmentFlush.weight_version`` have defaults now, so an entry
+# that lost one decodes; the fold must still refuse what it describes.
+
+
+def _copy_with(store: MemoryEventStore, run_id: str, edit: Any) -> tuple[MemoryEventStore, int]:
+    """The log with ``edit(data) -> data or None`` applied to the first entry it changes."""
+    copy, edited = MemoryEventStore(), 0
+    for raw in store.read_raw(run_id):
+        data = raw.data
+        if not edited and (changed := edit(data)) is not None:
+            data, edited = changed, raw.position
+        copy.append_raw(run_id, data, event_type=raw.event_type, event_id=raw.event_id)
+    assert edited, "no entry to edit"
+    return copy, edited
+
+
+def _drop(key: bytes, pattern: bytes) -> Any:
+    import re
+
+    def edit(data: bytes) -> bytes | None:
+        if not data.startswith(b'{"type":"EpisodeTurnsRecorded"'):
+            return None
+        out = re.sub(b'"' + key + b'":' + pattern + b",", b"", data, count=1)
+        return out if out != data else None
+    return edit
+
+
+def test_a_model_flush_that_lost_its_weight_version_is_refused_at_its_pause() -> None:
+    store = _episode_run()
+    assert Projector(store).get("ep").problem is None
+    copy, at = _copy_with(store, "ep", _drop(b"weight_version", rb"\d+"))
+    result = Projector(copy).get("ep")
+    assert result.problem is not None and result.problem.position == at
+    assert "a model flush with weight_version None" in result.problem.describe()
+
+
+def test_a_result_that_lost_ended_is_refused_at_its_groups_commit() -> None:
+    # the episode reads as going on, so the commit of its group disagrees with it
+    store = _episode_run()
+    copy, at = _copy_with(store, "ep", _drop(b"ended", b"true"))
+    result = Projector(copy).get("ep")
+    assert result.problem is not None and result.problem.position > at
+    assert "its episode has not ended" in result.problem.describe()
