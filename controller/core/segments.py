@@ -100,17 +100,28 @@ def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
     """Fold a checked flush into ``rec``."""
     rec.flushes.append(ev)
     rec.attempt_flushes += 1
+    # once per segment of every flush: the lists as locals, and a flush's one version
+    # tested once (the integer sums are the same added per segment or per flush)
+    recorded, stopped = rec.recorded, rec.stopped
     v = ev.weight_version
+    if v is None:
+        for seg in ev.segments:
+            i = seg.sample
+            recorded[i] += seg.length
+            stopped[i] = seg.stopped
+        return
+    first, last = rec.first_version, rec.last_version
+    tokens = 0
     for seg in ev.segments:
-        i = seg.sample
-        rec.recorded[i] += seg.length
-        rec.stopped[i] = seg.stopped
-        if v is not None:
-            if rec.first_version[i] == _NONE:
-                rec.first_version[i] = v
-            rec.last_version[i] = v
-            rec.version_token_sum += v * seg.length
-            rec.model_tokens += seg.length
+        i, n = seg.sample, seg.length
+        recorded[i] += n
+        stopped[i] = seg.stopped
+        if first[i] == _NONE:
+            first[i] = v
+        last[i] = v
+        tokens += n
+    rec.version_token_sum += v * tokens
+    rec.model_tokens += tokens
 
 
 def lost_samples(rec: InflightSegments, keys: Iterable[str]) -> tuple[set[int], list[str]]:
