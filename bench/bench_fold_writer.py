@@ -9,7 +9,7 @@ pause marked, then applied before the write; a commit checked) and
 while the records still hold it). The log is one "now" run of ``bench_episodes`` on
 the in-memory store (10-turn episodes, today's defaults), recorded once by the working
 tree; each side folds it in a child process importing its own copy of the code (the
-working tree, or ``--base`` extracted with ``git archive``), the order alternating
+working tree or ``--this``, and ``--base``, each extracted with ``git archive``), the order alternating
 from round to round, the collector off (best of ``--reps`` folds per round).
 
 Printed per side and round, in ms per committed group: the whole fold untimed, then
@@ -115,6 +115,7 @@ def run_child(code: Path, log: Path, reps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help="the revision to compare with (none: this tree only)")
+    p.add_argument("--this", default=None, help="a revision to stand for the working tree")
     p.add_argument("--generators", type=int, default=1024)
     p.add_argument("--groups", type=int, default=1024, help="groups per step budget (bench_scale)")
     p.add_argument("--rounds", type=int, default=2)
@@ -128,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
         record(log, args.generators, args.groups)
-        codes = {"this": ROOT}
-        if args.base:
-            sys.path.insert(0, str(ROOT))
-            from bench.bench_episode_ab import extract  # git archive of the revision
+        sys.path.insert(0, str(ROOT))
+        from bench.bench_episode_ab import extract  # git archive of the revision
 
-            (Path(tmp) / "base").mkdir()
-            codes = {"base": extract(args.base, Path(tmp) / "base"), "this": ROOT}
+        revs = {"base": args.base, "this": args.this}
+        codes = {}
+        for side, rev in revs.items():
+            if rev is not None:
+                (Path(tmp) / side).mkdir()
+                codes[side] = extract(rev, Path(tmp) / side)
+        codes.setdefault("this", ROOT)
         runs: dict[str, list[dict]] = {k: [] for k in codes}
         for r in range(args.rounds):
             for k in (list(codes) if r % 2 == 0 else list(codes)[::-1]):
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"timed: {stages}", flush=True)
         means = {k: sum(x["fold_ms"] for x in rs) / len(rs) for k, rs in runs.items() if rs}
         for k, m in means.items():
-            print(f"{k:>4} ({args.base if k == 'base' else 'working tree'}): mean fold {m:.4f} ms per group")
+            best = min(x["fold_ms"] for x in runs[k])
+            print(f"{k:>4} ({revs[k] or 'working tree'}): mean fold {m:.4f}, best {best:.4f} ms per group")
         if len(means) == 2:
             print(f"base / this = x{means['base'] / means['this']:.3f}")
     return 0
