@@ -80,12 +80,14 @@ def segments_problem(rec: InflightSegments, ev: SegmentsRecorded, trainer_versio
         return "a flush with no segments"
     recorded, stopped = rec.recorded, rec.stopped  # this loop runs per segment: locals
     n = len(recorded)
-    seen = bytearray(n)
+    # a list of bools, not a bytearray: 3.11 specialises list[int] loads and stores and
+    # tests a bool by identity, where a bytearray takes the generic paths (~3 % of the fold)
+    seen = [False] * n
     for seg in ev.segments:
         i = seg.sample
         if not 0 <= i < n or seen[i]:
             return f"sample {i} is outside the group of {n} or twice in one flush"
-        seen[i] = 1
+        seen[i] = True
         if seg.length < 1 or not seg.key:
             return f"sample {i}: a segment needs length >= 1 and a payload key"
         if stopped[i]:
