@@ -18,6 +18,12 @@ taken off): the pauses' marks and handlers, the commits' checks, the fold after 
 write (the commits' apply and every position), ``segment_keys``, the other events.
 
     python bench/bench_fold_writer.py --base main --rounds 3
+    python bench/bench_fold_writer.py --base main --rounds 0 --instructions
+
+``--instructions`` also runs each side's child under cachegrind (valgrind) and prints the
+instructions of one fold per group: a count the machine's load does not move, so a cut
+of 1 % of the fold shows where thread CPU (10 % apart between two runs of one code on
+the shared machine) cannot; an instruction is not a nanosecond, so a cut is kept on both.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,6 +121,23 @@ def run_child(code: Path, log: Path, reps: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def instructions(code: Path, log: Path) -> int:
+    """Instructions one untimed fold of ``log`` takes with the code under ``code``: the
+    child under cachegrind with one more fold than a run of the same child (a count, not
+    a time: the same on a loaded machine, to ~0.1 % of a fold)."""
+    counts = []
+    for reps in (0, 1):
+        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+               sys.executable, str(Path(__file__).resolve()), "--child", str(code), "--log", str(log),
+               "--reps", str(reps)]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env={**os.environ, "PYTHONHASHSEED": "0"})
+        refs = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+        if done.returncode != 0 or refs is None:
+            sys.exit(f"bench_fold_writer: cachegrind on {code} failed: {done.stderr.strip().splitlines()[-1:]}")
+        counts.append(int(refs.group(1).replace(",", "")))
+    return counts[1] - counts[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help="the revision to compare with (none: this tree only)")
@@ -120,9 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=1024, help="groups per step budget (bench_scale)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=3, help="folds per round (best taken)")
+    p.add_argument("--instructions", action="store_true",
+                   help="also count each side's instructions per fold under cachegrind (valgrind)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--log", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.instructions and shutil.which("valgrind") is None:
+        p.error("--instructions needs valgrind (cachegrind) on the PATH")
     if args.child:
         print(json.dumps(child(Path(args.child), Path(args.log), args.reps)))
         return 0
@@ -153,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:>4} ({revs[k] or 'working tree'}): mean fold {m:.4f}, best {best:.4f} ms per group")
         if len(means) == 2:
             print(f"base / this = x{means['base'] / means['this']:.3f}")
+        if args.instructions:
+            groups = sum(1 for line in log.read_bytes().splitlines() if b'"type":"GroupCommitted"' in line)
+            count = {k: instructions(code, log) for k, code in codes.items()}
+            for k, n in count.items():
+                print(f"{k:>4}: {n / groups / 1e6:.4f} M instructions per group in one fold")
+            if len(count) == 2:
+                print(f"instructions base / this = x{count['base'] / count['this']:.4f}")
     return 0
 
 
