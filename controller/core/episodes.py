@@ -123,7 +123,8 @@ def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
     samples, dedupes = rec.samples, rec.dedupes_by_key
     n = len(samples)
     # a list of bools, not a bytearray: 3.11 specialises list[int] loads and stores and
-    # tests a bool by identity, where a bytearray takes the generic paths (~3 % of the fold)
+    # tests a bool by identity, where a bytearray takes the generic paths (-5.5 % of the
+    # fold's instructions, ``docs/episode-cost.md``, "Eighth pass")
     seen = [False] * n
     for item in items:
         i = item.sample
