@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from events.codec import full_form
 from events.schema import AnyEvent
 
 _COMMON = {"type", "event_id", "epoch", "ts", "schema_version"}
@@ -101,13 +102,13 @@ def event_line(position: int, event: AnyEvent) -> str:
     """One line per event: position, time, epoch, type, its own fields (an episode's
     calls, results and segments as turns: ``s0/t2=0.5!`` is sample 0's turn 2, its
     reward, and ``!`` where the episode ended)."""
-    fields = msgspec.to_builtins(event)
+    fields = full_form(event)
     details = " ".join(f"{k}={_turns(k, v) or _short(v)}" for k, v in fields.items() if k not in _COMMON)
     return f"{position:>8}  {iso(event.ts)}  e{event.epoch}  {type(event).__name__:<18} {details}"
 
 
 def event_json(position: int, event: AnyEvent) -> dict[str, Any]:
-    return {"position": position, **msgspec.to_builtins(event)}
+    return {"position": position, **full_form(event)}
 
 
 # -- runs --------------------------------------------------------------------------------

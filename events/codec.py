@@ -1,5 +1,12 @@
 """Event <-> bytes. JSON, so any Redis client in any language can read the log.
 
+The value structs an event carries (``Segment``, ``EnvCall``, ``EnvResult``,
+``SegmentFlush``) are written with their default-valued fields left out (the compact
+form, ``docs/segments.md``); events' own fields are always written (``schema_version``
+must stay on the wire: a missing one reads as the current version). Older logs wrote
+every field and decode to the same values. :func:`full_form` gives the every-field form
+for tools that print events (``tail --json`` kept its shape).
+
 Decoding is strict: garbage, an unknown ``type``, a missing field or a ``schema_version``
 newer than this code knows raises :class:`EventDecodeError` naming the stream position.
 Older schema versions pass through :data:`UPCASTERS` (raw dict -> raw dict, one version
@@ -27,6 +34,24 @@ UPCASTERS: Final[dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]
 
 def encode(event: Event) -> bytes:
     return _encoder.encode(event)
+
+
+def full_form(value: Any) -> Any:
+    """``value`` as builtins with every field present, defaults included (what
+    ``msgspec.to_builtins`` gives for a struct without ``omit_defaults``): the shape a
+    reader of printed events has always seen, whatever the wire leaves out."""
+    if isinstance(value, msgspec.Struct):
+        info = value.__struct_config__
+        out: dict[str, Any] = {} if info.tag_field is None else {info.tag_field: info.tag}
+        for name, wire in zip(value.__struct_fields__, value.__struct_encode_fields__):
+            out[wire] = full_form(getattr(value, name))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [full_form(v) for v in value]
+    if isinstance(value, dict):
+        return {k: full_form(v) for k, v in value.items()}
+    # bytes stay bytes: msgpack writes them as such (JSON as base64, as before)
+    return msgspec.to_builtins(value, builtin_types=(bytes, bytearray, memoryview))
 
 
 def decode(data: bytes | str, position: int | None = None) -> AnyEvent:

@@ -10,6 +10,11 @@ When a type gains an optional field, its golden line is superseded by one that s
 field, and the old line moves, byte for byte, to ``tests/fixtures/golden_history.jsonl``.
 That file is only appended to: every line in it must still decode, to the current
 golden value with the fields it lacks at their defaults.
+
+The lines here have every field written (``codec.full_form``), as every log before the
+compact form did. Where this code writes fewer bytes (a value struct's default-valued
+fields left out), ``tests/fixtures/golden_compact.jsonl`` holds the bytes it writes
+(``tests/unit/test_compact_events.py``); ``--regenerate`` appends to both.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ from events.schema import (
 )
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "golden_events.jsonl"
+
+#: the types whose golden value has a default-valued field in a value struct: this code
+#: writes them shorter than their golden line (``golden_compact.jsonl``)
+COMPACT_TYPES = ("EnvStepsCompleted", "EnvStepsRequested", "EpisodeTurnsRecorded", "SegmentsRecorded")
 
 _TS = 1_717_171_717.125
 
@@ -215,7 +224,13 @@ def test_golden_bytes_decode_and_reencode_identically(type_name: str) -> None:
     event = codec.decode(line, position=7)
     assert type(event) is EVENT_TYPES[type_name]
     assert event == GOLDEN[type_name]
-    assert codec.encode(event) == line
+    # every field written, as every log before the compact form was: the full form
+    # gives those bytes back; what this code writes is golden_compact.jsonl's line for
+    # the types that carry values (tests/unit/test_compact_events.py), these bytes for
+    # the others
+    assert msgspec.json.encode(codec.full_form(event)) == line
+    if type_name not in COMPACT_TYPES:
+        assert codec.encode(event) == line
 
 
 @pytest.mark.parametrize("type_name", sorted(EVENT_TYPES))
@@ -355,6 +370,11 @@ def _regenerate() -> None:
     added = [name for name in GOLDEN if name not in existing]
     with FIXTURE.open("ab") as out:
         for name in added:
+            out.write(msgspec.json.encode(codec.full_form(GOLDEN[name])) + b"\n")
+    compact = [name for name in added if codec.encode(GOLDEN[name]) != msgspec.json.encode(
+        codec.full_form(GOLDEN[name]))]
+    with FIXTURE.with_name("golden_compact.jsonl").open("ab") as out:
+        for name in compact:
             out.write(codec.encode(GOLDEN[name]) + b"\n")
     print(f"appended {len(added)} golden line(s): {', '.join(added) or 'none'}")
 
