@@ -52,7 +52,20 @@ actors' own CPU per group, and the ceiling of any generator-side gain over async
 1 / (1 - the share of async's wall time its trainer waited for data).
 
 Targets: async/sync groups/s >= 1.5x; >= 0.9 of the physical bound; controller CPU
-< 1 ms per group.
+< 1 ms per group; in-flight / async >= 1.3x tokens/s with long-tailed lengths, >= 1.0x
+without. Under a tail groups are not alike: async evicts a long group that outlived the
+window after generating it in full, so it trains on a subset biased to short completions
+and its groups/s counts cheap groups. tokens/s (the figure NeMo-RL reports for its
+in-flight updates) counts the work trained; groups/s is printed beside it, with the
+tokens of a consumed group and the share of generated tokens evicted. The in-flight
+gain needs a run that generation bounds (the trainer waiting for data); at the default
+shape the trainer bounds it on 2 shared cores (docs/segments.md). The generation-bound
+shapes, tail and no tail:
+
+    python bench/bench_async.py --length-dist pareto --decode-us-per-token 4000 \
+        --generators 4 --steps 150 --rounds 3 --no-behind
+    python bench/bench_async.py --length-dist pareto --sigma-tokens 0 \
+        --decode-us-per-token 4000 --generators 4 --steps 150 --rounds 3 --no-behind
 
     python bench/bench_async.py                      # defaults: 2 generators, window 1
     python bench/bench_async.py --store redis        # log in a real redis-server
@@ -282,6 +295,9 @@ def run_once(
     per_group = 1e3 / max(1, len(consumed))
     lags = [g.lag for g in consumed if g.lag is not None]
     simulated, token_lag = _token_figures(args, cfg, consumed)
+    # generated in full, then too stale to train on: under a tail, the long ones
+    evicted = [g for g in state.groups.values() if g.status.name == "EVICTED"]
+    wasted = _simulated_tokens(args, cfg, evicted)
     _, data_wait, controller_gap = trainer.gaps_s(publisher.intervals)
     recorder = controller.admission.segment_rows
     return {
@@ -300,8 +316,10 @@ def run_once(
         "events_per_group": state.position / max(1, len(consumed)),
         "lag_mean": statistics.fmean(lags) if lags else 0.0,
         "lag_max": float(max(lags, default=0)),
-        "evicted": float(sum(1 for g in state.groups.values() if g.status.name == "EVICTED")),
+        "evicted": float(len(evicted)),
+        "evicted_tokens": wasted / max(1.0, simulated + wasted),
         "tokens_per_s": simulated / wall,
+        "tokens_per_group": simulated / max(1, len(consumed)),
         "trainer_idle": 1.0 - trainer.busy_s() / wall,
         "token_lag": token_lag,
         # partial rollouts: flushes recorded per consumed group, and how long a flushed
@@ -330,15 +348,20 @@ def process_cpu_s(procs: list[Any]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
-def _token_figures(args: argparse.Namespace, cfg: Config, consumed: list) -> tuple[float, float]:
-    """(simulated completion tokens of the consumed groups, token-weighted mean lag of
-    their real tokens -- each at its own version)."""
+def _simulated_tokens(args: argparse.Namespace, cfg: Config, groups: list) -> float:
+    """The simulated completion tokens of these groups (a prompt's length draw)."""
     from bench.latency_task import LatencyTask
     from workers.tasks import prompt_set
 
     task = LatencyTask(**task_options(args))
     prompts = prompt_set(task, cfg.task.num_prompts, cfg.run.seed)
-    simulated = sum(task.prompt_tokens(prompts[g.prompt_index]) * g.n_samples for g in consumed)
+    return float(sum(task.prompt_tokens(prompts[g.prompt_index]) * g.n_samples for g in groups))
+
+
+def _token_figures(args: argparse.Namespace, cfg: Config, consumed: list) -> tuple[float, float]:
+    """(simulated completion tokens of the consumed groups, token-weighted mean lag of
+    their real tokens -- each at its own version)."""
+    simulated = _simulated_tokens(args, cfg, consumed)
     lag_sum = tokens = 0
     for g in consumed:
         n = sum(g.lengths)
@@ -362,6 +385,8 @@ COLUMNS = [
     ("tokens/s", "tokens_per_s", "{:8.0f}"),
     ("trainer idle", "trainer_idle", "{:12.1%}"),
     ("evicted", "evicted", "{:7.0f}"),
+    ("evicted tok", "evicted_tokens", "{:11.1%}"),
+    ("tok/group", "tokens_per_group", "{:9.0f}"),
     ("flushes/group", "flushes", "{:13.2f}"),
     ("pause ms/flush", "pause_ms", "{:14.2f}"),
 ]
@@ -546,11 +571,24 @@ def main() -> None:
     print(f"  trainer time async/sync {slow_train:.2f}x, publish time {slow_pub:.2f}x "
           "(> 1: the overlapped phases compete for the same cores)")
     if args.inflight:
-        inflight = rows["in-flight"]["groups_per_s"] / asyn["groups_per_s"]
-        per = [f["groups_per_s"] / a["groups_per_s"] for a, f in zip(results["async"], results["inflight"])]
-        print(f"in-flight / async groups/s: {inflight:.2f}x (per round: "
-              f"{', '.join(f'{r:.2f}x' for r in per)}; target >= 1.3x with long-tailed lengths, "
-              f">= 1.0x without); tokens/s {rows['in-flight']['tokens_per_s'] / asyn['tokens_per_s']:.2f}x")
+        fl = rows["in-flight"]
+        pairs = list(zip(results["async"], results["inflight"]))
+
+        def rounds(key: str) -> str:
+            return ", ".join(f"{f[key] / a[key]:.2f}x" for a, f in pairs)
+
+        # Under a tail, groups are not alike: a long group that outlives the window is
+        # evicted by async after it was generated in full, so async trains on a subset
+        # biased to short completions and its groups/s counts the cheap ones. tokens/s
+        # (the figure NeMo-RL's in-flight updates report) counts the work trained.
+        print(f"in-flight / async tokens/s: {fl['tokens_per_s'] / asyn['tokens_per_s']:.2f}x "
+              f"(per round: {rounds('tokens_per_s')}; target >= 1.3x with long-tailed lengths, "
+              f">= 1.0x without)")
+        print(f"  groups/s {fl['groups_per_s'] / asyn['groups_per_s']:.2f}x (per round: "
+              f"{rounds('groups_per_s')}); a consumed group is {fl['tokens_per_group']:.0f} "
+              f"simulated tokens in-flight, {asyn['tokens_per_group']:.0f} async, which evicted "
+              f"{asyn['evicted']:.0f} generated groups ({asyn['evicted_tokens']:.0%} of its "
+              f"tokens) per run against {fl['evicted']:.0f}")
         # What in-flight refits can win in groups/s with the torch sampler (whose refit
         # already lands between tokens): the time async's trainer waited for data, and
         # the generation its evictions threw away -- not the trainer's own time.

@@ -19,6 +19,13 @@ also prints its full collections, the collections' loop-thread CPU (all of it, a
 part charged to the controller), its peak RSS and the cyclic garbage a collection still
 finds after it.
 
+A run charges the loop's real time to the virtual clock (``charge_real_time``), so its
+CPU moves which pauses share an append (2.57-2.63 appends per group from run to run)
+and the work with it. ``--free-clock`` turns that off: every run of either side then
+has the same schedule (the same appends, the same batches), so a change that only
+makes code cheaper shows without the schedule's noise; the figure is then the CPU of
+that schedule, not the one a charged run would settle into.
+
 ``--timers`` runs the working tree once more with thread-CPU timers around the parts
 of the pause and append path (:data:`TIMED`; nested: a part's figure includes the parts
 it calls) and the loop's callbacks by owner (``sim.owners``), to say where a group's CPU
@@ -26,6 +33,7 @@ goes without a profiler's distortion (each timer adds ~1 us).
 
     python bench/bench_episode_ab.py --base HEAD~1                     # in memory, 2 rounds
     python bench/bench_episode_ab.py --base main --store redis --rounds 2
+    python bench/bench_episode_ab.py --base main --no-gc --free-clock --rounds 6
     python bench/bench_episode_ab.py --timers --rounds 0
 """
 
@@ -192,7 +200,7 @@ def child(args: argparse.Namespace) -> None:
     cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, partial=partial))
     store = MemoryEventStore() if args.url is None else RedisEventStore(args.url)
     spec = SimSpec(config=cfg, timings=timings_for(cfg, 30.0, 0.5, 1.05), run_id=args.run_id,
-                   charge_real_time=True, episode_turns=args.turns)
+                   charge_real_time=not args.free_clock, episode_turns=args.turns)
     if timers is not None:
         with callbacks_by_owner() as owners:
             out = simulate(store, spec)
@@ -214,6 +222,8 @@ def child(args: argparse.Namespace) -> None:
                          for k, (n, s, inner) in timers.items() if n}
         row["overhead_us"] = 1e6 * overhead
         row["owners"] = [(name, calls / groups, 1e3 * s / groups) for name, calls, s in owners.top(12)]
+        row["owners_charged"] = [(name, calls / groups, 1e3 * s / groups)
+                                 for name, calls, s in owners.top_charged(12)]
     store.close()
     print(json.dumps(row), flush=True)
 
@@ -225,6 +235,7 @@ def run_child(code: Path, args: argparse.Namespace, run_id: str, url: str | None
            "--turns", str(args.turns)]
     cmd += (["--url", url] if url else []) + (["--timers"] if timers else [])
     cmd += ["--no-gc"] if args.no_gc else []
+    cmd += ["--free-clock"] if args.free_clock else []
     cmd += [] if args.linger_s is None else ["--linger-s", str(args.linger_s)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=code)
     if done.returncode != 0:
@@ -276,6 +287,9 @@ def print_timers(args: argparse.Namespace, url: str | None) -> None:
     print("  loop callbacks by owner:")
     for name, calls, ms in x["owners"]:
         print(f"  {ms:7.3f} ms {calls:7.2f} per group  {name}")
+    print("  the same, less the simulated workers' uncharged sections inside them (what the figure counts):")
+    for name, calls, ms in x["owners_charged"]:
+        print(f"  {ms:7.3f} ms {calls:7.2f} per group  {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linger-s", type=float, default=None, help="record_linger_s (default: the config's)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timers", action="store_true", help="one more timed run of this tree")
+    p.add_argument("--free-clock", action="store_true",
+                   help="the loop charges no real time: every run the same schedule (see the module docstring)")
     p.add_argument("--no-gc", action="store_true",
                    help="the garbage collector off in every run (see the module docstring)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

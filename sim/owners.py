@@ -5,8 +5,9 @@ A simulated run's loop thread runs the controller and the simulated workers toge
 controller's figure; :func:`callbacks_by_owner` says where the rest goes, to check that
 split rather than trust it: every callback the loop runs (a task's step is one) is
 timed with the thread's CPU clock and named by what it runs -- the coroutine of a task,
-else the callback's qualified name. What no callback holds is the loop's own turn
-(selector poll, timer heap, ready queue).
+else the callback's qualified name -- and split into what the loop's uncharged sections
+took inside it and the rest, the part the controller's figure counts. What no callback
+holds is the loop's own turn (selector poll, timer heap, ready queue).
 
 It wraps ``asyncio.events.Handle._run`` for the duration of the ``with`` block (two
 clock reads per callback, ~1 us), so it is for a bench's diagnosis, not for the figures
@@ -30,10 +31,19 @@ class Owners:
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     cpu_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    #: the part of ``cpu_s`` outside the loop's uncharged sections: what the controller's
+    #: figure counts of that owner (a controller callback that issues a simulated
+    #: generator's call runs the simulator's bookkeeping inside it, uncharged)
+    charged_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def top(self, n: int) -> list[tuple[str, int, float]]:
         ranked = sorted(self.cpu_s, key=self.cpu_s.__getitem__, reverse=True)[:n]
         return [(name, self.calls[name], self.cpu_s[name]) for name in ranked]
+
+    def top_charged(self, n: int) -> list[tuple[str, int, float]]:
+        """The ``n`` owners the controller's figure charges most: (name, calls, seconds)."""
+        ranked = sorted(self.charged_s, key=self.charged_s.__getitem__, reverse=True)[:n]
+        return [(name, self.calls[name], self.charged_s[name]) for name in ranked]
 
     @property
     def total_s(self) -> float:
@@ -64,10 +74,14 @@ def callbacks_by_owner() -> Iterator[Owners]:
 
     def timed(handle: asyncio.Handle) -> None:
         name = owner_of(handle)  # before the step: a finished coroutine has no frame
+        loop = handle._loop
+        uncharged = getattr(loop, "uncharged_cpu_s", 0.0)
         start = clock()
         run(handle)
+        spent = clock() - start
         owners.calls[name] += 1
-        owners.cpu_s[name] += clock() - start
+        owners.cpu_s[name] += spent
+        owners.charged_s[name] += spent - (getattr(loop, "uncharged_cpu_s", 0.0) - uncharged)
 
     asyncio.events.Handle._run = timed  # type: ignore[method-assign]
     try:

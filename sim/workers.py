@@ -283,6 +283,11 @@ class SimPublisher:
         return list(self.names if only is None else only)
 
 
+#: the simulated generators' segment rows (model turns, and an episode's observations):
+#: deleting them is not a checkpoint's release
+SCRATCH_PREFIXES = ("seg:", "obs:")
+
+
 class SimPayloads:
     """No rows are ever stored; deleting them takes the release time of the checkpoint
     the trainer just saved (the loop releases right after a checkpoint)."""
@@ -292,7 +297,9 @@ class SimPayloads:
         self.trainer = trainer
 
     async def delete(self, keys: list[str]) -> None:
-        if keys and all(k.startswith("seg:") for k in keys):
+        with self.fleet.loop.uncharged():  # the simulated data plane's look at its keys
+            scratch = bool(keys) and all(k.startswith(SCRATCH_PREFIXES) for k in keys)
+        if scratch:
             return  # segment rows of committed groups: scratch, not a release
         seconds = self.fleet.timings.release_s(self.trainer.version)
         self.trainer.checkpoint_s += seconds

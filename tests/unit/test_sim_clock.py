@@ -140,3 +140,62 @@ def test_a_worker_timer_that_raises_leaves_the_others_armed():
     _run(loop, main())
     assert [type(e) for e in errors] == [ValueError]
     assert fired == [("same time", 1.0), ("later", 2.0)]
+
+
+class _Ticks:
+    """A clock that reads 1, 2, 3, ...: what a section subtracts becomes a count of reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return float(self.reads)
+
+
+def test_a_section_reads_the_clocks_only_at_its_outermost_edges(monkeypatch):
+    # The section subtracts the CPU between its first read (last thing on entry) and its
+    # second (first thing on exit): a nested section, or an error, reads nothing more.
+    import sim.clock as clock
+
+    cpu, real = _Ticks(), _Ticks()
+    monkeypatch.setattr(clock, "_thread_time", cpu)
+    monkeypatch.setattr(clock, "_perf_counter", real)
+    loop = VirtualTimeLoop(charge_real_time=True)
+    mark = loop._mark
+    with loop.uncharged():
+        for _ in range(3):
+            with loop.uncharged():
+                cpu()  # the body's own reads (a worker's work) fall inside the window
+    assert (cpu.reads, loop.uncharged_cpu_s) == (5, 4.0)  # read 1 on entry, 5 on exit
+    assert (real.reads, loop.uncharged_s) == (2, 1.0)
+    assert loop._mark == mark + 1.0 and loop._uncharged_depth == 0
+    with pytest.raises(ValueError, match="a worker's bug"):
+        with loop.uncharged():
+            raise ValueError("a worker's bug")
+    assert (cpu.reads, loop.uncharged_cpu_s) == (7, 5.0)  # subtracted all the same
+    assert loop._uncharged_depth == 0
+    loop.close()
+
+
+def test_deleting_an_episodes_scratch_rows_is_not_a_checkpoint_release():
+    # A committed episode group's rows are its model turns ("seg:") and observations
+    # ("obs:"): scratch, deleted at once. A release of payload rows takes the recorded
+    # release time; mistaking scratch for one charged it to the trainer's checkpoints.
+    from sim.timings import Lognormal, SyntheticTimings
+    from sim.workers import Fleet, SimPayloads, SimTrainer
+
+    loop = VirtualTimeLoop()
+    fleet = Fleet(loop=loop, timings=SyntheticTimings(generation=Lognormal(1.0), train_per_sequence_s=0.0,
+                                                      release=2.0))
+    trainer = SimTrainer(fleet)
+    payloads = SimPayloads(fleet, trainer)
+
+    async def main() -> list[tuple[float, float]]:
+        seen = []
+        for keys in (["seg:g1/a1/s0/t1", "obs:g1/a1/s0/t1", "seg:g1/a1/s0/t2"], ["g1/1/0", "g1/1/1"]):
+            await payloads.delete(keys)
+            seen.append((loop.time(), trainer.checkpoint_s))
+        return seen
+
+    assert _run(loop, main()) == [(0.0, 0.0), (2.0, 2.0)]
