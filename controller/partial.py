@@ -107,7 +107,8 @@ class PartialRecorder:
     every call returning meanwhile shares its append. The wait
     ends early once every generator call in flight (``in_flight``) is waiting here:
     no other call can join, and a paused group's generator would only idle (a lone
-    flush paid the whole linger before: 5 of its ~6 ms pause in ``bench_async``).
+    flush paid the whole linger before: 5 of its ~6 ms pause in ``bench_async``); and
+    there is no wait while fewer than ``siblings`` other calls are in flight.
     """
 
     #: a lingering append that others joined waits this many ``linger_s`` in all (see
@@ -121,13 +122,15 @@ class PartialRecorder:
 
     def __init__(
         self, journal: Journal, payloads: PayloadStore | None, *, linger_s: float = 0.0,
-        in_flight: Callable[[], int] | None = None,
+        in_flight: Callable[[], int] | None = None, siblings: int = 0,
     ) -> None:
         self.journal = journal
         #: how long the first waiting call holds the append for others (0: this turn only)
         self.linger_s = linger_s
         #: generator calls in flight, waiting here included (None: always the full linger)
         self.in_flight = in_flight
+        #: linger only while at least this many other calls are in flight (0: always)
+        self.siblings = siblings
         #: resolved when the last call in flight joins a lingering append
         self._all_joined: asyncio.Future | None = None
         #: the lingering append's timer, and the loop time its wait began
@@ -198,10 +201,16 @@ class PartialRecorder:
         """Every generator call in flight is waiting for this append."""
         return self.in_flight is not None and len(self._waiting) >= self.in_flight()
 
+    def _too_few_others(self) -> bool:
+        """Fewer than ``siblings`` other calls in flight: none is likely to join within
+        the linger, so waiting would only idle the paused groups."""
+        return (self.siblings > 0 and self.in_flight is not None
+                and self.in_flight() - len(self._waiting) < self.siblings)
+
     async def _linger(self) -> None:
         """``linger_s`` for other calls to join -- ``LINGER_MAX`` of them in all once one
         did -- less once no other can."""
-        if self.linger_s <= 0 or self._nobody_else():
+        if self.linger_s <= 0 or self._nobody_else() or self._too_few_others():
             return
         # a future and a timer, not ``wait_for`` on an Event: that wraps the wait in a
         # task of its own, a task step more per append (~5 appends per episode group)

@@ -80,12 +80,15 @@ def segments_problem(rec: InflightSegments, ev: SegmentsRecorded, trainer_versio
         return "a flush with no segments"
     recorded, stopped = rec.recorded, rec.stopped  # this loop runs per segment: locals
     n = len(recorded)
-    seen = bytearray(n)
+    # a list of bools, not a bytearray: 3.11 specialises list[int] loads and stores and
+    # tests a bool by identity, where a bytearray takes the generic paths (-5.5 % of the
+    # fold's instructions, ``docs/episode-cost.md``, "Eighth pass")
+    seen = [False] * n
     for seg in ev.segments:
         i = seg.sample
         if not 0 <= i < n or seen[i]:
             return f"sample {i} is outside the group of {n} or twice in one flush"
-        seen[i] = 1
+        seen[i] = True
         if seg.length < 1 or not seg.key:
             return f"sample {i}: a segment needs length >= 1 and a payload key"
         if stopped[i]:
@@ -100,17 +103,28 @@ def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
     """Fold a checked flush into ``rec``."""
     rec.flushes.append(ev)
     rec.attempt_flushes += 1
+    # once per segment of every flush: the lists as locals, and a flush's one version
+    # tested once (the integer sums are the same added per segment or per flush)
+    recorded, stopped = rec.recorded, rec.stopped
     v = ev.weight_version
+    if v is None:
+        for seg in ev.segments:
+            i = seg.sample
+            recorded[i] += seg.length
+            stopped[i] = seg.stopped
+        return
+    first, last = rec.first_version, rec.last_version
+    tokens = 0
     for seg in ev.segments:
-        i = seg.sample
-        rec.recorded[i] += seg.length
-        rec.stopped[i] = seg.stopped
-        if v is not None:
-            if rec.first_version[i] == _NONE:
-                rec.first_version[i] = v
-            rec.last_version[i] = v
-            rec.version_token_sum += v * seg.length
-            rec.model_tokens += seg.length
+        i, n = seg.sample, seg.length
+        recorded[i] += n
+        stopped[i] = seg.stopped
+        if first[i] == _NONE:
+            first[i] = v
+        last[i] = v
+        tokens += n
+    rec.version_token_sum += v * tokens
+    rec.model_tokens += tokens
 
 
 def lost_samples(rec: InflightSegments, keys: Iterable[str]) -> tuple[set[int], list[str]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from controller.journal import Journal
 from controller.partial import PartialRecorder
 from controller.pausing import PausingCall
@@ -53,7 +55,7 @@ def _flushed(group: int) -> list[GenerationOutcome]:
                               flush=SegmentFlush(kind="model", weight_version=0, segments=[seg]))]
 
 
-def _appends(pause_at: list[float]) -> list[tuple[float, int]]:
+def _appends(pause_at: list[float], in_flight: int = 100, siblings: int = 0) -> list[tuple[float, int]]:
     """(loop time, flushes) of each append when groups pause at ``pause_at`` (one group
     per call, 100 calls in flight: the linger never ends because nobody else can join)."""
     loop = VirtualTimeLoop()
@@ -67,7 +69,8 @@ def _appends(pause_at: list[float]) -> list[tuple[float, int]]:
             ev.RolloutAdmitted, event_id=ev.group_event_id(f"g{i}", "admitted", 1), group_id=f"g{i}",
             attempt=1, prompt_index=i, prompt_ref=f"prompt:{i}", weight_version=0, n_samples=1,
             sample_seed=i) for i in range(len(pause_at))])
-        recorder = PartialRecorder(journal, None, linger_s=LINGER_S, in_flight=lambda: 100)
+        recorder = PartialRecorder(journal, None, linger_s=LINGER_S, in_flight=lambda: in_flight,
+                                   siblings=siblings)
         for i, at in enumerate(pause_at):
             returned = loop.create_future()
             req = GenerationRequest(group_id=f"g{i}", attempt=1, prompt_index=i, n_samples=1, seed=i)
@@ -99,3 +102,21 @@ def test_a_pause_that_joins_within_the_first_linger_extends_the_wait_to_linger_m
 def test_a_join_after_the_first_linger_is_the_next_append():
     # the first pause waited its one linger alone; the second starts an append of its own
     assert _appends([0.0, 1.5, 1.9]) == [(1.0, 1), (5.5, 2)]
+
+
+def test_with_fewer_other_calls_in_flight_than_siblings_a_pause_is_appended_at_once():
+    # 8 calls in flight, the pausing one among them: 7 others, fewer than 8
+    assert _appends([10.0, 20.0], in_flight=8, siblings=8) == [(10.0, 1), (20.0, 1)]
+
+
+def test_with_as_many_other_calls_as_siblings_the_linger_is_as_before():
+    assert _appends([10.0, 20.0], in_flight=9, siblings=8) == [(11.0, 1), (21.0, 1)]
+    assert _appends([0.0, 0.5, 2.5], in_flight=9, siblings=8) == [(4.0, 3)]
+
+
+def test_record_linger_siblings_is_a_checked_config_key():
+    from workers.generator.config import PartialSection
+
+    assert PartialSection().record_linger_siblings == 8
+    with pytest.raises(Exception, match="rollout.partial.record_linger_siblings"):
+        PartialSection(record_linger_siblings=-1)

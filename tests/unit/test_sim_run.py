@@ -161,7 +161,8 @@ def _env_batches(linger_s: float) -> tuple[int, int]:
     cfg = load_config(None, [
         "run.steps=4", "rollout.num_generators=4", "rollout.groups_per_call=1",
         "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
-        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}"])
+        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}",
+        "rollout.partial.record_linger_siblings=0"])  # 4 generators: the linger on all the same
     store = MemoryEventStore()
     simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3,
                             episode_dedupes=False))
@@ -171,12 +172,13 @@ def _env_batches(linger_s: float) -> tuple[int, int]:
     return len(env), len({e.ts for e in env})
 
 
-def _episode_run_end(linger_s: float, generators: int) -> float:
+def _episode_run_end(linger_s: float, generators: int, siblings: int = 0) -> float:
     """Virtual time at the end of a short 3-turn episode run."""
     cfg = load_config(None, [
         "run.steps=2", f"rollout.num_generators={generators}", "rollout.groups_per_call=1",
         "train.groups_per_step=2", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
-        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}"])
+        "rollout.samples_per_group=2", f"rollout.partial.record_linger_s={linger_s}",
+        f"rollout.partial.record_linger_siblings={siblings}"])
     store = MemoryEventStore()
     simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
     assert Projector(store).get("ep").problem is None
@@ -191,6 +193,15 @@ def test_a_pause_no_other_call_can_join_does_not_wait_for_the_linger():
     assert _episode_run_end(5.0, generators=2) > _episode_run_end(0.0, generators=2)
 
 
+def test_a_fleet_smaller_than_the_linger_siblings_does_not_linger():
+    # 2 generators: one other call in flight, fewer than record_linger_siblings, so a
+    # pause is appended at once and the 5 s linger costs the run nothing
+    assert (_episode_run_end(5.0, generators=2, siblings=8)
+            == _episode_run_end(0.0, generators=2, siblings=8))
+    assert (_episode_run_end(5.0, generators=2, siblings=1)
+            > _episode_run_end(0.0, generators=2, siblings=1))
+
+
 def _partial_run_end(linger_s: float) -> float:
     """Virtual time at the end of a short partial-rollout run of 4 generators whose groups
     flush every 4 tokens (not only at refits: a call may end while another's flush waits)."""
@@ -198,7 +209,8 @@ def _partial_run_end(linger_s: float) -> float:
         "run.steps=3", "rollout.num_generators=4", "rollout.groups_per_call=1",
         "train.groups_per_step=2", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
         "rollout.partial.segment_tokens=4", "rollout.samples_per_group=2",
-        f"rollout.partial.record_linger_s={linger_s}"])
+        f"rollout.partial.record_linger_s={linger_s}",
+        "rollout.partial.record_linger_siblings=0"])
     store = MemoryEventStore()
     simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="pr"))
     assert Projector(store).get("pr").problem is None
@@ -288,7 +300,8 @@ def test_a_finished_group_commits_with_the_pauses_that_follow_within_the_linger(
     cfg = load_config(None, [
         "run.steps=4", "rollout.num_generators=4", "rollout.groups_per_call=1",
         "train.groups_per_step=4", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
-        "rollout.samples_per_group=2", "rollout.partial.record_linger_s=3.0"])
+        "rollout.samples_per_group=2", "rollout.partial.record_linger_s=3.0",
+        "rollout.partial.record_linger_siblings=0"])
     store = _BatchesStore()
     simulate(store, SimSpec(config=cfg, timings=_timings(3), run_id="ep", episode_turns=3))
     assert Projector(store).get("ep").problem is None

@@ -68,7 +68,13 @@ class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     share fewer round trips; ``controller.partial.PartialRecorder.LINGER_MAX``). Each
     pause waits up to that long more before its group goes on; 0 batches only calls
     that return together."""
+    record_linger_siblings: int = 8
+    """The linger applies only while at least this many other generator calls are in
+    flight (as PostgreSQL's ``commit_siblings`` gates its ``commit_delay``). With fewer,
+    a pause rarely has company within a linger and its group would idle for nothing: a
+    small fleet's pauses come hundreds of ms apart, and a refit's flushes come within a
+    token step of each other or not at all. 0: always linger."""
 
     def __post_init__(self) -> None:
         positive("rollout.partial", self, "segment_tokens")
-        non_negative("rollout.partial", self, "record_linger_s")
+        non_negative("rollout.partial", self, "record_linger_s", "record_linger_siblings")
