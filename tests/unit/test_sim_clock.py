@@ -199,3 +199,43 @@ def test_deleting_an_episodes_scratch_rows_is_not_a_checkpoint_release():
         return seen
 
     assert _run(loop, main()) == [(0.0, 0.0), (2.0, 2.0)]
+
+
+def _suspends(body: list) -> list[int]:
+    """Lines in ``body`` where a coroutine could give the loop away (nested defs aside)."""
+    import ast
+
+    found, stack = [], list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.Await, ast.AsyncFor, ast.AsyncWith, ast.Yield, ast.YieldFrom)):
+            found.append(node.lineno)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_no_uncharged_section_is_held_across_a_suspension():
+    # The section is one object per loop with one depth count: a section held across an
+    # await would leave the loop uncharged while the controller's tasks run, and a
+    # section another task enters meanwhile would nest in it. Every section the
+    # simulator enters must open and close within one callback.
+    import ast
+    from pathlib import Path
+
+    import sim
+
+    sections = 0
+    for path in sorted(Path(sim.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.With, ast.AsyncWith)):
+                continue
+            if not any(isinstance(item.context_expr, ast.Call)
+                       and isinstance(item.context_expr.func, ast.Attribute)
+                       and item.context_expr.func.attr == "uncharged" for item in node.items):
+                continue
+            sections += 1
+            assert not isinstance(node, ast.AsyncWith), f"{path.name}:{node.lineno}"
+            assert _suspends(node.body) == [], f"{path.name}:{node.lineno}: await inside"
+    assert sections >= 8  # the generators', the fleet's timers', the data plane's
