@@ -144,3 +144,16 @@ def test_the_live_tail_follows_on_from_the_folded_state_of_a_growing_log() -> No
     rest = [(s.position, s.event) for s in b.events[start:]]
     update = view.apply(rest)  # what the stream delivers after ``start``: no gap
     assert update["audit"]["ok"] and update["position"] == b.last_position
+
+
+def test_the_event_table_shows_every_field_of_a_value_as_tail_does():
+    # the wire leaves a value's defaults out (events/values.py); the table must not
+    from events import schema as ev
+    from events.values import EnvResult
+    from views.dashboard.model import event_row
+
+    event = ev.EnvStepsCompleted(event_id="e", epoch=1, ts=0.0, group_id="g", attempt=1, index=0,
+                                 results=[EnvResult(sample=0, turn=0, reward=1.0)])
+    assert b'"ended"' not in encode(event)
+    details = event_row(7, event)["details"]
+    assert '"ended":false' in details and '"restart":0' in details, details

@@ -19,6 +19,7 @@ from controller.core.reducer import apply_event
 from controller.core.state import RunState, StepRecord, initial_state
 from controller.core.turns import parts
 from events import schema as ev
+from events.codec import full_form
 from controller.projector import Projection
 
 #: samples of buffer / in-flight kept for the chart
@@ -35,7 +36,8 @@ DETAILS_CHARS = 400
 
 def event_row(position: int, event: Any) -> dict[str, Any]:
     """One line of the event table: position, time, type, the event's own fields."""
-    own = {k: getattr(event, k) for k in event.__struct_fields__ if k not in _COMMON}
+    # every field, as ``tail`` prints it: the wire leaves defaults out of an event's values
+    own = {k: full_form(getattr(event, k)) for k in event.__struct_fields__ if k not in _COMMON}
     details = msgspec.json.encode(own).decode()[1:-1].replace('","', '", "')
     if len(details) > DETAILS_CHARS:
         details = details[:DETAILS_CHARS] + "..."
