@@ -297,7 +297,7 @@ class AdmissionSide:
         append is also the fencing check before the next call, as the admission's is
         before the first."""
         done = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "done"]
-        commits = commit_events(self.journal, [r for r, _ in done], [o for _, o in done])
+        commits = commit_events(self.journal, [r for r, _ in done], [o for _, o in done], runs=True)
         self.segment_rows.hold(call, outs, commits)
 
     def _queue_commit(self, gen: GeneratorClient, reqs: list[GenerationRequest],
@@ -312,7 +312,7 @@ class AdmissionSide:
             self._spawn(self._fail_refused(gen, req, err))
 
         if self.rollout.partial.enabled:  # with the pauses' next append: one, not two
-            self.segment_rows.join(commit_events(self.journal, reqs, outs), self._stop_with, refused)
+            self.segment_rows.join(commit_events(self.journal, reqs, outs, runs=True), self._stop_with, refused)
             return
         if self.pending_commits.add(reqs, outs, refused):
             # a task's first step is scheduled like ``call_soon``: right after this turn

@@ -25,8 +25,14 @@ OnRefused = Callable[[str, RejectedFact], None]
 
 
 def commit_events(journal: Journal, reqs: list[GenerationRequest],
-                  outs: list[GenerationOutcome]) -> list[ev.GroupCommitted]:
-    """The commits of finished groups (``outs[i]`` answers ``reqs[i]``)."""
+                  outs: list[GenerationOutcome], runs: bool = False) -> list[ev.GroupCommitted]:
+    """The commits of finished groups (``outs[i]`` answers ``reqs[i]``).
+
+    ``runs`` (partial rollouts): a group whose tokens span refits carries each sample's
+    ``version_runs``, since a refit closes a segment without a flush and the tokens after
+    the last recorded one need not all have the newest version (``docs/segments.md``).
+    An episode's runs (observation tokens at -1) are left out: its turns flush anyway.
+    """
     return [
         journal.make(
             ev.GroupCommitted,
@@ -38,9 +44,18 @@ def commit_events(journal: Journal, reqs: list[GenerationRequest],
             payload_keys=list(out.payload_keys),
             rewards=list(out.rewards),
             lengths=list(out.lengths),
+            version_runs=_spanning_runs(out) if runs else [],
         )
         for req, out in zip(reqs, outs)
     ]
+
+
+def _spanning_runs(out: GenerationOutcome) -> list[list[int]]:
+    if out.weight_version_start == out.weight_version_end or not out.version_runs:
+        return []
+    if any(v < 0 for r in out.version_runs for v in r[0::2]):
+        return []
+    return [list(r) for r in out.version_runs]
 
 
 async def append_commits(journal: Journal, commits: list[ev.GroupCommitted],

@@ -119,6 +119,11 @@ class GroupCommitted(Event, frozen=True):
     rewards: list[float]
     #: completion lengths in tokens, one per sample
     lengths: list[int]
+    #: per sample, the versions of its completion's tokens, run-length encoded
+    #: ``[v0, n0, v1, n1, ...]``; written for a group whose tokens after its last
+    #: recorded flush span refits (``docs/segments.md``). Empty: those tokens all have
+    #: ``weight_version_end`` (with no flush recorded, each counts at the start)
+    version_runs: list[list[int]] = []
 
 
 class SegmentsRecorded(Event, frozen=True):

@@ -122,7 +122,7 @@ def _generators(cfg: Config, spec: SimSpec, fleet: Fleet, names: list[str]) -> l
         return [SimEpisodeGenerator(n, fleet, spec.episode_turns, dedupes_by_key=spec.episode_dedupes)
                 for n in names]
     if partial.enabled:
-        return [SimPartialGenerator(n, fleet, partial.segment_tokens) for n in names]
+        return [SimPartialGenerator(n, fleet, partial.segment_tokens, partial.flush_on_refit) for n in names]
     if refits_between_calls(cfg):
         return [SimGroupBoundaryGenerator(n, fleet) for n in names]
     return [SimGenerator(n, fleet) for n in names]

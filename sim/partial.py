@@ -3,13 +3,13 @@
 The same contract as ``workers.generator.inflight`` (``docs/segments.md``), in virtual
 time and without a model. A group's generation time T (the timings' draw) is spread
 evenly over its longest completion's L tokens, so a token takes T / L and sample i
-stops at its own length. A call returns at the first flush point of its groups:
+stops at its own length. A call returns at the first flush point of its groups: ``segment_tokens`` more tokens
+since the last flush. A window that spans refits is flushed one version at a time.
 
-* ``segment_tokens`` more tokens since the last flush, or
-* a refit: the publisher moved the fleet's weight version while the group was
-  generating (the new weights apply from the next token on, as the real generator does
-  at a token boundary) -- the tokens since the last flush, all of the old version, are
-  flushed.
+A refit (the publisher moved the fleet's weight version while the group was generating)
+applies from the next token on, as the real generator does at a token boundary, and
+closes a segment without a flush; with ``flush_on_refit`` it also ends the call, and the
+tokens since the last flush, all of the old version, are flushed.
 
 A group pauses at its flush point until the controller's next call (which follows its
 ``SegmentsRecorded`` append at once), so what the log records is exactly what a real
@@ -40,9 +40,13 @@ class _Group:
     durable: list[int] = field(default_factory=list)
     flushes: int = 0
     flushed_at: int = 0
-    #: version of the tokens since the last flush, and the oldest token's version
+    #: version of the oldest tokens since the last flush, and the oldest token's version
     version: int = 0
     oldest: int | None = None
+    #: (token step, version) where each newer version began since the last flush
+    changes: list[tuple[int, int]] = field(default_factory=list)
+    #: (token step, version) where each version began, over the group's life
+    history: list[tuple[int, int]] = field(default_factory=list)
 
     def tokens(self, i: int) -> int:
         return min(self.lengths[i], self.steps)
@@ -54,14 +58,52 @@ class _Group:
     def fresh(self) -> bool:
         return any(self.tokens(i) > d for i, d in enumerate(self.durable))
 
+    @property
+    def newest(self) -> int:
+        return self.changes[-1][1] if self.changes else self.version
+
+    def refit(self, version: int) -> None:
+        """The weights moved to ``version`` at the current token step (no flush)."""
+        began = self.changes[-1][0] if self.changes else self.flushed_at
+        if self.steps > began:
+            self.changes.append((self.steps, version))
+        elif self.changes:  # no token of the version before: it never began
+            self.changes[-1] = (self.steps, version)
+        else:
+            self.version = version
+        self.began(version)
+
+    def began(self, version: int) -> None:
+        """Tokens from the current step on have ``version`` (for ``version_runs``)."""
+        if self.history and self.history[-1][0] == self.steps:
+            self.history[-1] = (self.steps, version)
+        elif not self.history or self.history[-1][1] != version:
+            self.history.append((self.steps, version))
+
+    def version_runs(self) -> list[list[int]]:
+        """Each sample's token versions, run-length encoded (``workers.generator.segments``)."""
+        bounds = self.history + [(max(self.lengths), -1)]
+        out = []
+        for n in self.lengths:
+            runs: list[int] = []
+            for (at, v), (until, _) in zip(bounds, bounds[1:]):
+                k = min(n, until) - min(n, at)
+                if k > 0:
+                    runs += [v, k]
+            out.append(runs)
+        return out
+
 
 class SimPartialGenerator:
     """A generator whose calls end at their groups' next flush point."""
 
-    def __init__(self, name: str, fleet: Fleet, segment_tokens: int) -> None:
+    def __init__(
+        self, name: str, fleet: Fleet, segment_tokens: int, flush_on_refit: bool = False
+    ) -> None:
         self.name = name
         self.fleet = fleet
         self.segment_tokens = segment_tokens
+        self.flush_on_refit = flush_on_refit
         self.held: dict[str, _Group] = {}
 
     def generate(self, requests: list[GenerationRequest]) -> asyncio.Future:
@@ -86,7 +128,7 @@ class SimPartialGenerator:
         fleet.groups += 1
         v = fleet.weight_version
         return _Group(lengths, duration / max(1, max(lengths)), durable=[0] * len(lengths),
-                      version=v, oldest=v)
+                      version=v, oldest=v, history=[(0, v)])
 
     async def weight_version(self) -> int:
         return self.fleet.weight_version
@@ -134,10 +176,25 @@ class _Call:
             self.gen.fleet.decoding(-sum(len(g.lengths) for g in self.groups))
 
     def _refit(self) -> None:
-        """The fleet's weights moved: groups flush the old version's tokens."""
+        """The fleet's weights moved: each group closes a segment at its current token
+        (with ``flush_on_refit``, groups flush the old version's tokens)."""
         if self.timer is not None:
             self.timer.cancel()
-        self.resolve(True)
+        if self.gen.flush_on_refit:
+            self.resolve(True)
+            return
+        fleet = self.gen.fleet
+        with fleet.loop.uncharged():
+            elapsed = fleet.work_clock.time() - self.started
+            for g, target in zip(self.groups, self.target):
+                g.steps = min(target, g.steps + int(elapsed / g.token_s + 1e-9))
+                g.refit(fleet.weight_version)
+            seg_tokens = self.gen.segment_tokens
+            if not any(g.done or g.steps - g.flushed_at >= seg_tokens for g in self.groups):
+                self.schedule()
+                return
+            self.target = [g.steps for g in self.groups]  # a flush point reached with it
+        self.resolve(False)
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
@@ -153,6 +210,7 @@ class _Call:
             if refit and not any(g.done or (g.fresh() and g.version != v) for g in self.groups):
                 for g in self.groups:  # nothing to flush: the next tokens are the new weights'
                     g.version = fleet.weight_version
+                    g.began(v)
                 self.schedule()
                 return
             self._stop_decoding()
@@ -166,25 +224,33 @@ class _Call:
                 payload_keys=[f"{req.group_id}/{req.attempt}/{i}" for i in range(len(g.lengths))],
                 rewards=fleet.timings.group_rewards(req.group_id, len(g.lengths)),
                 lengths=list(g.lengths), weight_version_start=g.oldest or 0,
-                weight_version_end=g.version,
+                weight_version_end=g.newest, version_runs=g.version_runs(),
             )
         full = g.steps - g.flushed_at >= seg_tokens
         if not g.fresh() or not (full or (refit and fleet.weight_version != g.version)):
             if refit and not g.fresh():
                 g.version = fleet.weight_version
+                g.began(g.version)
             return GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
                                      weight_version_end=0, status="pending")
+        # one version per flush: up to where the next version began (or to the end)
+        until = g.changes[0][0] if g.changes else g.steps
         segments = []
         for i, durable in enumerate(g.durable):
-            n = g.tokens(i) - durable
-            if n > 0:
+            end = min(g.lengths[i], until)
+            if end > durable:
                 segments.append(Segment(
-                    sample=i, start=durable, length=n, stopped=g.tokens(i) >= g.lengths[i],
+                    sample=i, start=durable, length=end - durable,
+                    stopped=end >= g.lengths[i],
                     key=f"seg:{req.group_id}/a{req.attempt}/s{i}/k{g.flushes}",
                 ))
-                g.durable[i] = g.tokens(i)
+                g.durable[i] = end
         flush = SegmentFlush(weight_version=g.version, segments=segments)
-        g.flushes, g.flushed_at = g.flushes + 1, g.steps
-        g.version = fleet.weight_version  # the next tokens are the new weights'
+        g.flushes, g.flushed_at = g.flushes + 1, until
+        if g.changes:
+            g.version = g.changes.pop(0)[1]
+        else:
+            g.version = fleet.weight_version  # the next tokens are the new weights'
+            g.began(g.version)
         return GenerationOutcome(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
                                  weight_version_end=0, status="flushed", flush=flush)

@@ -270,7 +270,9 @@ class GeneratorWorker(Fenced):
         if spec.partial.enabled:
             self.inflight = (
                 EpisodeGroups(self.generator) if isinstance(task, EpisodeTask)
-                else InflightRunner(self.generator, spec.partial.segment_tokens)
+                else InflightRunner(
+                    self.generator, spec.partial.segment_tokens, spec.partial.flush_on_refit
+                )
             )
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:

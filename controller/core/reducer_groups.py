@@ -18,6 +18,7 @@ from controller.core.segments import (
     commit_summary,
     lost_samples,
     record_flush,
+    runs_problem,
     segments_problem,
     without_samples,
 )
@@ -181,6 +182,8 @@ def check_committed(state: RunState, ev: GroupCommitted, pos: int) -> CheckedCom
     rec = state.inflight.get(gid) if state.inflight else None
     if rec is not None and (problem := commit_problem(rec, lengths, start, end)):
         _violation(pos, ev, f"group {gid}: {problem}")
+    if ev.version_runs and (problem := runs_problem(ev.version_runs, lengths, start, end, rec)):
+        _violation(pos, ev, f"group {gid}: {problem}")
     return group, packed_lengths, played, rec
 
 
@@ -195,7 +198,9 @@ def apply_checked_commit(state: RunState, ev: GroupCommitted, pos: int, checked:
     if rec is not None:
         del state.inflight[gid]
     episodes.on_committed(state, group, played, rec)
-    group.version_token_sum, group.partial_span = commit_summary(rec, ev.lengths, start, end)
+    group.version_token_sum, group.partial_span = commit_summary(
+        rec, ev.lengths, start, end, ev.version_runs
+    )
     group.status = _COMMITTED
     group.committed_ts = ev.ts
     group.committed_position = pos

@@ -169,15 +169,59 @@ def commit_problem(
     return ""
 
 
+def runs_problem(
+    runs: Sequence[Sequence[int]], lengths: Sequence[int], start: int, end: int,
+    rec: InflightSegments | None,
+) -> str:
+    """Why a commit's ``version_runs`` disagree with its lengths, its versions, or the
+    group's recorded flushes ('' when they agree)."""
+    if len(runs) != len(lengths):
+        return f"version_runs for {len(runs)} samples, {len(lengths)} committed"
+    for i, (r, n) in enumerate(zip(runs, lengths)):
+        if len(r) % 2 or sum(r[1::2]) != n or any(k < 1 for k in r[1::2]):
+            return f"sample {i}: version_runs {list(r)} do not encode its {n} tokens"
+        versions = r[0::2]
+        if any(not start <= v <= end for v in versions) or any(
+            a >= b for a, b in zip(versions, versions[1:])
+        ):
+            return f"sample {i}: version_runs {list(r)} not rising within {start}..{end}"
+        if rec is None or not rec.recorded[i] or rec.first_version[i] == _NONE:
+            continue
+        first, last = rec.first_version[i], rec.last_version[i]
+        if versions[0] != first or _version_at(r, rec.recorded[i] - 1) != last:
+            return (f"sample {i}: version_runs {list(r)} disagree with its recorded versions "
+                    f"{first}..{last}")
+    return ""
+
+
+def _version_at(runs: Sequence[int], token: int) -> int:
+    for v, n in zip(runs[0::2], runs[1::2]):
+        if token < n:
+            return v
+        token -= n
+    return _NONE
+
+
 def commit_summary(
-    rec: InflightSegments | None, lengths: Sequence[int], start: int, end: int
+    rec: InflightSegments | None, lengths: Sequence[int], start: int, end: int,
+    runs: Sequence[Sequence[int]] = (),
 ) -> tuple[int, int]:
     """(token-weighted version sum, largest version span of one sample) of a commit.
 
-    Without recorded flushes (partial rollouts off, or a log written before them) each
-    sample's tokens are counted at ``start``, its oldest possible version, and the span
-    is ``end - start`` -- the bounds the event gives, no finer.
+    With ``runs`` (the commit's ``version_runs``: every token's version) both are exact.
+    Otherwise the tokens after the last recorded flush count at ``end``; and without
+    recorded flushes (partial rollouts off, or a log written before them) each sample's
+    tokens are counted at ``start``, its oldest possible version, and the span is
+    ``end - start`` -- the bounds the event gives, no finer.
     """
+    if runs:
+        total = span = 0
+        for r in runs:
+            versions = r[0::2]
+            total += sum(v * n for v, n in zip(versions, r[1::2]))
+            if versions:
+                span = max(span, versions[-1] - versions[0])
+        return total, span
     if rec is None:
         return start * sum(lengths), end - start
     tail = sum(lengths) - sum(rec.recorded)  # all at the newest version

@@ -81,7 +81,7 @@ def test_refit_between_engine_steps_gives_each_token_its_versions_logprob(gen, h
     old, new = _models(hf_dir)
     gen.update_weights(gen.weight_version + 1, cpu_state_dict(old))
     v0 = gen.weight_version
-    runner = InflightRunner(gen, segment_tokens=100)
+    runner = InflightRunner(gen, segment_tokens=100, flush_on_refit=True)
     steps = [0]
 
     def refit(_gid: str) -> None:

@@ -88,6 +88,7 @@ GOLDEN: dict[str, Event] = {
         attempt=2, weight_version_start=3, weight_version_end=4,
         payload_keys=["g0042/a2/0", "g0042/a2/1", "g0042/a2/2", "g0042/a2/3"],
         rewards=[1.0, 0.0, 0.5, -0.25], lengths=[17, 128, 64, 1],
+        version_runs=[[3, 17], [3, 100, 4, 28], [3, 60, 4, 4], [4, 1]],
     ),
     "SegmentsRecorded": SegmentsRecorded(
         event_id="group:g0042:segments:a2:k1", epoch=1, ts=_TS + 16.5, schema_version=1,

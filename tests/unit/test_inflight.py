@@ -25,11 +25,11 @@ SAMPLING = SamplingSection(max_new_tokens=13)
 EXAMPLE = Example("abc>", "cba")
 
 
-def _runner(plane=None, kv_on_refit="recompute", segment_tokens=4):
+def _runner(plane=None, kv_on_refit="recompute", segment_tokens=4, flush_on_refit=False):
     model, tok = build_model(CFG, SEED)
     plane = plane if plane is not None else MemoryDataPlane()
     gen = Generator(model, tok, make_task("reverse"), plane, "run-1", kv_on_refit=kv_on_refit)
-    return InflightRunner(gen, segment_tokens), plane
+    return InflightRunner(gen, segment_tokens, flush_on_refit), plane
 
 
 def _req(flushes=0, attempt=1, resume=(), gid="g1"):
@@ -82,8 +82,9 @@ def test_a_group_flushes_every_segment_tokens_and_commits_what_it_flushed():
     assert runner.tokens_sampled == sum(done.lengths)
 
 
-def test_a_refit_between_calls_starts_a_new_version_and_each_token_keeps_its_logprob():
-    runner, plane = _runner(segment_tokens=100)
+@pytest.mark.parametrize("flush_on_refit", [False, True])
+def test_a_refit_between_calls_starts_a_new_version_and_each_token_keeps_its_logprob(flush_on_refit):
+    runner, plane = _runner(segment_tokens=100, flush_on_refit=flush_on_refit)
     gen = runner.gen
     other, _ = build_model(CFG, 9)
     old = cpu_state_dict(gen.model)
@@ -94,8 +95,11 @@ def test_a_refit_between_calls_starts_a_new_version_and_each_token_keeps_its_log
 
     runner.on_step = refit_at
     flushes, done = _drive(runner)
-    assert [f.weight_version for f in flushes] == [0]  # the refit closed version 0's window
-    assert flushes[0].segments[0].length == 3
+    if flush_on_refit:
+        assert [f.weight_version for f in flushes] == [0]  # the refit closed version 0's window
+        assert flushes[0].segments[0].length == 3
+    else:  # no window filled: the refit's segment is durable in the final rows alone
+        assert flushes == []
     assert done.weight_version_start == 0 and done.weight_version_end == 1
     rows = plane.get("run-1", done.payload_keys)
     model_old, _ = build_model(CFG, SEED)
@@ -142,7 +146,7 @@ def test_a_refit_is_acknowledged_before_the_flush_of_the_tokens_it_closes_is_wri
     # for the data-plane write of the tokens sampled before it: that write comes after
     # the ack, in the generating thread, while the publisher goes on.
     plane = _PutWaitsForAck()
-    runner, _ = _runner(plane, segment_tokens=100)
+    runner, _ = _runner(plane, segment_tokens=100, flush_on_refit=True)
     gen = runner.gen
     other, _ = build_model(CFG, 9)
     holding = threading.Event()
@@ -164,6 +168,34 @@ def test_a_refit_is_acknowledged_before_the_flush_of_the_tokens_it_closes_is_wri
     (flushes, done), = result
     assert [f.weight_version for f in flushes] == [0] and flushes[0].segments[0].length == 3
     assert done.weight_version_end == 1
+
+
+def test_a_window_that_spans_a_refit_is_flushed_one_version_at_a_time():
+    # segment_tokens 4, a refit after 3 token steps: no flush then; the window fills at
+    # the 4th token and holds two versions, so v0's 3 tokens are flushed, and v1's token
+    # waits for the next window (a crash loses at most segment_tokens either way)
+    runner, plane = _runner(segment_tokens=4)
+    gen = runner.gen
+    other, _ = build_model(CFG, 9)
+
+    def refit_at(_gid: str) -> None:
+        if runner.tokens_sampled == 5 * 3:
+            gen.update_weights(1, cpu_state_dict(other))
+
+    runner.on_step = refit_at
+    flushes, done = _drive(runner)
+    longest = max(done.lengths)
+    assert [f.weight_version for f in flushes] == [0, 1, 1]
+    assert [(s.start, s.length) for s in flushes[0].segments] == [(0, 3)] * 5
+    starts = [(f.segments[0].start, max(s.length for s in f.segments)) for f in flushes[1:]]
+    assert starts == [(3, 4), (7, 4)] and longest in (12, 13)
+    recorded = _recorded(plane, flushes)
+    for i, row in enumerate(plane.get("run-1", done.payload_keys)):
+        p = int(row["prompt_len"])
+        assert row["input_ids"][p:p + len(recorded[i])].tolist() == recorded[i]
+        versions = row["token_versions"][p:].tolist()
+        assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
+    assert all(not s.stopped for s in flushes[0].segments)  # v0's run ends before the rows do
 
 
 def test_a_crashed_group_resumes_from_its_recorded_flushes():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -39,6 +40,11 @@ VIOLATIONS = [
     pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 30)}).commit("g1"), "sample 0: 16 tokens committed but 30 were recorded", id="commit-shorter"),
     pytest.param(lambda b: b.admit("g1").flush("g1", {1: (0, 3, True)}).commit("g1"), "sample 1: 17 tokens committed but 3 were recorded and it had stopped", id="commit-after-stop"),
     pytest.param(lambda b: _at_version(b, 2).admit("g1").flush("g1", {0: (0, 3)}, version=1).commit("g1", start=2, end=2), "recorded versions 1..1 outside the commit's 2..2", id="commit-versions"),
+    pytest.param(lambda b: _at_version(b, 2).admit("g1", weight_version=1).commit("g1", start=1, end=2, lengths=[3, 5], version_runs=[[1, 3], [1, 2, 2, 2]]), re.escape("sample 1: version_runs [1, 2, 2, 2] do not encode its 5 tokens"), id="runs-short"),
+    pytest.param(lambda b: _at_version(b, 2).admit("g1", weight_version=1).commit("g1", start=1, end=2, lengths=[3, 5], version_runs=[[1, 3]]), "version_runs for 1 samples, 2 committed", id="runs-samples"),
+    pytest.param(lambda b: _at_version(b, 2).admit("g1", weight_version=1).commit("g1", start=1, end=2, lengths=[3, 5], version_runs=[[1, 3], [2, 2, 1, 3]]), re.escape("sample 1: version_runs [2, 2, 1, 3] not rising within 1..2"), id="runs-falling"),
+    pytest.param(lambda b: _at_version(b, 3).admit("g1", weight_version=1).commit("g1", start=1, end=2, lengths=[3, 5], version_runs=[[1, 3], [1, 2, 3, 3]]), re.escape("sample 1: version_runs [1, 2, 3, 3] not rising within 1..2"), id="runs-past-end"),
+    pytest.param(lambda b: _at_version(b, 2).admit("g1", weight_version=1).flush("g1", {0: (0, 2), 1: (0, 2)}, version=1).commit("g1", start=1, end=2, lengths=[3, 5], version_runs=[[1, 3], [1, 1, 2, 4]]), re.escape("sample 1: version_runs [1, 1, 2, 4] disagree with its recorded versions 1..1"), id="runs-vs-flush"),
     pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}).drop_segments("g1", ["g1/a1/s0/k0"]), "only the attempt that failed may drop them, the group is admitted", id="drop-while-sampling"),
     pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}).fail("g1").drop_segments("g1", ["g1/a1/s1/k0"]), "g1/a1/s1/k0 is not a segment the group recorded", id="drop-unknown-key"),
     pytest.param(lambda b: b.admit("g1").fail("g1").drop_segments("g1", ["g1/a1/s0/k0"]), "no recorded segments to drop", id="drop-nothing-recorded"),
@@ -68,6 +74,21 @@ def test_a_resumed_group_continues_across_attempts_and_sums_its_versions():
     assert g.partial_span == 2  # sample 1: v1 .. v3
     oldest, newest, mean = token_lags(4, 1, 3, g.version_token_sum, 18)
     assert (oldest, newest) == (3, 1) and mean == pytest.approx(4 - 34 / 18)
+
+
+def test_version_runs_give_every_token_its_version_after_the_last_flush():
+    # a refit closes a segment without a flush: sample 1's tail spans v1 and v2, so the
+    # commit's runs, not "the tail is at the newest version", give the exact sum
+    b = _at_version(_b(), 2).admit("g1", weight_version=1)
+    b.flush("g1", {0: (0, 2), 1: (0, 2)}, version=1)
+    b.commit("g1", start=1, end=2, lengths=[3, 6], version_runs=[[1, 3], [1, 4, 2, 2]])
+    g = b.fold().groups["g1"]
+    assert g.version_token_sum == 1 * 3 + 1 * 4 + 2 * 2  # the old rule: 1*2 + 1*2 + 2*5
+    assert g.partial_span == 1
+    # and without any flush: exact too, where the bounds counted each token at the start
+    b = _at_version(_b(), 2).admit("g1", weight_version=1)
+    b.commit("g1", start=1, end=2, lengths=[3, 6], version_runs=[[1, 3], [1, 4, 2, 2]])
+    assert b.fold().groups["g1"].version_token_sum == 11
 
 
 def test_without_flushes_the_commits_bounds_stand_for_every_token():

@@ -309,3 +309,35 @@ def test_a_finished_group_commits_with_the_pauses_that_follow_within_the_linger(
              and any(t.startswith("EnvSteps") and g not in {g for t, g in b if t == "GroupCommitted"}
                      for t, g in b)]
     assert len(mixed) >= 3, store.batches
+
+
+def _refit_run(flush_on_refit: bool):
+    """A partial-rollout run whose groups outlive refits: 16-token windows, 64-token groups."""
+    cfg = load_config(None, [
+        "run.steps=6", "rollout.num_generators=4", "rollout.groups_per_call=1",
+        "train.groups_per_step=2", "train.groups_per_microbatch=2", "rollout.partial.enabled=true",
+        "rollout.partial.segment_tokens=16", "rollout.samples_per_group=2",
+        f"rollout.partial.flush_on_refit={str(flush_on_refit).lower()}"])
+    store = MemoryEventStore()
+    timings = SyntheticTimings(generation=Lognormal(20.0, 0.8), train_per_sequence_s=0.05,
+                               finish=1.0, publish=2.0, checkpoint=5.0, seed=5,
+                               tokens_per_sample=64, lengths_follow_time=True)
+    simulate(store, SimSpec(config=cfg, timings=timings, run_id="rf"))
+    assert Projector(store).get("rf").problem is None  # folds clean, every rule held
+    return [s.event for s in store.read("rf")]
+
+
+def test_a_refit_closes_a_segment_without_a_flush_and_the_commit_gives_its_versions():
+    deferred, eager = _refit_run(False), _refit_run(True)
+    kinds = Counter(type(e).__name__ for e in deferred)
+    eager_kinds = Counter(type(e).__name__ for e in eager)
+    assert kinds["GroupCommitted"] == eager_kinds["GroupCommitted"]
+    assert 0 < kinds["SegmentsRecorded"] < eager_kinds["SegmentsRecorded"]
+    commits = [e for e in deferred if type(e).__name__ == "GroupCommitted"]
+    spanning = [c for c in commits if c.weight_version_start != c.weight_version_end]
+    assert spanning and all(c.version_runs for c in spanning)
+    assert not any(c.version_runs for c in commits if c not in spanning)
+    # every flush holds one version, and a commit's runs agree with what was flushed
+    for c in spanning:
+        for n, runs in zip(c.lengths, c.version_runs):
+            assert sum(runs[1::2]) == n and runs[0::2] == sorted(set(runs[0::2]))

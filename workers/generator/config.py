@@ -54,6 +54,11 @@ class PartialSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     crash resumes every group from its last recorded flush instead of from the prompt."""
     segment_tokens: int = 64
     """Tokens per sample between two flushes: the most a crash can lose per sample."""
+    flush_on_refit: bool = False
+    """false: a refit closes a segment in memory, made durable at the next flush point
+    (or in the group's final rows); true: a refit also ends the call with a flush, the
+    cadence before (a call, a put and an event per group in flight at every refit, for
+    no more durability: a crash loses at most ``segment_tokens`` per sample either way)."""
     kv_on_refit: KvOnRefit = "recompute"
     """A refit landing mid-group: ``recompute`` prefills prompt + tokens so far under the
     new weights (each token's logprob is exactly its version's); ``keep`` goes on with

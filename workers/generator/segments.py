@@ -44,17 +44,32 @@ def expand_runs(runs: Sequence[int]) -> list[int]:
 
 
 def segment_rows(
-    prefixes: Sequence[RowPrefix], since: Sequence[int]
+    prefixes: Sequence[RowPrefix], since: Sequence[int], until: Sequence[int] | None = None
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """Rows of the tokens each sample got after ``since[i]`` (samples with none left out)."""
+    """Rows of the tokens each sample got from ``since[i]`` (to ``until[i]``, else to its
+    end; samples with none left out)."""
     rows = {}
     for i, (row, start) in enumerate(zip(prefixes, since)):
-        if len(row.tokens) > start:
+        end = len(row.tokens) if until is None else until[i]
+        if end > start:
             rows[i] = {
-                "tokens": torch.tensor(row.tokens[start:], dtype=torch.int64),
-                "logprobs": torch.tensor(row.logprobs[start:], dtype=torch.float32),
+                "tokens": torch.tensor(row.tokens[start:end], dtype=torch.int64),
+                "logprobs": torch.tensor(row.logprobs[start:end], dtype=torch.float32),
             }
     return rows
+
+
+def oldest_run(prefixes: Sequence[RowPrefix], since: Sequence[int]) -> tuple[int, list[int]]:
+    """The version of the oldest tokens not yet flushed, and where each sample's run of
+    that version ends: what one flush holds (a segment has one version)."""
+    version = min(row.versions[start] for row, start in zip(prefixes, since) if len(row.tokens) > start)
+    until = []
+    for row, start in zip(prefixes, since):
+        end, versions = start, row.versions
+        while end < len(versions) and versions[end] == version:
+            end += 1
+        until.append(end)
+    return version, until
 
 
 def load_prefixes(
