@@ -185,21 +185,30 @@ def runs_problem(
             a >= b for a, b in zip(versions, versions[1:])
         ):
             return f"sample {i}: version_runs {list(r)} not rising within {start}..{end}"
-        if rec is None or not rec.recorded[i] or rec.first_version[i] == _NONE:
-            continue
-        first, last = rec.first_version[i], rec.last_version[i]
-        if versions[0] != first or _version_at(r, rec.recorded[i] - 1) != last:
-            return (f"sample {i}: version_runs {list(r)} disagree with its recorded versions "
-                    f"{first}..{last}")
+    if rec is None:
+        return ""
+    # every recorded segment, not just a sample's first and last version: runs that
+    # agree at both ends can still move a middle flush's tokens to another version,
+    # and the fold would sum them at it
+    for f in rec.flushes:
+        v = _NONE if f.weight_version is None else f.weight_version
+        for seg in f.segments:
+            r = runs[seg.sample]
+            if not _one_version(r, seg.start, seg.length, v):
+                i = seg.sample
+                return (f"sample {i}: version_runs {list(r)} disagree with its recorded "
+                        f"versions {rec.first_version[i]}..{rec.last_version[i]}")
     return ""
 
 
-def _version_at(runs: Sequence[int], token: int) -> int:
+def _one_version(runs: Sequence[int], start: int, length: int, version: int) -> bool:
+    """Whether tokens ``start .. start + length - 1`` of ``runs`` all have ``version``."""
+    at = 0
     for v, n in zip(runs[0::2], runs[1::2]):
-        if token < n:
-            return v
-        token -= n
-    return _NONE
+        if at + n > start:  # the run holding ``start``: it must hold the whole segment
+            return v == version and at + n >= start + length
+        at += n
+    return False
 
 
 def commit_summary(
