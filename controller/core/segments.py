@@ -9,9 +9,11 @@ token is never recorded twice and nothing follows a stopped sample.
 
 At the commit the record is folded into three numbers kept on the group
 (:func:`commit_summary`): the oldest and newest token version and the token-weighted
-version sum, from which every per-token lag is computed (:func:`token_lags`). The
-tokens after the last flush all carry the commit's ``weight_version_end``: a flush
-closes every version's window, so the unflushed tail has one version, the newest.
+version sum, from which every per-token lag is computed (:func:`token_lags`). A refit
+closes a segment without a flush, so the tokens after the last flush may span versions:
+a commit whose tokens do carries every token's version (``version_runs``), checked
+against each recorded flush (:func:`runs_problem`); one without carries none, and its
+unflushed tail has one version, the commit's ``weight_version_end``.
 
 Pure: no I/O, no clock, no randomness, no logging.
 """
