@@ -9,10 +9,10 @@ since the last flush. A window that spans refits is flushed one version at a tim
 A refit (the publisher moved the fleet's weight version while the group was generating)
 applies from the next token on, as the real generator does at a token boundary, and
 closes a segment without a flush (the call keeps its timer: a refit is no flush point,
-and the token being decoded when it lands is finished, not started again; one that lands
-while a group waits between calls applies to its next token); with ``flush_on_refit`` it
-also ends the call, and the tokens since the last flush, all of the old version, are
-flushed.
+and the token being decoded when it lands is finished, not started again); with
+``flush_on_refit`` it also ends the call, and the tokens since the last flush, all of the
+old version, are flushed. A refit that lands while a group waits between calls is
+applied when the next call starts, as the real generator reads its version there.
 
 A group pauses at its flush point until the controller's next call (which follows its
 ``SegmentsRecorded`` append at once), so what the log records is exactly what a real
@@ -116,12 +116,10 @@ class SimPartialGenerator:
             fut = fleet.loop.create_future()
             fleet.calls += 1
             self.held = {r.group_id: self._hold(r) for r in requests}
-            if not self.flush_on_refit:  # a refit that landed while they were paused
-                for g in self.held.values():
-                    if g.newest != fleet.weight_version:
-                        g.refit(fleet.weight_version, g.steps)
             call = _Call(self, fut, requests)
             call.schedule()
+            if any(g.newest != fleet.weight_version for g in call.groups):
+                call._refit()  # one that landed while they waited between calls
         return fut
 
     def _hold(self, req: GenerationRequest) -> _Group:

@@ -349,7 +349,7 @@ def test_a_refit_closes_a_segment_without_a_flush_and_the_commit_gives_its_versi
 
 
 def _one_group(refits: list[float], *, lengths: list[int], seconds: float, segment_tokens: int,
-               paused_refits: int = 0):
+               paused_refits: int = 0, flush_on_refit: bool = False):
     """One group alone on a deferred-refit simulated generator, ``seconds`` over its
     longest length (1 s a token below); the fleet's version moves at each of ``refits``
     (virtual seconds), and ``paused_refits`` more times while the group waits at its
@@ -359,7 +359,7 @@ def _one_group(refits: list[float], *, lengths: list[int], seconds: float, segme
                               lengths={"g": lengths}, microbatches={}, finish={}, publish={},
                               checkpoint={})
     fleet = Fleet(loop=loop, timings=timings)
-    gen = SimPartialGenerator("gen", fleet, segment_tokens)
+    gen = SimPartialGenerator("gen", fleet, segment_tokens, flush_on_refit)
     req = GenerationRequest(group_id="g", attempt=1, prompt_index=0, n_samples=len(lengths), seed=0)
 
     def move() -> None:
@@ -411,10 +411,12 @@ def test_a_commits_versions_are_its_tokens_not_the_admission_s():
     assert out.version_runs == [[1, 10], [1, 4]]
 
 
-def test_a_refit_while_the_group_waits_at_its_flush_applies_to_its_next_tokens():
+@pytest.mark.parametrize("flush_on_refit", [False, True])
+def test_a_refit_while_the_group_waits_at_its_flush_applies_to_its_next_tokens(flush_on_refit):
     # flushed at 4 tokens, two refits land before the controller calls again: the
     # tokens after the flush are v2's (they were counted at v0 before)
-    outs = _one_group([], lengths=[10, 6], seconds=10.0, segment_tokens=4, paused_refits=2)
+    outs = _one_group([], lengths=[10, 6], seconds=10.0, segment_tokens=4, paused_refits=2,
+                      flush_on_refit=flush_on_refit)
     assert [o.status for _, o in outs] == ["flushed", "flushed", "done"]
     assert outs[1][1].flush.weight_version == 2
     done = outs[-1][1]
