@@ -345,3 +345,12 @@ def test_both_paths_spend_a_slower_models_time_once_per_token_step():
         steps[path] = (task.asked, max(lengths))
     assert steps["one call"] == steps["partial"]
     assert all(asked == longest for asked, longest in steps.values())
+
+
+def test_flush_on_refit_is_a_checked_config_key_off_by_default():
+    from controller.config import ConfigError, load_config
+
+    assert load_config().rollout.partial.flush_on_refit is False
+    assert load_config(overrides=["rollout.partial.flush_on_refit=true"]).rollout.partial.flush_on_refit
+    with pytest.raises(ConfigError, match="flush_on_refit"):
+        load_config(overrides=["rollout.partial.flush_on_refit=sometimes"])
