@@ -93,8 +93,9 @@ def _resolve(fut: asyncio.Future) -> None:
 class PartialRecorder:
     """Records calls' flushes, and deletes the segment rows of committed groups.
 
-    Flushes come in bursts: a refit lands on every generator at once, and each of their
-    calls returns its groups' flushes. The calls that return in the same turn of the
+    Flushes can come in bursts: with ``flush_on_refit`` a refit lands on every generator
+    at once and each of their calls returns its groups' flushes (refits deferred, a
+    flush is a full window, and windows fill apart). The calls that return in the same turn of the
     event loop are recorded in ONE append (one store round trip and one fsync for all of
     them, as ``AdmissionSide`` does for commits), and every paused group goes on as soon
     as that append landed: the append issues each acknowledged call's next call

@@ -9,8 +9,9 @@ and the groups whose generation crossed a weight update (end version != start ve
 Per token (``docs/segments.md``): a group's lag is its *oldest* token's (the number
 above); ``token_lag_mean`` averages the lag of every token -- its own version's --, and
 ``max_partial_span`` is the most versions one sample's tokens span (partial rollouts
-resume a sample across refits). Without recorded flushes a token counts at its group's
-start version, so these equal the group-level figures.
+resume a sample across refits). Without recorded flushes or a commit's
+``version_runs`` a token counts at its group's start version, so these equal the
+group-level figures.
 
 Most of it is read off the folded state (``StepRecord``/``GroupRecord`` keep history).
 What the state forgets is collected during the fold by a :class:`Trace` that observes a

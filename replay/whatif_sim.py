@@ -13,7 +13,7 @@ call the controller's train side makes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ import msgspec
 
 from controller.core import decisions, policies
 from controller.core.reducer import apply_event
+from controller.core.segments import InflightSegments
 from controller.core.state import GroupStatus, RunState, initial_state
 from events.schema import (
     AnyEvent,
@@ -191,8 +192,10 @@ class Simulation:
         rec = state.inflight.get(event.group_id)
         if rec is not None:  # flushes moved with an earlier, smaller trainer_version
             start = min([start, *(v for v in rec.first_version if v >= 0)])
+        runs = [_moved_runs(r, moved, rec, i) for i, r in enumerate(event.version_runs)]
         self._apply(msgspec.structs.replace(
             event, epoch=_EPOCH, weight_version_start=start, weight_version_end=end,
+            version_runs=runs,
         ))
         self.lengths[event.group_id] = sum(event.lengths)
 
@@ -313,6 +316,32 @@ class Simulation:
             ))
         self.steps.append(step)
         self.current = None
+
+
+def _moved_runs(runs: list[int], moved: Callable[[int], int], rec: InflightSegments | None, sample: int) -> list[int]:
+    """A commit's ``version_runs`` for one sample under assumption 2: its recorded tokens
+    at their flushes' versions as the simulation moved them (each at its own time), the
+    tokens after them moved now; runs that the move made equal are merged."""
+    pairs: list[tuple[int, int]] = []
+    recorded = 0
+    if rec is not None:
+        for f in rec.flushes:
+            for seg in f.segments:
+                if seg.sample == sample:
+                    pairs.append((-1 if f.weight_version is None else f.weight_version, seg.length))
+                    recorded += seg.length
+    for v, n in zip(runs[0::2], runs[1::2]):
+        skip = min(n, recorded)  # the tokens the flushes above already gave
+        recorded -= skip
+        if n > skip:
+            pairs.append((moved(v), n - skip))
+    out: list[int] = []
+    for v, n in pairs:
+        if out and out[-2] == v:
+            out[-1] += n
+        else:
+            out += [v, n]
+    return out
 
 
 def simulate(events: Iterable[tuple[int, AnyEvent]], settings: "WhatIfSettings") -> SimResult:

@@ -8,14 +8,18 @@ since the last flush. A window that spans refits is flushed one version at a tim
 
 A refit (the publisher moved the fleet's weight version while the group was generating)
 applies from the next token on, as the real generator does at a token boundary, and
-closes a segment without a flush; with ``flush_on_refit`` it also ends the call, and the
-tokens since the last flush, all of the old version, are flushed.
+closes a segment without a flush (the call keeps its timer: a refit is no flush point,
+and the token being decoded when it lands is finished, not started again); with
+``flush_on_refit`` it also ends the call, and the tokens since the last flush, all of the
+old version, are flushed. A refit that lands while a group waits between calls is
+applied when the next call starts, as the real generator reads its version there.
 
 A group pauses at its flush point until the controller's next call (which follows its
 ``SegmentsRecorded`` append at once), so what the log records is exactly what a real
 run's would: one event per flush, one segment per sample with new tokens. Groups of a
 call run side by side; those not at a flush point come back ``pending`` with their
-progress kept. The final outcome has the oldest and the newest token versions.
+progress kept. The final outcome has the oldest and the newest token versions (a refit
+before a group's first token or after its last moves neither).
 """
 
 from __future__ import annotations
@@ -40,9 +44,8 @@ class _Group:
     durable: list[int] = field(default_factory=list)
     flushes: int = 0
     flushed_at: int = 0
-    #: version of the oldest tokens since the last flush, and the oldest token's version
+    #: version of the oldest tokens since the last flush
     version: int = 0
-    oldest: int | None = None
     #: (token step, version) where each newer version began since the last flush
     changes: list[tuple[int, int]] = field(default_factory=list)
     #: (token step, version) where each version began, over the group's life
@@ -62,23 +65,24 @@ class _Group:
     def newest(self) -> int:
         return self.changes[-1][1] if self.changes else self.version
 
-    def refit(self, version: int) -> None:
-        """The weights moved to ``version`` at the current token step (no flush)."""
+    def refit(self, version: int, at: int) -> None:
+        """The weights moved to ``version`` at token step ``at`` (no flush)."""
         began = self.changes[-1][0] if self.changes else self.flushed_at
-        if self.steps > began:
-            self.changes.append((self.steps, version))
+        if at > began:
+            self.changes.append((at, version))
         elif self.changes:  # no token of the version before: it never began
-            self.changes[-1] = (self.steps, version)
+            self.changes[-1] = (at, version)
         else:
             self.version = version
-        self.began(version)
+        self.began(version, at)
 
-    def began(self, version: int) -> None:
-        """Tokens from the current step on have ``version`` (for ``version_runs``)."""
-        if self.history and self.history[-1][0] == self.steps:
-            self.history[-1] = (self.steps, version)
+    def began(self, version: int, at: int | None = None) -> None:
+        """Tokens from step ``at`` (the current one) on have ``version`` (for ``version_runs``)."""
+        at = self.steps if at is None else at
+        if self.history and self.history[-1][0] == at:
+            self.history[-1] = (at, version)
         elif not self.history or self.history[-1][1] != version:
-            self.history.append((self.steps, version))
+            self.history.append((at, version))
 
     def version_runs(self) -> list[list[int]]:
         """Each sample's token versions, run-length encoded (``workers.generator.segments``)."""
@@ -114,6 +118,8 @@ class SimPartialGenerator:
             self.held = {r.group_id: self._hold(r) for r in requests}
             call = _Call(self, fut, requests)
             call.schedule()
+            if any(g.newest != fleet.weight_version for g in call.groups):
+                call._refit()  # one that landed while they waited between calls
         return fut
 
     def _hold(self, req: GenerationRequest) -> _Group:
@@ -128,7 +134,7 @@ class SimPartialGenerator:
         fleet.groups += 1
         v = fleet.weight_version
         return _Group(lengths, duration / max(1, max(lengths)), durable=[0] * len(lengths),
-                      version=v, oldest=v, history=[(0, v)])
+                      version=v, history=[(0, v)])
 
     async def weight_version(self) -> int:
         return self.fleet.weight_version
@@ -178,23 +184,19 @@ class _Call:
     def _refit(self) -> None:
         """The fleet's weights moved: each group closes a segment at its current token
         (with ``flush_on_refit``, groups flush the old version's tokens)."""
-        if self.timer is not None:
-            self.timer.cancel()
         if self.gen.flush_on_refit:
+            if self.timer is not None:
+                self.timer.cancel()
             self.resolve(True)
             return
+        # the call's flush point and timer stand (a refit is no flush point): each group
+        # only notes the token step the new version begins at; re-timing the call from
+        # the last whole token would lose the part of the token already decoded
         fleet = self.gen.fleet
         with fleet.loop.uncharged():
             elapsed = fleet.work_clock.time() - self.started
             for g, target in zip(self.groups, self.target):
-                g.steps = min(target, g.steps + int(elapsed / g.token_s + 1e-9))
-                g.refit(fleet.weight_version)
-            seg_tokens = self.gen.segment_tokens
-            if not any(g.done or g.steps - g.flushed_at >= seg_tokens for g in self.groups):
-                self.schedule()
-                return
-            self.target = [g.steps for g in self.groups]  # a flush point reached with it
-        self.resolve(False)
+                g.refit(fleet.weight_version, min(target, g.steps + int(elapsed / g.token_s + 1e-9)))
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
@@ -220,11 +222,16 @@ class _Call:
         fleet, seg_tokens = self.gen.fleet, self.gen.segment_tokens
         if g.done:
             del self.gen.held[req.group_id]
+            # the versions its tokens have, as the real generator's final rows say: a refit
+            # before its first token or after its last moves neither bound
+            runs = g.version_runs()
+            start = min((r[0] for r in runs if r), default=g.version)
+            end = max((r[-2] for r in runs if r), default=g.newest)
             return GenerationOutcome(
                 payload_keys=[f"{req.group_id}/{req.attempt}/{i}" for i in range(len(g.lengths))],
                 rewards=fleet.timings.group_rewards(req.group_id, len(g.lengths)),
-                lengths=list(g.lengths), weight_version_start=g.oldest or 0,
-                weight_version_end=g.newest, version_runs=g.version_runs(),
+                lengths=list(g.lengths), weight_version_start=start, weight_version_end=end,
+                version_runs=runs,
             )
         full = g.steps - g.flushed_at >= seg_tokens
         if not g.fresh() or not (full or (refit and fleet.weight_version != g.version)):

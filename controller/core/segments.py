@@ -9,9 +9,11 @@ token is never recorded twice and nothing follows a stopped sample.
 
 At the commit the record is folded into three numbers kept on the group
 (:func:`commit_summary`): the oldest and newest token version and the token-weighted
-version sum, from which every per-token lag is computed (:func:`token_lags`). The
-tokens after the last flush all carry the commit's ``weight_version_end``: a flush
-closes every version's window, so the unflushed tail has one version, the newest.
+version sum, from which every per-token lag is computed (:func:`token_lags`). A refit
+closes a segment without a flush, so the tokens after the last flush may span versions:
+a commit whose tokens do carries every token's version (``version_runs``), checked
+against each recorded flush (:func:`runs_problem`); one without carries none, and its
+unflushed tail has one version, the commit's ``weight_version_end``.
 
 Pure: no I/O, no clock, no randomness, no logging.
 """
@@ -185,21 +187,30 @@ def runs_problem(
             a >= b for a, b in zip(versions, versions[1:])
         ):
             return f"sample {i}: version_runs {list(r)} not rising within {start}..{end}"
-        if rec is None or not rec.recorded[i] or rec.first_version[i] == _NONE:
-            continue
-        first, last = rec.first_version[i], rec.last_version[i]
-        if versions[0] != first or _version_at(r, rec.recorded[i] - 1) != last:
-            return (f"sample {i}: version_runs {list(r)} disagree with its recorded versions "
-                    f"{first}..{last}")
+    if rec is None:
+        return ""
+    # every recorded segment, not just a sample's first and last version: runs that
+    # agree at both ends can still move a middle flush's tokens to another version,
+    # and the fold would sum them at it
+    for f in rec.flushes:
+        v = _NONE if f.weight_version is None else f.weight_version
+        for seg in f.segments:
+            r = runs[seg.sample]
+            if not _one_version(r, seg.start, seg.length, v):
+                i = seg.sample
+                return (f"sample {i}: version_runs {list(r)} disagree with its recorded "
+                        f"versions {rec.first_version[i]}..{rec.last_version[i]}")
     return ""
 
 
-def _version_at(runs: Sequence[int], token: int) -> int:
+def _one_version(runs: Sequence[int], start: int, length: int, version: int) -> bool:
+    """Whether tokens ``start .. start + length - 1`` of ``runs`` all have ``version``."""
+    at = 0
     for v, n in zip(runs[0::2], runs[1::2]):
-        if token < n:
-            return v
-        token -= n
-    return _NONE
+        if at + n > start:  # the run holding ``start``: it must hold the whole segment
+            return v == version and at + n >= start + length
+        at += n
+    return False
 
 
 def commit_summary(

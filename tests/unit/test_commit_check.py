@@ -72,6 +72,12 @@ CASES = [
     pytest.param(lambda b: b.admit("g1").flush("g1", {0: (0, 3)}), {"n": 3}, "3 samples committed, 2 recorded", id="samples-vs-recorded"),
     pytest.param(lambda b: _at_version(b, 2).admit("g1").flush("g1", {0: (0, 3)}, version=1), {"start": 2, "end": 2},
                  "recorded versions 1..1 outside the commit's 2..2", id="versions-outside"),
+    pytest.param(lambda b: _at_version(b, 2).admit("g1", weight_version=1).flush("g1", {0: (0, 2), 1: (0, 2)}, version=1),
+                 {"start": 1, "end": 2, "lengths": [3, 6], "version_runs": [[1, 3], [1, 4, 2, 2]]}, "", id="valid-runs"),
+    pytest.param(lambda b: _at_version(b, 3).admit("g1", weight_version=1).flush("g1", {0: (0, 2)}, version=1)
+                 .flush("g1", {0: (2, 2)}, version=2).flush("g1", {0: (4, 2)}, version=3),
+                 {"start": 1, "end": 3, "lengths": [6, 2], "version_runs": [[1, 4, 3, 2], [3, 2]]},
+                 "disagree with its recorded versions 1..3", id="runs-vs-middle-flush"),
     pytest.param(_two_turns, {**_PLAYED, "rewards": [0.75, 0.25]}, "reward 0.25 committed, its turns' rewards sum to 0.5", id="episode-rewards"),
     pytest.param(_two_turns, {"n": 3}, "3 samples committed, 2 have episodes", id="episode-count"),
     pytest.param(lambda b: b.admit("g1").request("g1", {0: (1, "a")}).complete("g1", {0: (1, 0.0, True, 0)}), {},

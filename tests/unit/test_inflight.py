@@ -354,3 +354,39 @@ def test_flush_on_refit_is_a_checked_config_key_off_by_default():
     assert load_config(overrides=["rollout.partial.flush_on_refit=true"]).rollout.partial.flush_on_refit
     with pytest.raises(ConfigError, match="flush_on_refit"):
         load_config(overrides=["rollout.partial.flush_on_refit=sometimes"])
+
+
+@pytest.mark.parametrize("kv_on_refit", ["recompute", "keep"])
+def test_no_sample_ever_holds_more_than_segment_tokens_outside_the_log_across_refits(kv_on_refit):
+    # refits every 3 token steps, windows of 4: splits, stopped samples, a crash after the
+    # third flush and a resume with version runs behind it. After every token step no
+    # sample has more than segment_tokens tokens that no flush holds, and the final runs
+    # agree with every recorded flush (each recorded token at its flush's version).
+    plane = MemoryDataPlane()
+    models = [cpu_state_dict(build_model(CFG, s)[0]) for s in (9, 10)]
+    worst: list[int] = []
+
+    def start(runner):
+        gen, steps = runner.gen, [0]
+
+        def refit_and_measure(gid: str) -> None:
+            held = runner.held[gid]
+            worst.append(max(len(r.tokens) - d for r, d in zip(held.decoder.rows, held.durable)))
+            steps[0] += 1
+            if steps[0] % 3 == 0:
+                gen.update_weights(gen.weights.version + 1, models[gen.weights.version % 2])
+
+        runner.on_step = refit_and_measure
+        return runner
+
+    first = start(_runner(plane, kv_on_refit=kv_on_refit)[0])
+    recorded, _ = _drive(first, limit=3)
+    second = start(_runner(plane, kv_on_refit=kv_on_refit)[0])
+    second.gen.update_weights(first.gen.weights.version, models[0])
+    flushes, done = _drive(second, attempt=2, resume=recorded)
+    assert worst and max(worst) <= 4
+    assert done.weight_version_end > done.weight_version_start
+    for f in recorded + flushes:
+        for seg in f.segments:
+            versions = expand_runs(done.version_runs[seg.sample])
+            assert versions[seg.start:seg.start + seg.length] == [f.weight_version] * seg.length

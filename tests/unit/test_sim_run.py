@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -14,9 +15,13 @@ from controller.core.turns import expanded
 from controller.projector import Projector
 from events.codec import encode
 from events.memory_store import MemoryEventStore
+from sim.clock import VirtualTimeLoop
 from sim.harness import simulate, SimSpec
+from sim.partial import SimPartialGenerator
 from sim.timeline import timeline_of
-from sim.timings import Lognormal, Pareto, SyntheticTimings
+from sim.timings import Lognormal, Pareto, RecordedTimings, SyntheticTimings
+from sim.workers import Fleet
+from workers.api import GenerationRequest
 
 #: fields that depend on the machine or the wall clock, not on the simulation
 WALL_CLOCK_FIELDS = ("ts", "host", "pid")
@@ -341,3 +346,79 @@ def test_a_refit_closes_a_segment_without_a_flush_and_the_commit_gives_its_versi
     for c in spanning:
         for n, runs in zip(c.lengths, c.version_runs):
             assert sum(runs[1::2]) == n and runs[0::2] == sorted(set(runs[0::2]))
+
+
+def _one_group(refits: list[float], *, lengths: list[int], seconds: float, segment_tokens: int,
+               paused_refits: int = 0, flush_on_refit: bool = False):
+    """One group alone on a deferred-refit simulated generator, ``seconds`` over its
+    longest length (1 s a token below); the fleet's version moves at each of ``refits``
+    (virtual seconds), and ``paused_refits`` more times while the group waits at its
+    first flush. Returns (virtual time of each outcome, outcome)."""
+    loop = VirtualTimeLoop()
+    timings = RecordedTimings(generation={"g": seconds}, rewards={"g": [0.0] * len(lengths)},
+                              lengths={"g": lengths}, microbatches={}, finish={}, publish={},
+                              checkpoint={})
+    fleet = Fleet(loop=loop, timings=timings)
+    gen = SimPartialGenerator("gen", fleet, segment_tokens, flush_on_refit)
+    req = GenerationRequest(group_id="g", attempt=1, prompt_index=0, n_samples=len(lengths), seed=0)
+
+    def move() -> None:
+        fleet.weight_version += 1
+        for notify in list(fleet.on_refit):
+            notify()
+
+    async def publisher() -> None:
+        for at in refits:
+            await asyncio.sleep(at - loop.time())
+            move()
+
+    async def controller() -> list:
+        outs = []
+        while not outs or outs[-1][1].status != "done":
+            out = (await gen.generate([req]))[0]
+            outs.append((loop.time(), out))
+            if len(outs) == 1 and outs[0][1].status == "flushed":
+                for _ in range(paused_refits):
+                    move()
+        return outs
+
+    async def main() -> list:
+        return (await asyncio.gather(controller(), publisher()))[0]
+
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_refit_mid_token_costs_the_group_no_virtual_time():
+    # 10 tokens at 1 s; the refit at 2.5 s lands inside token 3, which the new weights
+    # finish: the group ends at 10 s, as without a refit (it was re-timed from token 2: 10.5)
+    (t, out), = _one_group([2.5], lengths=[10, 4], seconds=10.0, segment_tokens=100)
+    assert t == 10.0
+    assert out.version_runs == [[0, 2, 1, 8], [0, 2, 1, 2]]
+    # and a window full at 4 tokens is still reached at 4 s, split at the refit
+    outs = _one_group([2.5], lengths=[10, 4], seconds=10.0, segment_tokens=4)
+    assert [t for t, _ in outs] == [4.0, 6.0, 10.0]
+    assert [(o.flush.weight_version, [(s.start, s.length) for s in o.flush.segments])
+            for _, o in outs[:2]] == [(0, [(0, 2), (0, 2)]), (1, [(2, 4), (2, 2)])]
+
+
+def test_a_commits_versions_are_its_tokens_not_the_admission_s():
+    # the refit lands during the first token: every token is v1, so is the oldest
+    (_, out), = _one_group([0.5], lengths=[10, 4], seconds=10.0, segment_tokens=100)
+    assert (out.weight_version_start, out.weight_version_end) == (1, 1)
+    assert out.version_runs == [[1, 10], [1, 4]]
+
+
+@pytest.mark.parametrize("flush_on_refit", [False, True])
+def test_a_refit_while_the_group_waits_at_its_flush_applies_to_its_next_tokens(flush_on_refit):
+    # flushed at 4 tokens, two refits land before the controller calls again: the
+    # tokens after the flush are v2's (they were counted at v0 before)
+    outs = _one_group([], lengths=[10, 6], seconds=10.0, segment_tokens=4, paused_refits=2,
+                      flush_on_refit=flush_on_refit)
+    assert [o.status for _, o in outs] == ["flushed", "flushed", "done"]
+    assert outs[1][1].flush.weight_version == 2
+    done = outs[-1][1]
+    assert (done.weight_version_start, done.weight_version_end) == (0, 2)
+    assert done.version_runs == [[0, 4, 2, 6], [0, 4, 2, 2]]

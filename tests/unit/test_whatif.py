@@ -12,11 +12,19 @@ import random
 
 import pytest
 
+from controller.config import load_config
 from controller.core import policies
 from controller.core.fold import fold
 from controller.core.reducer import apply
+from controller.core.segments import InflightSegments, record_flush
 from controller.core.state import initial_state
+from events.memory_store import MemoryEventStore
+from events.schema import Segment, SegmentsRecorded
 from replay import whatif
+from replay.whatif_sim import _moved_runs
+from sim.harness import SimSpec
+from sim.harness import simulate as simulate_run
+from sim.timings import Lognormal, SyntheticTimings
 from tests.unit.log_builder import LogBuilder
 
 
@@ -234,3 +242,40 @@ def test_what_if_never_reports_a_negative_lag():
     assert lags and min(lags) >= 0, lags
     stats = whatif.compare(state, result)["what_if"]
     assert 0 <= stats["lag_mean"] <= stats["lag_max"] == 0
+
+
+def test_a_smaller_window_replays_commits_whose_tokens_span_refits():
+    # in-flight groups whose windows span refits commit with version_runs; the what-if
+    # moves every version by the group's shift (assumption 2), the runs' included --
+    # unmoved, window 0 refused such a commit ("not rising within 2..2")
+    cfg = load_config(None, [
+        "run.steps=6", "rollout.num_generators=4", "rollout.groups_per_call=1",
+        "train.groups_per_step=2", "train.groups_per_microbatch=2",
+        "rollout.partial.enabled=true", "rollout.partial.segment_tokens=16",
+        "rollout.samples_per_group=2"])
+    timings = SyntheticTimings(generation=Lognormal(20.0, 0.8), train_per_sequence_s=0.05,
+                               finish=1.0, publish=2.0, checkpoint=5.0, seed=5,
+                               tokens_per_sample=64, lengths_follow_time=True)
+    store = MemoryEventStore()
+    simulate_run(store, SimSpec(config=cfg, timings=timings, run_id="rf"))
+    stored = list(store.read("rf"))
+    assert any(s.event.version_runs for s in stored if type(s.event).__name__ == "GroupCommitted")
+    state = fold(stored)
+    pairs = [(s.position, s.event) for s in stored]
+    recorded = whatif.simulate(pairs, whatif.recorded_settings(state))
+    assert recorded.stopped == "end of log"
+    result = whatif.simulate(pairs, whatif.what_if_settings(state, ["window=0"]))
+    assert max((lag for s in result.steps for lag in s.lags), default=0) == 0  # and no violation
+
+
+def test_moved_runs_keep_recorded_tokens_at_their_flushes_versions():
+    rec = InflightSegments.empty(2, 1)
+    flush = SegmentsRecorded(epoch=1, ts=0.0, event_id="f", group_id="g", attempt=1, index=0,
+                             kind="model", weight_version=0,
+                             segments=[Segment(sample=0, start=0, length=3, key="k")])
+    record_flush(rec, flush)  # recorded at v3 by the run, moved to v0 when it was applied
+    moved = lambda v: max(0, v - 2)  # noqa: E731
+    # sample 0: 3 recorded tokens (v3, moved then to v0), then v3 x2, v4 x1, v5 x4
+    assert _moved_runs([3, 5, 4, 1, 5, 4], moved, rec, 0) == [0, 3, 1, 2, 2, 1, 3, 4]
+    # sample 1: nothing recorded; v1 and v2 both move to v0 (one run), v3 to v1
+    assert _moved_runs([1, 2, 2, 3, 3, 1], moved, rec, 1) == [0, 5, 1, 1]
