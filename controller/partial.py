@@ -94,9 +94,9 @@ class PartialRecorder:
     """Records calls' flushes, and deletes the segment rows of committed groups.
 
     Flushes can come in bursts: with ``flush_on_refit`` a refit lands on every generator
-    at once and each of their calls returns its groups' flushes (refits deferred, a
-    flush is a full window, and windows fill apart). The calls that return in the same turn of the
-    event loop are recorded in ONE append (one store round trip and one fsync for all of
+    at once and each of their calls returns its groups' flushes (by default a refit
+    flushes nothing, and full windows come apart). The calls that return in the same
+    turn of the event loop are recorded in ONE append (one store round trip and one fsync for all of
     them, as ``AdmissionSide`` does for commits), and every paused group goes on as soon
     as that append landed: the append issues each acknowledged call's next call
     (``controller.pausing``; no task step or future per pause). The events are exactly those

@@ -3,8 +3,9 @@
 The same contract as ``workers.generator.inflight`` (``docs/segments.md``), in virtual
 time and without a model. A group's generation time T (the timings' draw) is spread
 evenly over its longest completion's L tokens, so a token takes T / L and sample i
-stops at its own length. A call returns at the first flush point of its groups: ``segment_tokens`` more tokens
-since the last flush. A window that spans refits is flushed one version at a time.
+stops at its own length. A call returns at the first flush point of its groups:
+``segment_tokens`` more tokens since the last flush. A window that spans refits is
+flushed one version at a time.
 
 A refit (the publisher moved the fleet's weight version while the group was generating)
 applies from the next token on, as the real generator does at a token boundary, and
