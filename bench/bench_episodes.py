@@ -39,6 +39,7 @@ stays <= 1 ms CPU per group.
 
     python bench/bench_episodes.py                    # 8 and 1024 generators, 10 turns
     python bench/bench_episodes.py --generators 64 --turns 20 --groups 1024
+    python bench/bench_episodes.py --generators 1024 --linger-max 8   # + a longer linger
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def with_partial(cfg: Config) -> Config:
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, partial=partial))
 
 
-def with_linger(cfg: Config, linger_s: float) -> Config:
+def with_linger(cfg: Config, linger_s: float, linger_max: int | None = None) -> Config:
     partial = msgspec.structs.replace(cfg.rollout.partial, record_linger_s=linger_s)
+    if linger_max is not None:
+        partial = msgspec.structs.replace(partial, record_linger_max=linger_max)
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, partial=partial))
 
 
@@ -82,16 +85,17 @@ def as_before(cfg: Config) -> Config:
 
 
 def one(url: str, args: argparse.Namespace, generators: int, turns: int,
-        linger_s: float, before: bool = False, tag: str = "", owners: bool = False) -> dict:
+        linger_s: float, before: bool = False, tag: str = "", owners: bool = False,
+        linger_max: int | None = None) -> dict:
     """One run, in this process: its figures (and, with ``owners``, the loop's callbacks
     timed by owner)."""
     cfg = with_partial(config_for(generators, args.groups, window=2, selection="oldest_first"))
-    cfg = with_linger(cfg, linger_s)
+    cfg = with_linger(cfg, linger_s, linger_max)
     if before:
         cfg = as_before(cfg)
     timings = timings_for(cfg, args.median_s, 0.5, 1.05)
     store = RedisEventStore(url)
-    run_id = f"ep-{generators}-{turns}-{linger_s}-{'before' if before else 'now'}{tag}"
+    run_id = f"ep-{generators}-{turns}-{linger_s}-{linger_max}-{'before' if before else 'now'}{tag}"
     spec = SimSpec(config=cfg, timings=timings, run_id=run_id, charge_real_time=True,
                    episode_turns=turns, episode_dedupes=not before)
     try:
@@ -114,7 +118,7 @@ def one(url: str, args: argparse.Namespace, generators: int, turns: int,
     row = {"generators": generators, "turns": turns, "groups": groups, "cpu_ms": cpu_ms,
            "cpu_us_per_turn": 1e3 * cpu_ms / max(1, turns), "events_per_group": out.events / groups,
            "appends_per_group": out.appends / groups, "fold_s": fold_s,
-           "workers_ms": 1e3 * out.workers_cpu_s / groups}
+           "workers_ms": 1e3 * out.workers_cpu_s / groups, "groups_per_vs": groups / out.virtual_s}
     if owners:
         row["owners_total_s"] = timed.total_s
         row["owners_sim_s"] = sum(s for name, s in timed.cpu_s.items() if is_simulator(name))
@@ -123,13 +127,14 @@ def one(url: str, args: argparse.Namespace, generators: int, turns: int,
 
 
 def fresh(url: str, args: argparse.Namespace, generators: int, turns: int, linger_s: float,
-          before: bool = False, tag: str = "", owners: bool = False) -> dict:
+          before: bool = False, tag: str = "", owners: bool = False, linger_max: int | None = None) -> dict:
     """:func:`one` in a process of its own: every run starts from the same interpreter
     state. Run after others in one process, a run paid for what they left behind (their
     objects in the collector's oldest generation, a grown heap): ~0.1 ms per group more
     for the last of four runs, whichever code ran."""
     spec = {"url": url, "groups": args.groups, "median_s": args.median_s, "generators": generators,
-            "turns": turns, "linger_s": linger_s, "before": before, "tag": tag, "owners": owners}
+            "turns": turns, "linger_s": linger_s, "before": before, "tag": tag, "owners": owners,
+            "linger_max": linger_max}
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
                           capture_output=True, text=True)
     if done.returncode != 0:
@@ -142,7 +147,7 @@ def child(spec_json: str) -> None:
     spec = json.loads(spec_json)
     args = argparse.Namespace(groups=spec["groups"], median_s=spec["median_s"])
     row = one(spec["url"], args, spec["generators"], spec["turns"], spec["linger_s"],
-              before=spec["before"], tag=spec["tag"], owners=spec["owners"])
+              before=spec["before"], tag=spec["tag"], owners=spec["owners"], linger_max=spec["linger_max"])
     print(json.dumps(row), flush=True)
 
 
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--median-s", type=float, default=30.0, help="median generation time of a group")
     p.add_argument("--linger-s", type=float, default=PartialSection().record_linger_s,
                    help="rollout.partial.record_linger_s of mode (c)")
+    p.add_argument("--linger-max", type=int, default=None,
+                   help="also run 'now' with this rollout.partial.record_linger_max, beside the default's")
     p.add_argument("--owners", action="store_true",
                    help="one more run per fleet size with the loop's callbacks timed by owner")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -179,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--turns must be >= 1, got {args.turns}")
     if args.linger_s < 0:
         p.error(f"--linger-s must be >= 0, got {args.linger_s}")
+    if args.linger_max is not None and args.linger_max < 1:
+        p.error(f"--linger-max must be >= 1, got {args.linger_max}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp), appendfsync="always") as server:
         for n in (int(x) for x in args.generators.split(",")):
@@ -199,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                   + " / ".join(f"{m['events_per_group']:.1f}" for m in modes) + "; appends per group "
                   + " / ".join(f"{m['appends_per_group']:.1f}" for m in modes) + "; fold "
                   + " / ".join(f"{m['fold_s']:.2f} s" for m in modes), flush=True)
+            if args.linger_max is not None:
+                longer = fresh(server.url, args, n, args.turns, args.linger_s, linger_max=args.linger_max)
+                print(f"       now, record_linger_max {args.linger_max} (default "
+                      f"{PartialSection().record_linger_max}): {longer['cpu_ms']:.3f} / {now['cpu_ms']:.3f} ms "
+                      f"per group, {longer['appends_per_group']:.2f} / {now['appends_per_group']:.2f} appends "
+                      f"per group, {longer['groups_per_vs']:.4g} / {now['groups_per_vs']:.4g} groups per "
+                      "virtual s", flush=True)
             if args.owners:
                 print_owners(server.url, args, n)
     worst = max(e["cpu_ms"] for _, e in rows)

@@ -106,6 +106,7 @@ class AdmissionSide:
         #: partial rollouts: records flushes (calls share appends), deletes segment rows
         self.segment_rows = PartialRecorder(journal, payloads, linger_s=rollout.partial.record_linger_s,
                                             siblings=rollout.partial.record_linger_siblings,
+                                            linger_max=rollout.partial.record_linger_max,
                                             in_flight=lambda: self.calls_in_flight)
         self._retry_queue: list[str] = []
         self._fatal: asyncio.Future | None = None

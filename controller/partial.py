@@ -104,7 +104,7 @@ class PartialRecorder:
 
     Every pause of a durable episode is a flush too, and a large fleet's pauses come a
     few hundred microseconds apart, not in one turn: with ``linger_s`` the first call
-    waits that long (``LINGER_MAX`` times that once another joined within it), and
+    waits that long (``linger_max`` times that once another joined within it), and
     every call returning meanwhile shares its append. The wait
     ends early once every generator call in flight (``in_flight``) is waiting here:
     no other call can join, and a paused group's generator would only idle (a lone
@@ -112,22 +112,21 @@ class PartialRecorder:
     there is no wait while fewer than ``siblings`` other calls are in flight.
     """
 
-    #: a lingering append that others joined waits this many ``linger_s`` in all (see
-    #: ``_linger_due``): a large fleet's pauses share fewer appends (each a store round
-    #: trip), and a lone pause still waits one ``linger_s``
-    LINGER_MAX = 4
-
     #: segment rows deleted together (one data-plane call, not one per commit: deletes
     #: go through the trainer worker's fence and would queue between its microbatches)
     DELETE_BATCH = 512
 
     def __init__(
         self, journal: Journal, payloads: PayloadStore | None, *, linger_s: float = 0.0,
-        in_flight: Callable[[], int] | None = None, siblings: int = 0,
+        in_flight: Callable[[], int] | None = None, siblings: int = 0, linger_max: int = 4,
     ) -> None:
         self.journal = journal
         #: how long the first waiting call holds the append for others (0: this turn only)
         self.linger_s = linger_s
+        #: a lingering append that others joined waits this many ``linger_s`` in all (see
+        #: ``_linger_due``): a large fleet's pauses share fewer appends (each a store round
+        #: trip), and a lone pause still waits one ``linger_s``
+        self.linger_max = linger_max
         #: generator calls in flight, waiting here included (None: always the full linger)
         self.in_flight = in_flight
         #: linger only while at least this many other calls are in flight (0: always)
@@ -209,7 +208,7 @@ class PartialRecorder:
                 and self.in_flight() - len(self._waiting) < self.siblings)
 
     async def _linger(self) -> None:
-        """``linger_s`` for other calls to join -- ``LINGER_MAX`` of them in all once one
+        """``linger_s`` for other calls to join -- ``linger_max`` of them in all once one
         did -- less once no other can."""
         if self.linger_s <= 0 or self._nobody_else() or self._too_few_others():
             return
@@ -228,10 +227,10 @@ class PartialRecorder:
     def _linger_due(self, joined: asyncio.Future, extended: bool) -> None:
         """The linger's timer. A pause that joined within the first linger says pauses
         come faster than that (a large fleet's come a few ms apart): the append waits
-        ``LINGER_MAX`` lingers in all, sharing one round trip among more of them. A lone
+        ``linger_max`` lingers in all, sharing one round trip among more of them. A lone
         pause (a small fleet's) goes on after one, as it always did."""
-        if not extended and self.LINGER_MAX > 1 and len(self._waiting) > 1:
-            due = self._linger_start + self.linger_s * self.LINGER_MAX
+        if not extended and self.linger_max > 1 and len(self._waiting) > 1:
+            due = self._linger_start + self.linger_s * self.linger_max
             self._timer = asyncio.get_running_loop().call_at(due, self._linger_due, joined, True)
         else:
             _resolve(joined)

@@ -1,5 +1,5 @@
 """How long a lingering append of pauses waits (``PartialRecorder``): one linger for a
-lone pause, ``LINGER_MAX`` lingers in all once another pause joined within the first.
+lone pause, ``record_linger_max`` lingers in all once another pause joined within the first.
 
 The recorder runs as the controller runs it -- a real journal and writer over the
 in-memory store, calls that pause by callback (``controller.pausing``) -- on the
@@ -19,6 +19,7 @@ from controller.startup import create_run
 from events import schema as ev
 from events.memory_store import MemoryEventStore
 from sim.clock import VirtualTimeLoop
+from workers.generator.config import PartialSection
 from workers.api import GenerationOutcome, GenerationRequest, Segment, SegmentFlush
 
 LINGER_S = 1.0
@@ -55,7 +56,8 @@ def _flushed(group: int) -> list[GenerationOutcome]:
                               flush=SegmentFlush(kind="model", weight_version=0, segments=[seg]))]
 
 
-def _appends(pause_at: list[float], in_flight: int = 100, siblings: int = 0) -> list[tuple[float, int]]:
+def _appends(pause_at: list[float], in_flight: int = 100, siblings: int = 0,
+             linger_max: int = PartialSection().record_linger_max) -> list[tuple[float, int]]:
     """(loop time, flushes) of each append when groups pause at ``pause_at`` (one group
     per call, 100 calls in flight: the linger never ends because nobody else can join)."""
     loop = VirtualTimeLoop()
@@ -70,7 +72,7 @@ def _appends(pause_at: list[float], in_flight: int = 100, siblings: int = 0) -> 
             attempt=1, prompt_index=i, prompt_ref=f"prompt:{i}", weight_version=0, n_samples=1,
             sample_seed=i) for i in range(len(pause_at))])
         recorder = PartialRecorder(journal, None, linger_s=LINGER_S, in_flight=lambda: in_flight,
-                                   siblings=siblings)
+                                   siblings=siblings, linger_max=linger_max)
         for i, at in enumerate(pause_at):
             returned = loop.create_future()
             req = GenerationRequest(group_id=f"g{i}", attempt=1, prompt_index=i, n_samples=1, seed=i)
@@ -90,7 +92,7 @@ def test_a_lone_pause_waits_one_linger():
 
 
 def test_a_pause_that_joins_within_the_first_linger_extends_the_wait_to_linger_max():
-    assert PartialRecorder.LINGER_MAX == 4
+    assert PartialSection().record_linger_max == 4
     # a fixed window from the first pause recorded these in two appends, at 1.0 (three
     # pauses) and 2.8 (two); now the joins within the first second make it wait four
     assert _appends([0.0, 0.5, 0.9, 1.8, 2.6]) == [(4.0, 5)]
@@ -115,8 +117,22 @@ def test_with_as_many_other_calls_as_siblings_the_linger_is_as_before():
 
 
 def test_record_linger_siblings_is_a_checked_config_key():
-    from workers.generator.config import PartialSection
-
     assert PartialSection().record_linger_siblings == 8
     with pytest.raises(Exception, match="rollout.partial.record_linger_siblings"):
         PartialSection(record_linger_siblings=-1)
+
+
+def test_record_linger_max_sets_how_many_lingers_a_joined_append_waits():
+    pauses = [0.0, 0.5, 2.5, 5.0, 7.9]
+    # one linger: a join does not extend the wait
+    assert _appends(pauses, linger_max=1) == [(1.0, 2), (3.5, 1), (6.0, 1), (8.9, 1)]
+    # eight: every pause of the first eight seconds shares one append
+    assert _appends(pauses, linger_max=8) == [(8.0, 5)]
+    # a lone pause waits one linger whatever the maximum
+    assert _appends([10.0, 20.0], linger_max=8) == [(11.0, 1), (21.0, 1)]
+
+
+def test_record_linger_max_is_a_checked_config_key():
+    for bad in (0, -1):
+        with pytest.raises(Exception, match="rollout.partial.record_linger_max"):
+            PartialSection(record_linger_max=bad)
