@@ -7,7 +7,8 @@ of the microbatch that trained it), the groups evicted while the step was being 
 and the groups whose generation crossed a weight update (end version != start version).
 
 Per token (``docs/segments.md``): a group's lag is its *oldest* token's (the number
-above); ``token_lag_mean`` averages the lag of every token -- its own version's --, and
+above); ``token_lag_mean`` averages the lag of every model token -- its own version's;
+an episode's observation tokens have none and are left out --, and
 ``max_partial_span`` is the most versions one sample's tokens span (partial rollouts
 resume a sample across refits). Without recorded flushes or a commit's
 ``version_runs`` a token counts at its group's start version, so these equal the
@@ -218,14 +219,14 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
     reward_vs_lag: list[tuple[int, float]] = []
     waits: list[float] = []
     all_lags: list[int] = []
-    lag_tokens = tokens_total = crossed_total = token_lag_sum = span_max = 0
+    lag_tokens = tokens_total = crossed_total = token_lag_sum = span_max = model_total = 0
     claim_ts = trace.claim_ts
     # One pass per consumed group; every sum keeps the order (and so the exact float
     # result) of the straightforward per-step formulas.
     for record, evicted in zip(finished, evicted_per_step):
         ended_ts = record.ended_ts
         lags, tokens, step_waits, rewards = [], [], [], []
-        crossed = step_lag_tokens = step_token_lag = step_span = step_turns = 0
+        crossed = step_lag_tokens = step_token_lag = step_span = step_turns = step_model_tokens = 0
         for gid in record.group_ids:
             g = groups[gid]
             lag = g.lag or 0
@@ -233,8 +234,11 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
             lags.append(lag)
             tokens.append(n_tokens)
             step_lag_tokens += lag * n_tokens
-            # sum over tokens of (T - v_t), T = the claiming step's base version
-            step_token_lag += (lag + (g.weight_version_start or 0)) * n_tokens - g.version_token_sum
+            # sum over model tokens of (T - v_t), T = the claiming step's base version
+            # (an episode's observation tokens have no version: not in the mean)
+            n_model = n_tokens - g.obs_tokens
+            step_model_tokens += n_model
+            step_token_lag += (lag + (g.weight_version_start or 0)) * n_model - g.version_token_sum
             step_span = max(step_span, g.partial_span)
             if g.episode is not None:
                 step_turns += sum(len(r) for r in g.episode.rewards)
@@ -260,12 +264,13 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
                 crossed_update=crossed,
                 reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
                 lost=record.lost,
-                token_lag_mean=step_token_lag / total if total else 0.0,
+                token_lag_mean=step_token_lag / step_model_tokens if step_model_tokens else 0.0,
                 max_partial_span=step_span,
                 turns=step_turns,
             )
         )
         token_lag_sum += step_token_lag
+        model_total += step_model_tokens
         span_max = max(span_max, step_span)
         waits += step_waits
         all_lags += lags
@@ -274,7 +279,7 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         crossed_total += crossed
     hist = dict(Counter(all_lags))  # lags in order of first appearance, as counted
     summary = _summary(state, trace, rows, all_lags, waits, lag_tokens, tokens_total, crossed_total)
-    summary["token_lag_mean"] = token_lag_sum / tokens_total if tokens_total else 0.0
+    summary["token_lag_mean"] = token_lag_sum / model_total if model_total else 0.0
     summary["max_partial_span"] = span_max
     summary["turns"] = sum(r.turns for r in rows)
     summary["window_basis"] = state.window_basis

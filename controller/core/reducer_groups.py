@@ -22,14 +22,8 @@ from controller.core.segments import (
     segments_problem,
     without_samples,
 )
-from controller.core.state import (
-    GroupRecord,
-    GroupStatus,
-    RunState,
-    pack_f64,
-    pack_i64,
-    pack_keys,
-)
+from controller.core.packing import pack_f64, pack_i64, pack_keys
+from controller.core.state import GroupRecord, GroupStatus, RunState
 from events.schema import (
     GroupCommitted,
     GroupEvicted,
@@ -198,7 +192,7 @@ def apply_checked_commit(state: RunState, ev: GroupCommitted, pos: int, checked:
     if rec is not None:
         del state.inflight[gid]
     episodes.on_committed(state, group, played, rec)
-    group.version_token_sum, group.partial_span = commit_summary(
+    group.version_token_sum, group.partial_span, group.obs_tokens = commit_summary(
         rec, ev.lengths, start, end, ev.version_runs
     )
     group.status = _COMMITTED

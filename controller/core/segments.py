@@ -216,14 +216,19 @@ def _one_version(runs: Sequence[int], start: int, length: int, version: int) -> 
 def commit_summary(
     rec: InflightSegments | None, lengths: Sequence[int], start: int, end: int,
     runs: Sequence[Sequence[int]] = (),
-) -> tuple[int, int]:
-    """(token-weighted version sum, largest version span of one sample) of a commit.
+) -> tuple[int, int, int]:
+    """(version sum over the model tokens, largest version span of one sample,
+    observation tokens) of a commit.
 
-    With ``runs`` (the commit's ``version_runs``: every token's version) both are exact.
-    Otherwise the tokens after the last recorded flush count at ``end``; and without
-    recorded flushes (partial rollouts off, or a log written before them) each sample's
-    tokens are counted at ``start``, its oldest possible version, and the span is
-    ``end - start`` -- the bounds the event gives, no finer.
+    An episode's observation tokens (its env's replies, recorded in flushes without a
+    version) are in ``lengths`` but not model tokens: they add nothing to the sum, and
+    the reports leave them out of per-token lags. With ``runs`` (the commit's
+    ``version_runs``: every token's version) the sum and span are exact. Otherwise the
+    tokens after the last recorded flush (model tokens: a turn's observation is
+    recorded at its pause) count at ``end``; and without recorded flushes (partial
+    rollouts off, or a log written before them) each sample's tokens are counted at
+    ``start``, its oldest possible version, and the span is ``end - start`` -- the
+    bounds the event gives, no finer.
     """
     if runs:
         total = span = 0
@@ -232,10 +237,11 @@ def commit_summary(
             total += sum(v * n for v, n in zip(versions, r[1::2]))
             if versions:
                 span = max(span, versions[-1] - versions[0])
-        return total, span
+        return total, span, 0
     if rec is None:
-        return start * sum(lengths), end - start
-    tail = sum(lengths) - sum(rec.recorded)  # all at the newest version
+        return start * sum(lengths), end - start, 0
+    recorded = sum(rec.recorded)
+    tail = sum(lengths) - recorded  # all at the newest version
     span = 0
     for i, n in enumerate(lengths):
         first = rec.first_version[i]
@@ -243,7 +249,7 @@ def commit_summary(
             continue
         last = end if n > rec.recorded[i] else rec.last_version[i]
         span = max(span, last - first)
-    return rec.version_token_sum + end * tail, span
+    return rec.version_token_sum + end * tail, span, recorded - rec.model_tokens
 
 
 def token_lags(

@@ -11,14 +11,14 @@ Pure: no I/O, no clock, no randomness.
 from __future__ import annotations
 
 import enum
-import struct
-from typing import Any, Final, Iterator, Sequence
+from typing import Any, Final, Iterator
 
 import msgspec
 
 from controller.core.errors import SnapshotDecodeError
 from controller.core.failures import FailureRecord
 from controller.core.episodes import EpisodeSummary, InflightEpisodes
+from controller.core.packing import F64, I64, KEY_SEPARATOR, packer
 from controller.core.segments import InflightSegments
 
 #: Bumped whenever the shape of ``RunState`` changes; an older snapshot is refused
@@ -26,12 +26,8 @@ from controller.core.segments import InflightSegments
 #: 2: a group's payload keys, rewards and lengths are packed (``GroupRecord``).
 #: 3: the failure streaks (``failures``, ``controller.core.failures``).
 #: 4: segments (``RunState.inflight``, per-token version sums, the window's basis).
-#: 5: episodes (``RunState.episodes``, ``GroupRecord.episode``).
-STATE_FORMAT_VERSION: Final = 5
-
-#: joins a committed group's payload keys into one string (see ``pack_keys``)
-KEY_SEPARATOR: Final = "\x00"
-
+#: 5: episodes (``RunState.episodes``, ``GroupRecord.episode``). 6: ``obs_tokens``.
+STATE_FORMAT_VERSION: Final = 6
 
 class GroupStatus(enum.Enum):
     """Lifecycle of one prompt group (the reducer enforces every arrow)::
@@ -100,10 +96,12 @@ class GroupRecord(msgspec.Struct, kw_only=True, gc=False):
     #: the oldest / newest token version of the committed group
     weight_version_start: int | None = None
     weight_version_end: int | None = None
-    #: sum over its tokens of their versions (``controller.core.segments``), and the
-    #: most versions one sample spans (newest - oldest token)
+    #: sum over its model tokens of their versions (``controller.core.segments``), the
+    #: most versions one sample spans (newest - oldest token), and how many of its
+    #: ``lengths`` are an episode's observation tokens (they have no version)
     version_token_sum: int = 0
     partial_span: int = 0
+    obs_tokens: int = 0
     #: an episode group's turns: first token and reward of each (``core.episodes``)
     episode: EpisodeSummary | None = None
     # Packed, one object each instead of one per sample (read them through the
@@ -136,37 +134,12 @@ class GroupRecord(msgspec.Struct, kw_only=True, gc=False):
     @property
     def rewards(self) -> tuple[float, ...]:
         data = self.rewards_f64
-        return _packer(_F64, "d", len(data) >> 3).unpack(data)
+        return packer(F64, "d", len(data) >> 3).unpack(data)
 
     @property
     def lengths(self) -> tuple[int, ...]:
         data = self.lengths_i64
-        return _packer(_I64, "q", len(data) >> 3).unpack(data)
-
-
-def pack_keys(keys: Sequence[str]) -> str | tuple[str, ...]:
-    """One string for a group's keys; a tuple when a key itself holds the separator."""
-    joined = KEY_SEPARATOR.join(keys)
-    return joined if joined.count(KEY_SEPARATOR) == len(keys) - 1 else tuple(keys)
-
-
-def pack_f64(values: Sequence[float]) -> bytes:
-    return _packer(_F64, "d", len(values)).pack(*values)
-
-
-def pack_i64(values: Sequence[int]) -> bytes:
-    """Raises struct.error for a value that is not an int64 (the reducer names the event)."""
-    return _packer(_I64, "q", len(values)).pack(*values)
-
-
-# Little-endian everywhere (a snapshot reads the same on any machine); one compiled
-# ``struct.Struct`` per sample count (a run has few distinct counts).
-_F64: dict[int, struct.Struct] = {}
-_I64: dict[int, struct.Struct] = {}
-
-
-def _packer(cache: dict[int, struct.Struct], code: str, n: int) -> struct.Struct:
-    return cache.get(n) or cache.setdefault(n, struct.Struct(f"<{n}{code}"))
+        return packer(I64, "q", len(data) >> 3).unpack(data)
 
 
 class OpenStep(msgspec.Struct, kw_only=True):

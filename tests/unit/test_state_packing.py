@@ -18,7 +18,8 @@ from controller.core.fold import fold, fold_raw
 from controller.projector import Projector
 from events.codec import encode
 from events.memory_store import MemoryEventStore
-from controller.core.state import KEY_SEPARATOR, decode_state, encode_state, pack_keys
+from controller.core.packing import KEY_SEPARATOR, pack_keys
+from controller.core.state import decode_state, encode_state
 from tests.unit.log_builder import LogBuilder
 
 REWARDS = [-0.0, 0.1, 5e-324, -1.7976931348623157e308, 1 / 3, 2.0**-1074 * 3]
