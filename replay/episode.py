@@ -3,7 +3,8 @@
 The log says everything about an episode except its token ids: which attempt sampled
 each model turn and at which weight version (``SegmentsRecorded``), what each env call
 asked (``EnvStepsRequested``) and what it returned (``EnvStepsCompleted``), which
-restarts dropped the episode's earlier turns (``EpisodesRestarted``), and the attempt
+restarts dropped the episode's earlier turns (``EpisodesRestarted``), which lost rows
+dropped its recorded tokens (``SegmentsDropped``), and the attempt
 that committed the group (``GroupCommitted``). The ids come from the data plane when it
 still holds them: the committed row (its completion, cut at the recorded segment
 offsets) or, before the commit, the segment rows themselves.
@@ -93,6 +94,8 @@ def episode_view(run_id: str, events: Iterable[ev.Event], group_id: str, sample:
         elif isinstance(e, (ev.EnvStepsRequested, ev.EnvStepsCompleted)):
             episodic = True
             _env_event(view, e)
+        elif isinstance(e, ev.SegmentsDropped):
+            _segments_dropped(view, e)
         elif isinstance(e, ev.EpisodesRestarted) and sample in e.samples:
             view.restart += 1
             view.restarts.append(f"after attempt {e.attempt}: {e.reason}")
@@ -108,6 +111,16 @@ def episode_view(run_id: str, events: Iterable[ev.Event], group_id: str, sample:
             f"group {group_id!r} has no episode records: its task is not multi-turn, or "
             "partial rollouts (rollout.partial.enabled), which record episodes, were off")
     return view
+
+
+def _segments_dropped(view: EpisodeView, e: ev.SegmentsDropped) -> None:
+    """A lost row costs its sample every recorded segment (they are sampled again from
+    the prompt, ``docs/segments.md``); its calls and their keys stay as recorded."""
+    lost = set(e.keys)
+    if any(p.key in lost for t in view.turns.values() for p in t.pieces):
+        for t in view.turns.values():
+            t.pieces.clear()
+        view.restarts.append(f"after attempt {e.attempt}: its segments were dropped ({e.reason})")
 
 
 def _env_event(view: EpisodeView, e: ev.EnvStepsRequested | ev.EnvStepsCompleted) -> None:

@@ -71,6 +71,23 @@ def test_a_restart_drops_the_turns_before_it_and_says_why():
     assert view.restarts == ["after attempt 1: test"]
 
 
+def test_lost_segment_rows_drop_the_samples_tokens_not_its_calls():
+    """SegmentsDropped: every sample with a lost row loses all its recorded segments
+    (``docs/segments.md``, recovery rule 6) and records them again from the prompt; the
+    view must not show the lost pieces beside the new ones (two turn-1 model pieces at
+    offset 0), while the other sample and the recorded calls are left as they are."""
+    b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1")
+    b.drop_segments("g1", ["g1/a1/s0/k0"]).admit("g1").flush("g1", {0: (0, 3)}, turn=1)
+    view = episode_view("r1", _events(b), "g1", 0)
+    assert [(p.attempt, p.start, p.length) for p in view.turns[1].pieces] == [(2, 0, 3)]
+    assert view.turns[1].request == "a" and view.restart == 0  # the keys do not change
+    assert view.restarts == ["after attempt 1: its segments were dropped (missing ['g1/a1/s0/k0'])"]
+    other = episode_view("r1", _events(b), "g1", 1)
+    assert [(p.attempt, p.length) for p in other.turns[1].pieces] == [(1, 5)] and not other.restarts
+
+
 @pytest.mark.parametrize("group, sample, why", [
     ("g9", 0, "never admitted"), ("g1", 2, "has samples 0..1"),
 ])
