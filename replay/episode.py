@@ -48,6 +48,9 @@ class TurnView:
     #: that wrote its intent (None: the turn was never answered)
     request: str | None = None
     requested_by: int | None = None
+    #: later attempts that re-issued the call with the same key (a deduplicating env
+    #: answers them from its record: the result may come from any of them)
+    reissued_by: list[int] = field(default_factory=list)
     reward: float | None = None
     ended: bool = False
     end_reason: str = ""
@@ -128,8 +131,10 @@ def _env_event(view: EpisodeView, e: ev.EnvStepsRequested | ev.EnvStepsCompleted
         for c in e.calls:
             if c.sample == view.sample and c.restart == view.restart:
                 t = view.turns.setdefault(c.turn, TurnView(c.turn))
-                if t.request is None:  # a re-issue repeats the first intent's request
+                if t.request is None:
                     t.request, t.requested_by = c.request, e.attempt
+                else:  # a re-issue repeats the first intent's request and key
+                    t.reissued_by.append(e.attempt)
         return
     for r in e.results:
         if r.sample == view.sample and r.restart == view.restart:
@@ -182,6 +187,7 @@ def render_episode(view: EpisodeView) -> list[str]:
                    f"reward {t.reward:.4f}" + (f", ended ({t.end_reason})" if t.ended else ""))
             info = f" {t.info}" if t.info else ""
             again = f".r{view.restart}" if view.restart else ""  # as workers.envs.base.StepKey
+            by = f"attempt {t.requested_by}" + "".join(f", re-issued by {a}" for a in t.reissued_by)
             lines.append(f"  turn {n:<3} env call     {view.run_id}/{view.group_id}/s{view.sample}"
-                         f"{again}/t{n} request {t.request}, attempt {t.requested_by}: {got}{info}")
+                         f"{again}/t{n} request {t.request}, {by}: {got}{info}")
     return lines

@@ -71,6 +71,23 @@ def test_a_restart_drops_the_turns_before_it_and_says_why():
     assert view.restarts == ["after attempt 1: test"]
 
 
+def test_a_call_re_issued_by_a_later_attempt_says_so():
+    """A deduplicating env's call whose result never came is re-issued with the same key
+    by the next attempt; the view named only the first intent's attempt, so the second
+    issue of the key (and where its result came from) was nowhere in the output."""
+    b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1").admit("g1")
+    b.request("g1", {0: (1, "a"), 1: (1, "b")})
+    b.complete("g1", {0: (1, 0.5, True, 0), 1: (1, 0.25, True, 0)})
+    view = episode_view("r1", _events(b.commit("g1", rewards=[0.5, 0.25], lengths=[3, 5])), "g1", 0)
+    one = view.turns[1]
+    assert (one.request, one.requested_by, one.reissued_by, one.reward) == ("a", 1, [2], 0.5)
+    assert "r1/g1/s0/t1 request a, attempt 1, re-issued by 2: reward 0.5000, ended" in \
+        "\n".join(render_episode(view))
+    assert b.fold().groups["g1"].consumed_step is None  # a valid log: the fold accepts it
+
+
 def test_lost_segment_rows_drop_the_samples_tokens_not_its_calls():
     """SegmentsDropped: every sample with a lost row loses all its recorded segments
     (``docs/segments.md``, recovery rule 6) and records them again from the prompt; the
