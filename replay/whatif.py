@@ -169,7 +169,7 @@ def recorded_batches(state: RunState) -> dict[int, list[list[str]]]:
 def compare(state: RunState, result: SimResult) -> dict[str, Any]:
     """Recorded vs what-if: batch composition, lag, evictions (JSON-ready)."""
     recorded = recorded_batches(state)
-    lengths, groups = result.lengths, state.groups
+    groups = state.groups
     rec_lags, rec_tok, sim_lags, sim_tok = [], [], [], []
     same = differ = 0
     overlap = 0
@@ -186,8 +186,7 @@ def compare(state: RunState, result: SimResult) -> dict[str, Any]:
         sim_lags += step.lags
         # model tokens, as the staleness report weighs them: the same groups, the same
         # samples in both columns (assumption 1), so the recorded state has their counts
-        sim_tok += [model_tokens(groups[g]) if g in groups else lengths.get(g, 0)
-                    for g in step.group_ids]
+        sim_tok += [model_tokens(groups[g]) for g in step.group_ids]
         per_step.append(
             {
                 "step": step.step,
