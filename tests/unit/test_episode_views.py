@@ -131,6 +131,22 @@ def test_audit_and_staleness_count_the_turns_consumed():
     state = b.fold()
     report = build_report(Projection(state=state, problem=None, log_end=len(b), last_ts=0.0))
     assert report.summary["episodes"] == {"groups": 1, "episodes": 2, "turns": 3, "turns_max": 2,
-                                          "groups_in_flight": 0}
+                                          "groups_in_flight": 0, "groups_failed": 0}
     staleness = analyze(state, Trace())
     assert [r.turns for r in staleness.steps] == [3] and staleness.summary["turns"] == 3
+
+
+def test_audit_tells_a_failed_episode_group_from_one_in_flight():
+    """A failed group keeps its episodes' calls for its next attempt, and one that ran
+    out of attempts keeps them for good (no event says it was given up); counted as "in
+    flight", a finished run whose groups failed read as one with episodes still playing."""
+    b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1")
+    b.admit("g2").flush("g2", {0: (0, 3), 1: (0, 5)}, turn=1).request("g2", {0: (1, "a"), 1: (1, "b")})
+    state = b.fold()
+    report = build_report(Projection(state=state, problem=None, log_end=len(b), last_ts=0.0))
+    counts = report.summary["episodes"]
+    assert (counts["groups_in_flight"], counts["groups_failed"]) == (1, 1)
+    lines = [str(t) for t in render.audit_tables(report.to_dict(), 10) if "episodes:" in str(t)]
+    assert lines and lines[0].endswith("1 groups in flight, 1 failed (calls kept for a retry)")
