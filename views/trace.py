@@ -223,8 +223,10 @@ class TraceBuilder:
             st.claimed.append(group_id)
             self.buffered -= 1
             if self.drawing:
+                # the slice starts at the step's previous point, which a group admitted
+                # while the step waited for it follows: its step goes after its start
                 self._start_flow(g, TRAINER, start) if not g.flow else \
-                    self.w.flow("t", TRAINER, start + INSIDE_US, g.flow)
+                    self.w.flow("t", TRAINER, max(start, g.admitted) + INSIDE_US, g.flow)
         self.dirty_at = us
 
     def _step_finished(self, e: ev.StepFinished, us: float) -> bool:

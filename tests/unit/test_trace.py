@@ -77,6 +77,21 @@ def test_a_small_run_draws_tracks_slices_and_flows() -> None:
     assert admits == ["admit 3", "admit 1"]  # consecutive admissions are one decision
 
 
+def test_a_group_admitted_while_its_step_waits_flows_forward_in_time() -> None:
+    """A step that waits for data trains groups admitted after its previous microbatch
+    (an episode run does it every few steps). The microbatch slice starts at that
+    previous point, and the flow's step sat at the slice's start: before the group's
+    own admission, where its flow starts (a crash-resumed calculator run's trace failed
+    the format check there)."""
+    b = LogBuilder(run_id="r-wait", window=1, groups_per_step=2).start()
+    b.admit("g1", generator="generator-0").commit("g1")
+    b.begin_step().microbatch(["g1"])
+    b.admit("g2", generator="generator-0").commit("g2")  # while the step waits for it
+    b.microbatch(["g2"]).finish_step()
+    found = check_trace(trace_of(b))  # every flow in time order, each point in a slice
+    assert len(found.flows) == 2
+
+
 def test_counters_follow_the_buffer_and_in_flight_groups() -> None:
     found = check_trace(trace_of(small_log()))
     series = [(v["buffered"], v["in flight"]) for _, v in found.counters["groups"]]
