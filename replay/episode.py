@@ -118,12 +118,19 @@ def episode_view(run_id: str, events: Iterable[ev.Event], group_id: str, sample:
 
 def _segments_dropped(view: EpisodeView, e: ev.SegmentsDropped) -> None:
     """A lost row costs its sample every recorded segment (they are sampled again from
-    the prompt, ``docs/segments.md``); its calls and their keys stay as recorded."""
+    the prompt, ``docs/segments.md``); a sample that had made calls begins its episode
+    again, as the fold restarts it (``reducer_groups._on_segments_dropped``)."""
     lost = set(e.keys)
     if any(p.key in lost for t in view.turns.values() for p in t.pieces):
+        called = any(t.request is not None for t in view.turns.values())
         for t in view.turns.values():
             t.pieces.clear()
-        view.restarts.append(f"after attempt {e.attempt}: its segments were dropped ({e.reason})")
+        why = f"after attempt {e.attempt}: its segments were dropped ({e.reason})"
+        if called:
+            view.restart += 1
+            view.turns.clear()
+            why += "; its episode begins again"
+        view.restarts.append(why)
 
 
 def _env_event(view: EpisodeView, e: ev.EnvStepsRequested | ev.EnvStepsCompleted) -> None:

@@ -88,21 +88,28 @@ def test_a_call_re_issued_by_a_later_attempt_says_so():
     assert b.fold().groups["g1"].consumed_step is None  # a valid log: the fold accepts it
 
 
-def test_lost_segment_rows_drop_the_samples_tokens_not_its_calls():
+def test_lost_segment_rows_restart_an_episode_that_made_calls():
     """SegmentsDropped: every sample with a lost row loses all its recorded segments
-    (``docs/segments.md``, recovery rule 6) and records them again from the prompt; the
-    view must not show the lost pieces beside the new ones (two turn-1 model pieces at
-    offset 0), while the other sample and the recorded calls are left as they are."""
+    (``docs/segments.md``, recovery rule 6) and records them again from the prompt; one
+    that had made calls begins its episode again (new keys), as the fold restarts it.
+    The view must not show the lost pieces or calls beside the new ones, while the
+    other sample is left as it is."""
     b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
     b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
     b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1")
     b.drop_segments("g1", ["g1/a1/s0/k0"]).admit("g1").flush("g1", {0: (0, 3)}, turn=1)
     view = episode_view("r1", _events(b), "g1", 0)
     assert [(p.attempt, p.start, p.length) for p in view.turns[1].pieces] == [(2, 0, 3)]
-    assert view.turns[1].request == "a" and view.restart == 0  # the keys do not change
-    assert view.restarts == ["after attempt 1: its segments were dropped (missing ['g1/a1/s0/k0'])"]
+    assert view.turns[1].request is None and view.restart == 1  # its calls begin again
+    assert view.restarts == ["after attempt 1: its segments were dropped (missing ['g1/a1/s0/k0']); "
+                             "its episode begins again"]
     other = episode_view("r1", _events(b), "g1", 1)
     assert [(p.attempt, p.length) for p in other.turns[1].pieces] == [(1, 5)] and not other.restarts
+    assert other.turns[1].request == "b" and other.restart == 0
+    state = b.fold()
+    played = state.episodes["g1"].samples
+    assert (played[0].restart, played[0].turns, played[1].restart) == (1, [], 0)
+    assert [t.request for t in played[1].turns] == ["b"]
 
 
 @pytest.mark.parametrize("group, sample, why", [
