@@ -161,13 +161,17 @@ class _Call:
         return max(1, min(self.gen.segment_tokens - since, max(g.lengths) - g.steps))
 
     def schedule(self) -> None:
-        steps = [self._until_flush(g) for g in self.groups]
-        wait = min(n * g.token_s for n, g in zip(steps, self.groups))
+        # a group that ended waits in the call for the others' flush point (it takes no steps)
+        groups = self.groups
+        live = [k for k, g in enumerate(groups) if not g.done]
+        steps = [self._until_flush(g) for g in groups]
+        wait = min(steps[k] * groups[k].token_s for k in live)
         self.target = [
-            g.steps + min(n, int(wait / g.token_s + 1e-9)) for n, g in zip(steps, self.groups)
+            g.steps if g.done else g.steps + min(n, int(wait / g.token_s + 1e-9))
+            for n, g in zip(steps, groups)
         ]
-        first = min(range(len(steps)), key=lambda k: steps[k] * self.groups[k].token_s)
-        self.target[first] = self.groups[first].steps + steps[first]
+        first = min(live, key=lambda k: steps[k] * groups[k].token_s)
+        self.target[first] = groups[first].steps + steps[first]
         fleet = self.gen.fleet
         if not self.decoding:  # a call re-timed after a refit keeps decoding
             self.decoding = True
@@ -197,7 +201,8 @@ class _Call:
         with fleet.loop.uncharged():
             elapsed = fleet.work_clock.time() - self.started
             for g, target in zip(self.groups, self.target):
-                g.refit(fleet.weight_version, min(target, g.steps + int(elapsed / g.token_s + 1e-9)))
+                if not g.done:  # an ended group has no next token for the new version
+                    g.refit(fleet.weight_version, min(target, g.steps + int(elapsed / g.token_s + 1e-9)))
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
@@ -216,11 +221,27 @@ class _Call:
                     g.began(v)
                 self.schedule()
                 return
+            if not any(self._flushes(g, refit) for g in self.groups) and not all(
+                    g.done for g in self.groups):
+                # the protocol: a call returns at a flush point of one of its groups, or
+                # once all are done; one that ended first waits for the others (the real
+                # generator runs the rest before it returns), never "done" beside "pending"
+                for g in self.groups:
+                    if refit and not g.done and not g.fresh():
+                        g.version = v  # as a pending outcome after a refit would note
+                        g.began(v)
+                self.schedule()
+                return
             self._stop_decoding()
             self.fut.set_result([self._outcome(r, g, refit) for r, g in zip(self.reqs, self.groups)])
 
+    def _flushes(self, g: _Group, refit: bool) -> bool:
+        """Whether ``_outcome`` flushes this group now."""
+        full = g.steps - g.flushed_at >= self.gen.segment_tokens
+        return not g.done and g.fresh() and (full or (refit and self.gen.fleet.weight_version != g.version))
+
     def _outcome(self, req: GenerationRequest, g: _Group, refit: bool) -> GenerationOutcome:
-        fleet, seg_tokens = self.gen.fleet, self.gen.segment_tokens
+        fleet = self.gen.fleet
         if g.done:
             del self.gen.held[req.group_id]
             # the versions its tokens have, as the real generator's final rows say: a refit
@@ -234,8 +255,7 @@ class _Call:
                 lengths=list(g.lengths), weight_version_start=start, weight_version_end=end,
                 version_runs=runs,
             )
-        full = g.steps - g.flushed_at >= seg_tokens
-        if not g.fresh() or not (full or (refit and fleet.weight_version != g.version)):
+        if not self._flushes(g, refit):
             if refit and not g.fresh():
                 g.version = fleet.weight_version
                 g.began(g.version)
