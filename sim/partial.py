@@ -4,8 +4,10 @@ The same contract as ``workers.generator.inflight`` (``docs/segments.md``), in v
 time and without a model. A group's generation time T (the timings' draw) is spread
 evenly over its longest completion's L tokens, so a token takes T / L and sample i
 stops at its own length. A call returns at the first flush point of its groups:
-``segment_tokens`` more tokens since the last flush. A window that spans refits is
-flushed one version at a time.
+``segment_tokens`` more tokens since the last flush, or once all are done (a group that
+ends first waits in the call, as the protocol says; ``docs/segments.md``). A group that
+another group's flush pauses keeps the part of a token it had decoded. A window that
+spans refits is flushed one version at a time.
 
 A refit (the publisher moved the fleet's weight version while the group was generating)
 applies from the next token on, as the real generator does at a token boundary, and
@@ -39,6 +41,10 @@ class _Group:
     lengths: list[int]
     #: virtual seconds per token step
     token_s: float
+    #: work-clock seconds already spent on the token being decoded when its call
+    #: returned: a group of several in a call is paused between two tokens of its own
+    #: whenever another group flushes, and the next call goes on from there
+    into_s: float = 0.0
     #: token steps taken; tokens of each sample made durable so far; flushes so far;
     #: token steps at the last flush
     steps: int = 0
@@ -99,6 +105,19 @@ class _Group:
         return out
 
 
+def _advance(g: _Group, target: int, stop: int, elapsed: float, refit: bool) -> None:
+    """``g`` ran ``elapsed`` work-clock seconds of its call, toward token step ``target``
+    (its flush point or end, ``stop``, or as far as the call's first flush let it go); the
+    part of a token it had decoded is kept for the next call, never decoded again."""
+    if g.done:
+        return
+    ran = g.into_s + elapsed
+    reached = min(target, g.steps + int(ran / g.token_s + 1e-9)) if refit else target
+    g.into_s = 0.0 if reached >= stop else max(
+        0.0, ran - (reached - g.steps) * g.token_s)
+    g.steps = reached
+
+
 class SimPartialGenerator:
     """A generator whose calls end at their groups' next flush point."""
 
@@ -154,6 +173,8 @@ class _Call:
         self.decoding = False
         #: token steps each group reaches at the timer (the first to flush reaches it exactly)
         self.target: list[int] = []
+        #: the token step of each group's flush point (or end) at the last schedule
+        self.stops: list[int] = []
 
     def _until_flush(self, g: _Group) -> int:
         """Token steps until this group's next flush point (or its end)."""
@@ -165,13 +186,15 @@ class _Call:
         groups = self.groups
         live = [k for k, g in enumerate(groups) if not g.done]
         steps = [self._until_flush(g) for g in groups]
-        wait = min(steps[k] * groups[k].token_s for k in live)
+        need = [n * g.token_s - g.into_s for n, g in zip(steps, groups)]
+        wait = min(need[k] for k in live)
         self.target = [
-            g.steps if g.done else g.steps + min(n, int(wait / g.token_s + 1e-9))
+            g.steps if g.done else g.steps + min(n, int((wait + g.into_s) / g.token_s + 1e-9))
             for n, g in zip(steps, groups)
         ]
-        first = min(live, key=lambda k: steps[k] * groups[k].token_s)
+        first = min(live, key=lambda k: need[k])
         self.target[first] = groups[first].steps + steps[first]
+        self.stops = [g.steps + n for n, g in zip(steps, groups)]
         fleet = self.gen.fleet
         if not self.decoding:  # a call re-timed after a refit keeps decoding
             self.decoding = True
@@ -202,7 +225,7 @@ class _Call:
             elapsed = fleet.work_clock.time() - self.started
             for g, target in zip(self.groups, self.target):
                 if not g.done:  # an ended group has no next token for the new version
-                    g.refit(fleet.weight_version, min(target, g.steps + int(elapsed / g.token_s + 1e-9)))
+                    g.refit(fleet.weight_version, min(target, g.steps + int((g.into_s + elapsed) / g.token_s + 1e-9)))
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
@@ -212,8 +235,8 @@ class _Call:
             return
         with fleet.loop.uncharged():
             elapsed = fleet.work_clock.time() - self.started
-            for g, target in zip(self.groups, self.target):
-                g.steps = target if not refit else min(target, g.steps + int(elapsed / g.token_s + 1e-9))
+            for g, target, stop in zip(self.groups, self.target, self.stops):
+                _advance(g, target, stop, elapsed, refit)
             v = fleet.weight_version
             if refit and not any(g.done or (g.fresh() and g.version != v) for g in self.groups):
                 for g in self.groups:  # nothing to flush: the next tokens are the new weights'

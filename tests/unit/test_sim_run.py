@@ -424,12 +424,15 @@ def test_a_refit_while_the_group_waits_at_its_flush_applies_to_its_next_tokens(f
     assert done.version_runs == [[0, 4, 2, 6], [0, 4, 2, 2]]
 
 
-def _two_groups(lengths_a: list[int], lengths_b: list[int], *, segment_tokens: int):
-    """Groups "a" and "b" in ONE call of a simulated partial generator (1 s a token);
-    the statuses of each call's outcomes until both are done."""
+def _two_groups(lengths_a: list[int], lengths_b: list[int], *, segment_tokens: int,
+                seconds: tuple[float, float] | None = None):
+    """Groups "a" and "b" in ONE call of a simulated partial generator (1 s a token, or
+    ``seconds`` each over its longest length); (virtual time, the statuses of the call's
+    outcomes) per call until both are done."""
     loop = VirtualTimeLoop()
+    seconds = seconds or (float(max(lengths_a)), float(max(lengths_b)))
     timings = RecordedTimings(
-        generation={"a": float(max(lengths_a)), "b": float(max(lengths_b))},
+        generation={"a": seconds[0], "b": seconds[1]},
         rewards={"a": [0.0] * len(lengths_a), "b": [0.0] * len(lengths_b)},
         lengths={"a": lengths_a, "b": lengths_b}, microbatches={}, finish={}, publish={},
         checkpoint={})
@@ -437,11 +440,11 @@ def _two_groups(lengths_a: list[int], lengths_b: list[int], *, segment_tokens: i
     reqs = {g: GenerationRequest(group_id=g, attempt=1, prompt_index=0, n_samples=len(n), seed=0)
             for g, n in (("a", lengths_a), ("b", lengths_b))}
 
-    async def controller() -> list[list[str]]:
+    async def controller() -> list[tuple[float, list[str]]]:
         calls = []
         while reqs:
             outs = await gen.generate(list(reqs.values()))
-            calls.append([o.status for o in outs])
+            calls.append((loop.time(), [o.status for o in outs]))
             for g, o in zip(list(reqs), outs):
                 if o.status == "done":
                     del reqs[g]
@@ -459,9 +462,18 @@ def test_a_call_returns_at_a_flush_point_or_when_all_its_groups_are_done():
     # a flush point; returning then, "done" beside a "pending" and no flush, stopped the
     # controller ("a generator call returned unfinished groups without a flush"): every
     # simulated partial run with rollout.groups_per_call > 1, `simulate` of a recorded one too
-    calls = _two_groups([3, 2], [10, 10], segment_tokens=4)
+    calls = [c for _, c in _two_groups([3, 2], [10, 10], segment_tokens=4)]
     assert all("flushed" in c or set(c) == {"done"} for c in calls), calls
     assert calls[0] == ["done", "flushed"]
+
+
+def test_a_group_paused_by_another_groups_flush_keeps_the_part_of_a_token_it_decoded():
+    # "a" takes 1 s a token and flushes every 2; "b" takes 2.5 s a token (10 s for its
+    # 4). Each of a's flushes ends the call inside one of b's tokens: b went on from its
+    # last whole token, decoding that part again at every pause, and took longer than its
+    # time (a recorded partial run of 4 groups a call simulated 68 % slower than it ran)
+    calls = _two_groups([4], [4], segment_tokens=2, seconds=(4.0, 10.0))
+    assert calls == [(2.0, ["flushed", "pending"]), (5.0, ["done", "flushed"]), (10.0, ["done"])]
 
 
 def test_a_recorded_shape_of_several_groups_per_call_simulates_with_partial_rollouts():
