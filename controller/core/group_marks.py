@@ -15,17 +15,20 @@ Covered: applying any number of pause events of the group -- ``EpisodeTurnsRecor
 
 * create the group's ``InflightSegments`` / ``InflightEpisodes`` when it had none
   (``.empty``): restore removes them from ``state.inflight`` / ``state.episodes``;
-* on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes``, add to
+* on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes`` and
+  ``keys``, insert new keys into ``turn_starts`` (never change one), add to
   ``attempt_flushes``, ``version_token_sum`` and ``model_tokens``, and write items of the
   four per-sample lists ``recorded``, ``stopped``, ``first_version``, ``last_version``:
-  restore truncates ``flushes``, sets the counters back, and writes the saved copies of
-  the four lists back into the same list objects;
+  restore truncates ``flushes`` and ``keys``, pops ``turn_starts``' newest entries
+  (a dict keeps insertion order) down to its marked size, sets the counters back, and
+  writes the saved copies of the four lists back into the same list objects;
 * on an ``InflightEpisodes`` (``episodes.record_completed`` / ``record_requested``): add
-  to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call),
-  change the last ``TurnRecord``'s ``attempt`` (a re-issued call) or append a
-  ``TurnRecord`` to a sample's ``turns``: restore sets the counter back, truncates each
-  ``turns`` list to its marked length, and sets each sample's marked last
-  ``TurnRecord``'s ``result`` and ``attempt`` back.
+  to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call) and
+  append its reward to the sample's ``rewards``, change the last ``TurnRecord``'s
+  ``attempt`` (a re-issued call) or append a ``TurnRecord`` to a sample's ``turns``:
+  restore sets the counter back, truncates each ``turns`` and ``rewards`` list to its
+  marked length, and sets each sample's marked last ``TurnRecord``'s ``result`` and
+  ``attempt`` back.
 
 Nothing else of theirs changes under a pause (``attempt``, ``env``, ``dedupes_by_key``,
 the ``samples`` list, a sample's ``restart``). Every record object stays the one the
@@ -57,9 +60,9 @@ from controller.core.segments import InflightSegments
 from controller.core.state import RunState
 from events.schema import EnvResult, EpisodeTurnsRecorded, SegmentsRecorded
 
-#: a sample's turns at the mark: (len(turns), last TurnRecord, its result, its attempt);
-#: None for a sample with no turn yet
-_TurnsMark = tuple[int, TurnRecord, EnvResult | None, int] | None
+#: a sample's turns at the mark: (len(turns), last TurnRecord, its result, its attempt,
+#: len(rewards)); None for a sample with no turn yet
+_TurnsMark = tuple[int, TurnRecord, EnvResult | None, int, int] | None
 
 
 class GroupMark:
@@ -74,8 +77,9 @@ class GroupMark:
         self.segments: InflightSegments | None = None
         #: copies of recorded, stopped, first_version, last_version
         self.seg_lists: tuple[list[int], list[bool], list[int], list[int]] | None = None
-        #: len(flushes), attempt_flushes, version_token_sum, model_tokens
-        self.seg_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
+        #: len(flushes), attempt_flushes, version_token_sum, model_tokens, len(keys),
+        #: len(turn_starts)
+        self.seg_counts: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
         #: the episode record at the mark (None: none existed)
         self.episodes: InflightEpisodes | None = None
         #: its attempt_events, and per sample what ``_TurnsMark`` says
@@ -92,7 +96,8 @@ def _mark_segments(state: RunState, mark: GroupMark) -> InflightEpisodes | None:
     if seg is not None:
         mark.segments = seg
         mark.seg_lists = (seg.recorded[:], seg.stopped[:], seg.first_version[:], seg.last_version[:])
-        mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum, seg.model_tokens)
+        mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum,
+                           seg.model_tokens, len(seg.keys), len(seg.turn_starts))
     rec = state.episodes.get(mark.group_id)
     if rec is not None:
         mark.episodes = rec
@@ -138,7 +143,7 @@ def mark_group(state: RunState, group_id: str) -> GroupMark:
             turns = episode.turns
             if turns:
                 last = turns[-1]
-                append((len(turns), last, last.result, last.attempt))
+                append((len(turns), last, last.result, last.attempt, len(episode.rewards)))
             else:
                 append(None)
         mark.turns = turns_marks
@@ -152,8 +157,13 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
     if seg is None:
         state.inflight.pop(gid, None)  # a pause that made the record takes it with it
     else:
-        n_flushes, seg.attempt_flushes, seg.version_token_sum, seg.model_tokens = mark.seg_counts
+        (n_flushes, seg.attempt_flushes, seg.version_token_sum, seg.model_tokens, n_keys,
+         n_starts) = mark.seg_counts
         del seg.flushes[n_flushes:]
+        del seg.keys[n_keys:]
+        starts = seg.turn_starts
+        while len(starts) > n_starts:
+            starts.popitem()  # the newest first: what the pause inserted
         recorded, stopped, first, last = mark.seg_lists  # type: ignore[misc]
         seg.recorded[:], seg.stopped[:] = recorded, stopped  # the same list objects
         seg.first_version[:], seg.last_version[:] = first, last
@@ -168,9 +178,11 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
     for episode, turns_mark in zip(rec.samples, mark.turns):
         if turns_mark is None:
             episode.turns.clear()
+            episode.rewards.clear()
         else:
-            n, last, last.result, last.attempt = turns_mark
+            n, last, last.result, last.attempt, n_rewards = turns_mark
             del episode.turns[n:]
+            del episode.rewards[n_rewards:]
 
 
 def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
@@ -192,4 +204,6 @@ def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
                 turns.pop()
     if pause.results:  # recorded first: in whenever anything is
         for result in pause.results:
-            samples[result.sample].turns[-1].result = None
+            episode = samples[result.sample]
+            episode.turns[-1].result = None
+            episode.rewards.pop()  # each result appended one, after its sample's others

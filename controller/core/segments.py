@@ -51,6 +51,11 @@ class InflightSegments(msgspec.Struct, kw_only=True, gc=False):
     #: sum of version x tokens over the recorded model tokens, and their count
     version_token_sum: int = 0
     model_tokens: int = 0
+    #: every segment's data-plane key, in log order (what :func:`segment_keys` returns)
+    keys: list[str] = []
+    #: each (sample, turn)'s first model segment's start, keyed ``turn * n + sample``
+    #: (n samples: one int per pair, so the dict holds no tuple for the collector)
+    turn_starts: dict[int, int] = {}
 
     @classmethod
     def empty(cls, n_samples: int, attempt: int) -> InflightSegments:
@@ -62,11 +67,17 @@ class InflightSegments(msgspec.Struct, kw_only=True, gc=False):
 
 
 def segment_keys(inflight: Mapping[str, InflightSegments], group_ids: Iterable[str]) -> list[str]:
-    """Data-plane keys of every segment row these groups recorded (all attempts)."""
-    return [
-        seg.key for gid in group_ids if gid in inflight
-        for f in inflight[gid].flushes for seg in f.segments
-    ]
+    """Data-plane keys of every segment row these groups recorded (all attempts).
+
+    Read from ``keys``, which :func:`record_flush` keeps while each flush is hot in the
+    cache: at a commit, long after, a walk over every segment touched ~300 cold objects
+    per group (``docs/episode-cost.md``, "Tenth pass")."""
+    out: list[str] = []
+    for gid in group_ids:
+        rec = inflight.get(gid)
+        if rec is not None:
+            out += rec.keys
+    return out
 
 
 def segments_problem(rec: InflightSegments, ev: SegmentsRecorded, trainer_version: int) -> str:
@@ -107,24 +118,32 @@ def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
     rec.attempt_flushes += 1
     # once per segment of every flush: the lists as locals, and a flush's one version
     # tested once (the integer sums are the same added per segment or per flush)
-    recorded, stopped = rec.recorded, rec.stopped
+    recorded, stopped, keys = rec.recorded, rec.stopped, rec.keys
     v = ev.weight_version
     if v is None:
         for seg in ev.segments:
             i = seg.sample
             recorded[i] += seg.length
             stopped[i] = seg.stopped
+            keys.append(seg.key)
         return
-    first, last = rec.first_version, rec.last_version
+    first, last, starts = rec.first_version, rec.last_version, rec.turn_starts
+    width = len(recorded)
     tokens = 0
     for seg in ev.segments:
         i, n = seg.sample, seg.length
         recorded[i] += n
         stopped[i] = seg.stopped
+        keys.append(seg.key)
         if first[i] == _NONE:
             first[i] = v
         last[i] = v
         tokens += n
+        # a turn's first model segment is its lowest start: a sample's segments start
+        # where its recorded tokens end (``segments_problem``)
+        k = seg.turn * width + i
+        if k not in starts:
+            starts[k] = seg.start
     rec.version_token_sum += v * tokens
     rec.model_tokens += tokens
 
