@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from controller.core.segments import InflightSegments, record_flush
+from controller.core.segments import InflightSegments, record_flush, turn_starts
 from events.schema import (
     EnvCall,
     EnvResult,
@@ -282,7 +282,7 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
     # next turn, once the one before it has its result), rewards[j] is turn j + 1's
     starts: list[tuple[int, ...]] = []
     rewards: list[tuple[float, ...]] = []
-    get, width = segments.turn_starts.get, len(segments.recorded)  # ``turn_start``, inline
+    get, width = turn_starts(segments).get, len(segments.recorded)
     for i, episode in enumerate(rec.samples):
         sample_starts = []
         for turn in range(1, len(episode.rewards) + 1):

@@ -15,13 +15,12 @@ Covered: applying any number of pause events of the group -- ``EpisodeTurnsRecor
 
 * create the group's ``InflightSegments`` / ``InflightEpisodes`` when it had none
   (``.empty``): restore removes them from ``state.inflight`` / ``state.episodes``;
-* on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes`` and
-  ``keys``, insert new keys into ``turn_starts`` (never change one), add to
-  ``attempt_flushes``, ``version_token_sum`` and ``model_tokens``, and write items of the
-  four per-sample lists ``recorded``, ``stopped``, ``first_version``, ``last_version``:
-  restore truncates ``flushes`` and ``keys``, pops ``turn_starts``' newest entries
-  (a dict keeps insertion order) down to its marked size, sets the counters back, and
-  writes the saved copies of the four lists back into the same list objects;
+* on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes``,
+  ``keys`` and ``turn_starts``, add to ``attempt_flushes``, ``version_token_sum`` and
+  ``model_tokens``, and write items of the four per-sample lists ``recorded``,
+  ``stopped``, ``first_version``, ``last_version``: restore truncates the three lists,
+  sets the counters back, and writes the saved copies of the four lists back into the
+  same list objects;
 * on an ``InflightEpisodes`` (``episodes.record_completed`` / ``record_requested``): add
   to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call) and
   append its reward to the sample's ``rewards``, change the last ``TurnRecord``'s
@@ -161,9 +160,7 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
          n_starts) = mark.seg_counts
         del seg.flushes[n_flushes:]
         del seg.keys[n_keys:]
-        starts = seg.turn_starts
-        while len(starts) > n_starts:
-            starts.popitem()  # the newest first: what the pause inserted
+        del seg.turn_starts[n_starts:]
         recorded, stopped, first, last = mark.seg_lists  # type: ignore[misc]
         seg.recorded[:], seg.stopped[:] = recorded, stopped  # the same list objects
         seg.first_version[:], seg.last_version[:] = first, last
