@@ -61,10 +61,6 @@ class SampleEpisode(msgspec.Struct, kw_only=True, gc=False):
     #: times it was started again from the prompt (part of its calls' keys)
     restart: int = 0
     turns: list[TurnRecord] = []
-    #: its answered turns' rewards, in turn order: kept as each result is folded (hot in
-    #: the cache) so that the commit's check and summary read one list, not every turn's
-    #: record and result long after (``docs/episode-cost.md``, "Tenth pass")
-    rewards: list[float] = []
 
     @property
     def ended(self) -> bool:
@@ -215,9 +211,7 @@ def record_completed(rec: InflightEpisodes, results: Sequence[EnvResult]) -> Non
     rec.attempt_events += 1
     samples = rec.samples
     for result in results:
-        episode = samples[result.sample]
-        episode.turns[-1].result = result  # its pending call: checked
-        episode.rewards.append(result.reward)
+        samples[result.sample].turns[-1].result = result  # its pending call: checked
 
 
 def unresolved(rec: InflightEpisodes) -> list[int]:
@@ -264,9 +258,8 @@ def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
     for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
         if not episode.ended:
             return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
-        # ``sum`` over the same floats in the same order as the workers add the turns up
-        # (compensated from Python 3.12 on): a running total would differ there
-        total = sum(episode.rewards)
+        # ``sum`` as the workers add the turns up (compensated from Python 3.12 on)
+        total = sum([t.result.reward for t in episode.turns if t.result is not None])
         if total != reward:
             return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
     return ""
@@ -276,22 +269,23 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
     """Each turn's first model token and reward; None without the turns' segments."""
     if segments is None:
         return None
-    # each turn's start and each sample's rewards were kept by the fold
-    # (``record_flush``, ``record_completed``): no walk over the cold flushes and turns.
-    # A sample's answered turns are turns 1..k (``env_items_problem``: a call is the
-    # next turn, once the one before it has its result), rewards[j] is turn j + 1's
+    # each turn's first model token as the fold kept it (``record_flush``): no walk over
+    # every segment of every flush, cold in the cache by the commit
+    get, width = turn_starts(segments).get, len(segments.recorded)
     starts: list[tuple[int, ...]] = []
     rewards: list[tuple[float, ...]] = []
-    get, width = turn_starts(segments).get, len(segments.recorded)
     for i, episode in enumerate(rec.samples):
-        sample_starts = []
-        for turn in range(1, len(episode.rewards) + 1):
-            start = get(turn * width + i)
+        sample_starts, sample_rewards = [], []
+        for t in episode.turns:
+            if t.result is None:
+                continue
+            start = get(t.turn * width + i)
             if start is None:
                 return None  # a turn without its tokens: no per-turn credit, the return stands
             sample_starts.append(start)
+            sample_rewards.append(t.result.reward)
         starts.append(tuple(sample_starts))
-        rewards.append(tuple(episode.rewards))
+        rewards.append(tuple(sample_rewards))
     return EpisodeSummary(starts=tuple(starts), rewards=tuple(rewards))
 
 

@@ -22,12 +22,11 @@ Covered: applying any number of pause events of the group -- ``EpisodeTurnsRecor
   sets the counters back, and writes the saved copies of the four lists back into the
   same list objects;
 * on an ``InflightEpisodes`` (``episodes.record_completed`` / ``record_requested``): add
-  to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call) and
-  append its reward to the sample's ``rewards``, change the last ``TurnRecord``'s
-  ``attempt`` (a re-issued call) or append a ``TurnRecord`` to a sample's ``turns``:
-  restore sets the counter back, truncates each ``turns`` and ``rewards`` list to its
-  marked length, and sets each sample's marked last ``TurnRecord``'s ``result`` and
-  ``attempt`` back.
+  to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call),
+  change the last ``TurnRecord``'s ``attempt`` (a re-issued call) or append a
+  ``TurnRecord`` to a sample's ``turns``: restore sets the counter back, truncates each
+  ``turns`` list to its marked length, and sets each sample's marked last
+  ``TurnRecord``'s ``result`` and ``attempt`` back.
 
 Nothing else of theirs changes under a pause (``attempt``, ``env``, ``dedupes_by_key``,
 the ``samples`` list, a sample's ``restart``). Every record object stays the one the
@@ -59,9 +58,9 @@ from controller.core.segments import InflightSegments
 from controller.core.state import RunState
 from events.schema import EnvResult, EpisodeTurnsRecorded, SegmentsRecorded
 
-#: a sample's turns at the mark: (len(turns), last TurnRecord, its result, its attempt,
-#: len(rewards)); None for a sample with no turn yet
-_TurnsMark = tuple[int, TurnRecord, EnvResult | None, int, int] | None
+#: a sample's turns at the mark: (len(turns), last TurnRecord, its result, its attempt);
+#: None for a sample with no turn yet
+_TurnsMark = tuple[int, TurnRecord, EnvResult | None, int] | None
 
 
 class GroupMark:
@@ -142,7 +141,7 @@ def mark_group(state: RunState, group_id: str) -> GroupMark:
             turns = episode.turns
             if turns:
                 last = turns[-1]
-                append((len(turns), last, last.result, last.attempt, len(episode.rewards)))
+                append((len(turns), last, last.result, last.attempt))
             else:
                 append(None)
         mark.turns = turns_marks
@@ -175,11 +174,9 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
     for episode, turns_mark in zip(rec.samples, mark.turns):
         if turns_mark is None:
             episode.turns.clear()
-            episode.rewards.clear()
         else:
-            n, last, last.result, last.attempt, n_rewards = turns_mark
+            n, last, last.result, last.attempt = turns_mark
             del episode.turns[n:]
-            del episode.rewards[n_rewards:]
 
 
 def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
@@ -201,6 +198,4 @@ def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
                 turns.pop()
     if pause.results:  # recorded first: in whenever anything is
         for result in pause.results:
-            episode = samples[result.sample]
-            episode.turns[-1].result = None
-            episode.rewards.pop()  # each result appended one, after its sample's others
+            samples[result.sample].turns[-1].result = None
