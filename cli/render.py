@@ -274,7 +274,9 @@ def audit_tables(report: dict[str, Any], last: int) -> list[Table | Text]:
     if (ep := report["summary"].get("episodes")) is not None:
         tables.append(Text(
             f"episodes: {ep['episodes']} committed in {ep['groups']} groups, {ep['turns']} turns "
-            f"(at most {ep['turns_max']} in one), {ep['groups_in_flight']} groups in flight"))
+            f"(at most {ep['turns_max']} in one), {ep['groups_in_flight']} groups in flight"
+            + (f", {ep['groups_failed']} failed (calls kept for a retry)"
+               if ep.get("groups_failed") else "")))
     for title, rows, cols in (
         ("aborted steps", report["aborts"], ("step", "base_trainer_version", "reason", "position")),
         ("controller epochs", report["epochs"], ("epoch", "host", "pid", "position")),

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from controller.core.state import RunState, StepStatus
+from controller.core.state import GroupStatus, RunState, StepStatus
 from controller.projector import LogProblem, Projection, gc_paused
 
 INVARIANTS = (
@@ -132,13 +132,18 @@ def build_report(result: Projection) -> AuditReport:
 
 
 def episode_counts(state: RunState) -> dict[str, int] | None:
-    """How many committed episodes and turns the log holds (None: no multi-turn group)."""
+    """How many committed episodes and turns the log holds (None: no multi-turn group),
+    and the uncommitted groups with recorded calls: in flight, or failed (their calls
+    are kept for a retry; a group out of attempts keeps them for good, no event says it
+    was given up)."""
     played = [g.episode for g in state.groups.values() if g.episode is not None]
     if not played and not state.episodes:
         return None
     turns = [len(rewards) for e in played for rewards in e.rewards]
+    failed = sum(1 for gid in state.episodes if state.groups[gid].status is GroupStatus.FAILED)
     return {"groups": len(played), "episodes": len(turns), "turns": sum(turns),
-            "turns_max": max(turns, default=0), "groups_in_flight": len(state.episodes)}
+            "turns_max": max(turns, default=0), "groups_in_flight": len(state.episodes) - failed,
+            "groups_failed": failed}
 
 
 def _plain(record: Any) -> dict[str, Any]:

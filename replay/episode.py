@@ -3,7 +3,8 @@
 The log says everything about an episode except its token ids: which attempt sampled
 each model turn and at which weight version (``SegmentsRecorded``), what each env call
 asked (``EnvStepsRequested``) and what it returned (``EnvStepsCompleted``), which
-restarts dropped the episode's earlier turns (``EpisodesRestarted``), and the attempt
+restarts dropped the episode's earlier turns (``EpisodesRestarted``), which lost rows
+dropped its recorded tokens (``SegmentsDropped``), and the attempt
 that committed the group (``GroupCommitted``). The ids come from the data plane when it
 still holds them: the committed row (its completion, cut at the recorded segment
 offsets) or, before the commit, the segment rows themselves.
@@ -47,6 +48,9 @@ class TurnView:
     #: that wrote its intent (None: the turn was never answered)
     request: str | None = None
     requested_by: int | None = None
+    #: later attempts that re-issued the call with the same key (a deduplicating env
+    #: answers them from its record: the result may come from any of them)
+    reissued_by: list[int] = field(default_factory=list)
     reward: float | None = None
     ended: bool = False
     end_reason: str = ""
@@ -93,6 +97,8 @@ def episode_view(run_id: str, events: Iterable[ev.Event], group_id: str, sample:
         elif isinstance(e, (ev.EnvStepsRequested, ev.EnvStepsCompleted)):
             episodic = True
             _env_event(view, e)
+        elif isinstance(e, ev.SegmentsDropped):
+            _segments_dropped(view, e)
         elif isinstance(e, ev.EpisodesRestarted) and sample in e.samples:
             view.restart += 1
             view.restarts.append(f"after attempt {e.attempt}: {e.reason}")
@@ -110,13 +116,32 @@ def episode_view(run_id: str, events: Iterable[ev.Event], group_id: str, sample:
     return view
 
 
+def _segments_dropped(view: EpisodeView, e: ev.SegmentsDropped) -> None:
+    """A lost row costs its sample every recorded segment (they are sampled again from
+    the prompt, ``docs/segments.md``); a sample that had made calls begins its episode
+    again, as the fold restarts it (``reducer_groups._on_segments_dropped``)."""
+    lost = set(e.keys)
+    if any(p.key in lost for t in view.turns.values() for p in t.pieces):
+        called = any(t.request is not None for t in view.turns.values())
+        for t in view.turns.values():
+            t.pieces.clear()
+        why = f"after attempt {e.attempt}: its segments were dropped ({e.reason})"
+        if called:
+            view.restart += 1
+            view.turns.clear()
+            why += "; its episode begins again"
+        view.restarts.append(why)
+
+
 def _env_event(view: EpisodeView, e: ev.EnvStepsRequested | ev.EnvStepsCompleted) -> None:
     if isinstance(e, ev.EnvStepsRequested):
         for c in e.calls:
             if c.sample == view.sample and c.restart == view.restart:
                 t = view.turns.setdefault(c.turn, TurnView(c.turn))
-                if t.request is None:  # a re-issue repeats the first intent's request
+                if t.request is None:
                     t.request, t.requested_by = c.request, e.attempt
+                else:  # a re-issue repeats the first intent's request and key
+                    t.reissued_by.append(e.attempt)
         return
     for r in e.results:
         if r.sample == view.sample and r.restart == view.restart:
@@ -169,6 +194,7 @@ def render_episode(view: EpisodeView) -> list[str]:
                    f"reward {t.reward:.4f}" + (f", ended ({t.end_reason})" if t.ended else ""))
             info = f" {t.info}" if t.info else ""
             again = f".r{view.restart}" if view.restart else ""  # as workers.envs.base.StepKey
+            by = f"attempt {t.requested_by}" + "".join(f", re-issued by {a}" for a in t.reissued_by)
             lines.append(f"  turn {n:<3} env call     {view.run_id}/{view.group_id}/s{view.sample}"
-                         f"{again}/t{n} request {t.request}, attempt {t.requested_by}: {got}{info}")
+                         f"{again}/t{n} request {t.request}, {by}: {got}{info}")
     return lines

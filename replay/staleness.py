@@ -2,7 +2,8 @@
 
 Per finished step: the consumed groups' lag (trainer_version at the step's start minus
 the weight version the group's generation started from) -- mean, max and weighted by
-completion tokens --, how long each group waited in the buffer (its commit ts to the ts
+model tokens (an episode's observation tokens are masked in the loss: they weigh
+nothing) --, how long each group waited in the buffer (its commit ts to the ts
 of the microbatch that trained it), the groups evicted while the step was being filled,
 and the groups whose generation crossed a weight update (end version != start version).
 
@@ -46,6 +47,7 @@ import msgspec
 from controller.core import policies
 from controller.core.fold import Callback
 from controller.core.state import RunState, StepStatus
+from controller.core.step_metrics import model_tokens
 from events.schema import (
     GroupCommitted,
     GroupEvicted,
@@ -230,13 +232,13 @@ def analyze(state: RunState, trace: Trace, *, max_points: int = 5000) -> Stalene
         for gid in record.group_ids:
             g = groups[gid]
             lag = g.lag or 0
-            n_tokens = sum(g.lengths)
+            # model tokens only: an episode's observation tokens have no version and the
+            # loss masks them, so they weigh neither the group's lag nor the token lag
+            n_model = model_tokens(g)
             lags.append(lag)
-            tokens.append(n_tokens)
-            step_lag_tokens += lag * n_tokens
+            tokens.append(n_model)
+            step_lag_tokens += lag * n_model
             # sum over model tokens of (T - v_t), T = the claiming step's base version
-            # (an episode's observation tokens have no version: not in the mean)
-            n_model = n_tokens - g.obs_tokens
             step_model_tokens += n_model
             step_token_lag += (lag + (g.weight_version_start or 0)) * n_model - g.version_token_sum
             step_span = max(step_span, g.partial_span)

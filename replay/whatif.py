@@ -51,6 +51,7 @@ from controller.config import Config
 from controller.core.fold import Callback
 from controller.core.policies import StalenessSection
 from controller.core.state import GroupStatus, RunState, StepStatus
+from controller.core.step_metrics import model_tokens
 from events.schema import AnyEvent, RunStarted
 from replay.settings import WhatIfError, apply_changes, parse_changes, recorded_config
 from replay.whatif_sim import FED_EVENTS, SimResult, SimStep, Simulation, simulate
@@ -168,7 +169,7 @@ def recorded_batches(state: RunState) -> dict[int, list[list[str]]]:
 def compare(state: RunState, result: SimResult) -> dict[str, Any]:
     """Recorded vs what-if: batch composition, lag, evictions (JSON-ready)."""
     recorded = recorded_batches(state)
-    lengths = result.lengths
+    groups = state.groups
     rec_lags, rec_tok, sim_lags, sim_tok = [], [], [], []
     same = differ = 0
     overlap = 0
@@ -183,7 +184,9 @@ def compare(state: RunState, result: SimResult) -> dict[str, Any]:
             rec_ids = {g for mb in theirs for g in mb}
             overlap += len(rec_ids & set(step.group_ids))
         sim_lags += step.lags
-        sim_tok += [lengths.get(g, 0) for g in step.group_ids]
+        # model tokens, as the staleness report weighs them: the same groups, the same
+        # samples in both columns (assumption 1), so the recorded state has their counts
+        sim_tok += [model_tokens(groups[g]) for g in step.group_ids]
         per_step.append(
             {
                 "step": step.step,
@@ -198,7 +201,7 @@ def compare(state: RunState, result: SimResult) -> dict[str, Any]:
             for gid in record.group_ids:
                 group = state.groups[gid]
                 rec_lags.append(group.lag or 0)
-                rec_tok.append(sum(group.lengths))
+                rec_tok.append(model_tokens(group))
     evicted_recorded = sum(
         1 for g in state.groups.values() if g.status is GroupStatus.EVICTED
     )

@@ -6,7 +6,8 @@ Tracks (processes and threads in the viewer)::
                        publish/ckpt     publish vN | checkpoint vN
                        controller       decisions: admit k, begin step, evict g, abort ...
                        counters         groups buffered / in flight, lag, reward, version
-    generator-0        slot 0, 1, ...   generate gX (admitted -> committed or failed)
+    generator-0        slot 0, 1, ...   generate gX (admitted -> committed or failed),
+                                        an episode's records as instants in it
     generator-1        ...
 
 A generator serves several groups at once (a call carries ``groups_per_call``), and a
@@ -28,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from events import schema as ev
+from views.trace_episodes import EPISODE_RECORDS, episode_instant
 from views.trace_tracks import CONTROLLER, PUBLISH, RUN_PID, TRAINER, Tracks
 from views.trace_writer import INSIDE_US, TraceWriter
 
@@ -36,7 +38,8 @@ UNKNOWN_GENERATOR = "generators"
 
 
 class _Group:
-    __slots__ = ("attempt", "pid", "slot", "admitted", "version", "reward", "flow", "drawn")
+    __slots__ = ("attempt", "pid", "slot", "admitted", "version", "reward", "flow", "flow_at",
+                 "drawn")
 
     def __init__(self, attempt: int, pid: int, slot: int, admitted: float) -> None:
         self.attempt = attempt
@@ -46,6 +49,7 @@ class _Group:
         self.version = 0  # weight_version_start, once committed
         self.reward = 0.0  # mean over its samples, once committed
         self.flow = 0  # its flow's id once the flow started (0: not started)
+        self.flow_at = 0.0  # where its flow started (its later points come after)
         self.drawn = False  # its generate slice was begun in the trace
 
 
@@ -95,6 +99,7 @@ class TraceBuilder:
             ev.WeightsPublished: self._published, ev.CheckpointSaved: self._checkpoint,
             ev.CheckpointRejected: self._note, ev.PayloadsReleased: self._note,
             ev.WorkerLost: self._note, ev.RunRewound: self._note, ev.RunFinished: self._note,
+            **dict.fromkeys(EPISODE_RECORDS, self._episode_record),
         }
 
     # -- the fold ----------------------------------------------------------------------
@@ -161,7 +166,7 @@ class TraceBuilder:
         self.dirty_at = us
         track = self._free_slot(g)
         if g.drawn:
-            self._start_flow(g, track, g.admitted)
+            self._start_flow(g, track, g.admitted + INSIDE_US)
             self.w.end(track, us, {"weight_version_start": e.weight_version_start,
                                    "weight_version_end": e.weight_version_end,
                                    "reward_mean": g.reward})
@@ -216,15 +221,17 @@ class TraceBuilder:
                 {"groups": e.group_ids[:16], "sequences": e.num_sequences, "tokens": e.num_tokens})
         else:
             st.cursor = us
-        for group_id in e.group_ids:
-            g = self.groups.get(group_id)
-            if g is None:
-                continue
+        claimed = [(gid, g) for gid in e.group_ids if (g := self.groups.get(gid)) is not None]
+        # One point for the microbatch's flows, after each one's start: the slice starts
+        # at the step's previous point, which a group admitted while the step waited
+        # for it follows (and the track's entries must go forward in time)
+        at = max([start + INSIDE_US] + [g.flow_at for _, g in claimed if g.flow])
+        for group_id, g in claimed:
             st.claimed.append(group_id)
             self.buffered -= 1
             if self.drawing:
-                self._start_flow(g, TRAINER, start) if not g.flow else \
-                    self.w.flow("t", TRAINER, start + INSIDE_US, g.flow)
+                self._start_flow(g, TRAINER, at) if not g.flow else \
+                    self.w.flow("t", TRAINER, self.w.at(TRAINER, at), g.flow)
         self.dirty_at = us
 
     def _step_finished(self, e: ev.StepFinished, us: float) -> bool:
@@ -303,6 +310,12 @@ class TraceBuilder:
             self.w.instant(CONTROLLER, us, f"controller started (epoch {e.epoch})",
                            {"host": e.host, "pid": e.pid})
 
+    def _episode_record(self, e: Any, us: float) -> None:
+        g = self.groups.get(e.group_id)
+        if self.drawing and g is not None and g.drawn and g.slot >= 0:
+            name, args = episode_instant(e)
+            self.w.instant((g.pid, g.slot + 1), us, name, args)
+
     def _note(self, e: ev.Event, us: float) -> None:
         if self.drawing:
             args = {k: getattr(e, k) for k in e.__struct_fields__ if k not in _COMMON}
@@ -317,10 +330,14 @@ class TraceBuilder:
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _start_flow(self, g: _Group, track: tuple[int, int], start: float) -> None:
+    def _start_flow(self, g: _Group, track: tuple[int, int], at: float) -> None:
+        """Flow ``g`` from ``at`` (just inside a slice's start), or from the track's last
+        entry after it: the slice may already hold an episode's records, and a track's
+        entries go forward in time."""
         g.flow = self.next_flow
         self.next_flow += 1
-        self.w.flow("s", track, start + INSIDE_US, g.flow)
+        g.flow_at = self.w.at(track, at)
+        self.w.flow("s", track, g.flow_at, g.flow)
 
     def _marker(self, us: float, name: str, args: dict[str, Any]) -> float:
         """A short controller slice a flow can end in (after the previous one: siblings

@@ -10,7 +10,7 @@ import struct
 
 from controller.core import failures
 from controller.core import reducer_episodes as episodes
-from controller.core.episodes import InflightEpisodes
+from controller.core.episodes import InflightEpisodes, restart
 from controller.core.errors import violation as _violation
 from controller.core.segments import (
     InflightSegments,
@@ -86,7 +86,14 @@ def _on_segments_recorded(state: RunState, ev: SegmentsRecorded, pos: int) -> No
 
 def _on_segments_dropped(state: RunState, ev: SegmentsDropped, pos: int) -> None:
     """Only a failed attempt's group drops segments (no attempt is sampling after them),
-    and only segments it recorded; each sample that lost one restarts from the prompt."""
+    and only segments it recorded; each sample that lost one restarts from the prompt.
+
+    An episode's sample that recorded calls restarts its episode too (a new ``restart``
+    in its calls' keys, its turns dropped, as ``EpisodesRestarted`` does): its turns'
+    tokens are gone, so its next attempt samples them again and cannot be held to the
+    requests the lost turns made, nor be handed results whose context it no longer has
+    (a resume refused such a sample at every attempt, "the result recorded N
+    observation tokens, the rows hold 0", until the group ran out of attempts)."""
     gid = ev.group_id
     group = state.groups.get(gid)
     if group is None or group.status is not _FAILED or group.attempt != ev.attempt:
@@ -100,6 +107,9 @@ def _on_segments_dropped(state: RunState, ev: SegmentsDropped, pos: int) -> None
     samples, unknown = lost_samples(rec, ev.keys)
     if unknown:
         _violation(pos, ev, f"group {gid}: {unknown[0]} is not a segment the group recorded")
+    played = state.episodes.get(gid) if state.episodes else None
+    if played is not None and (called := [i for i in sorted(samples) if played.samples[i].turns]):
+        restart(played, None, called)
     kept = without_samples(rec, samples)
     if kept is None:
         del state.inflight[gid]

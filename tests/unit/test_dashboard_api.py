@@ -62,6 +62,17 @@ def test_the_type_filter_finds_exactly_those_events_newest_first(client, run) ->
     assert got["scanned_from"] == 1 and got["end"] == run.last_position
 
 
+def test_a_search_cut_by_its_limit_says_where_it_stopped(client, run) -> None:
+    """The page prints "N matches in positions scanned_from..end": a search that filled
+    its limit mid-page named the page's first position, though the entries below the
+    last match were never read (and a later match there was not "absent")."""
+    want = [s.position for s in reversed(run.events) if type(s.event).__name__ == "StepAborted"]
+    got = client.get(f"/api/runs/{run.run_id}/events",
+                     params={"type": "StepAborted", "limit": 1}).json()
+    assert [e["position"] for e in got["events"]] == want[:1] and len(want) > 1
+    assert got["scanned_from"] == want[0]
+
+
 def test_the_group_and_step_filters(client, run) -> None:
     group = "g0000010"
     want = [s.position for s in reversed(run.events)

@@ -71,6 +71,47 @@ def test_a_restart_drops_the_turns_before_it_and_says_why():
     assert view.restarts == ["after attempt 1: test"]
 
 
+def test_a_call_re_issued_by_a_later_attempt_says_so():
+    """A deduplicating env's call whose result never came is re-issued with the same key
+    by the next attempt; the view named only the first intent's attempt, so the second
+    issue of the key (and where its result came from) was nowhere in the output."""
+    b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1").admit("g1")
+    b.request("g1", {0: (1, "a"), 1: (1, "b")})
+    b.complete("g1", {0: (1, 0.5, True, 0), 1: (1, 0.25, True, 0)})
+    view = episode_view("r1", _events(b.commit("g1", rewards=[0.5, 0.25], lengths=[3, 5])), "g1", 0)
+    one = view.turns[1]
+    assert (one.request, one.requested_by, one.reissued_by, one.reward) == ("a", 1, [2], 0.5)
+    assert "r1/g1/s0/t1 request a, attempt 1, re-issued by 2: reward 0.5000, ended" in \
+        "\n".join(render_episode(view))
+    assert b.fold().groups["g1"].consumed_step is None  # a valid log: the fold accepts it
+
+
+def test_lost_segment_rows_restart_an_episode_that_made_calls():
+    """SegmentsDropped: every sample with a lost row loses all its recorded segments
+    (``docs/segments.md``, recovery rule 6) and records them again from the prompt; one
+    that had made calls begins its episode again (new keys), as the fold restarts it.
+    The view must not show the lost pieces or calls beside the new ones, while the
+    other sample is left as it is."""
+    b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1")
+    b.drop_segments("g1", ["g1/a1/s0/k0"]).admit("g1").flush("g1", {0: (0, 3)}, turn=1)
+    view = episode_view("r1", _events(b), "g1", 0)
+    assert [(p.attempt, p.start, p.length) for p in view.turns[1].pieces] == [(2, 0, 3)]
+    assert view.turns[1].request is None and view.restart == 1  # its calls begin again
+    assert view.restarts == ["after attempt 1: its segments were dropped (missing ['g1/a1/s0/k0']); "
+                             "its episode begins again"]
+    other = episode_view("r1", _events(b), "g1", 1)
+    assert [(p.attempt, p.length) for p in other.turns[1].pieces] == [(1, 5)] and not other.restarts
+    assert other.turns[1].request == "b" and other.restart == 0
+    state = b.fold()
+    played = state.episodes["g1"].samples
+    assert (played[0].restart, played[0].turns, played[1].restart) == (1, [], 0)
+    assert [t.request for t in played[1].turns] == ["b"]
+
+
 @pytest.mark.parametrize("group, sample, why", [
     ("g9", 0, "never admitted"), ("g1", 2, "has samples 0..1"),
 ])
@@ -97,6 +138,22 @@ def test_audit_and_staleness_count_the_turns_consumed():
     state = b.fold()
     report = build_report(Projection(state=state, problem=None, log_end=len(b), last_ts=0.0))
     assert report.summary["episodes"] == {"groups": 1, "episodes": 2, "turns": 3, "turns_max": 2,
-                                          "groups_in_flight": 0}
+                                          "groups_in_flight": 0, "groups_failed": 0}
     staleness = analyze(state, Trace())
     assert [r.turns for r in staleness.steps] == [3] and staleness.summary["turns"] == 3
+
+
+def test_audit_tells_a_failed_episode_group_from_one_in_flight():
+    """A failed group keeps its episodes' calls for its next attempt, and one that ran
+    out of attempts keeps them for good (no event says it was given up); counted as "in
+    flight", a finished run whose groups failed read as one with episodes still playing."""
+    b = LogBuilder(run_id="r1", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")}).fail("g1")
+    b.admit("g2").flush("g2", {0: (0, 3), 1: (0, 5)}, turn=1).request("g2", {0: (1, "a"), 1: (1, "b")})
+    state = b.fold()
+    report = build_report(Projection(state=state, problem=None, log_end=len(b), last_ts=0.0))
+    counts = report.summary["episodes"]
+    assert (counts["groups_in_flight"], counts["groups_failed"]) == (1, 1)
+    lines = [str(t) for t in render.audit_tables(report.to_dict(), 10) if "episodes:" in str(t)]
+    assert lines and lines[0].endswith("1 groups in flight, 1 failed (calls kept for a retry)")

@@ -77,6 +77,45 @@ def test_a_small_run_draws_tracks_slices_and_flows() -> None:
     assert admits == ["admit 3", "admit 1"]  # consecutive admissions are one decision
 
 
+def test_a_group_admitted_while_its_step_waits_flows_forward_in_time() -> None:
+    """A step that waits for data trains groups admitted after its previous microbatch
+    (an episode run does it every few steps). The microbatch slice starts at that
+    previous point, and the flow's step sat at the slice's start: before the group's
+    own admission, where its flow starts (a crash-resumed calculator run's trace failed
+    the format check there)."""
+    b = LogBuilder(run_id="r-wait", window=1, groups_per_step=2).start()
+    b.admit("g1", generator="generator-0").commit("g1")
+    b.begin_step().microbatch(["g1"])
+    b.admit("g2", generator="generator-0").commit("g2")  # while the step waits for it
+    b.microbatch(["g2"]).finish_step()
+    found = check_trace(trace_of(b))  # every flow in time order, each point in a slice
+    assert len(found.flows) == 2
+
+
+def test_an_episodes_records_are_small_instants_on_its_generate_slice() -> None:
+    """Each pause's parts (tokens, calls, results) were instants on the controller's
+    track carrying every segment and result: 99 % of an episode run's trace file."""
+    b = LogBuilder(run_id="r-ep", window=1, groups_per_step=1, samples_per_group=2).start()
+    b.admit("g1", generator="generator-0").flush("g1", {0: (0, 3), 1: (0, 5)}, turn=1)
+    b.request("g1", {0: (1, "a"), 1: (1, "b")})
+    b.complete("g1", {0: (1, 0.25, False, 4), 1: (1, 0.5, True, 0)})
+    b.flush("g1", {0: (3, 4)}, kind="observation", version=None, turn=1)
+    b.flush("g1", {0: (7, 2)}, turn=2).request("g1", {0: (2, "c")})
+    b.complete("g1", {0: (2, 0.5, True, 0)})
+    b.commit("g1", rewards=[0.75, 0.5], lengths=[9, 5]).train_step(["g1"])
+    found = check_trace(trace_of(b))
+    drawn = [(found.track(i["pid"], i["tid"]), i["name"], i["args"]) for i in found.instants
+             if i["name"] in ("model tokens", "observation tokens", "calls", "results")]
+    assert [(track, name) for track, name, _ in drawn] == [
+        ("slot 0", "model tokens"), ("slot 0", "calls"), ("slot 0", "results"),
+        ("slot 0", "observation tokens"), ("slot 0", "model tokens"), ("slot 0", "calls"),
+        ("slot 0", "results")]
+    assert drawn[0][2] == {"attempt": 1, "samples": 2, "tokens": 8, "turns": [1], "weight_version": 0}
+    assert drawn[2][2] == {"attempt": 1, "results": 2, "ended": 1, "turns": [1], "reward": 0.75}
+    assert not [i for i in found.instants if i["name"] in (
+        "SegmentsRecorded", "EnvStepsRequested", "EnvStepsCompleted")]
+
+
 def test_counters_follow_the_buffer_and_in_flight_groups() -> None:
     found = check_trace(trace_of(small_log()))
     series = [(v["buffered"], v["in flight"]) for _, v in found.counters["groups"]]

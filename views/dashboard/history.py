@@ -87,9 +87,11 @@ def find_events(store: EventStore, run_id: str, q: EventQuery) -> dict[str, Any]
     end = q.before or store.last_position(run_id)
     rows: list[dict[str, Any]] = []
     hi = end
+    scanned = end + 1  # the oldest position read: where the page says the search stopped
     while hi >= 1 and len(rows) < q.limit and end - hi < SCAN_LIMIT:
         lo = max(1, hi - PAGE + 1)
         for entry in reversed(store.read_raw(run_id, lo, hi)):
+            scanned = entry.position
             if not q.matches_raw(entry):
                 continue
             got = _rows(entry)
@@ -101,7 +103,7 @@ def find_events(store: EventStore, run_id: str, q: EventQuery) -> dict[str, Any]
             if len(rows) == q.limit:
                 break
         hi = lo - 1
-    return {"events": rows, "scanned_from": max(hi + 1, 1), "end": end}
+    return {"events": rows, "scanned_from": scanned, "end": end}
 
 
 #: steps a trace shows when none are asked for (the newest ones)
