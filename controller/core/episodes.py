@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from controller.core.segments import InflightSegments, record_flush, turn_starts
+from controller.core.segments import InflightSegments, record_flush
 from events.schema import (
     EnvCall,
     EnvResult,
@@ -269,9 +269,14 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
     """Each turn's first model token and reward; None without the turns' segments."""
     if segments is None:
         return None
-    # each turn's first model token as the fold kept it (``record_flush``): no walk over
-    # every segment of every flush, cold in the cache by the commit
-    get, width = turn_starts(segments).get, len(segments.recorded)
+    # a sample's segments start where its recorded tokens end (``segments_problem``), so
+    # in flush order the first segment of a turn is its lowest start
+    first: dict[tuple[int, int], int] = {}
+    setdefault = first.setdefault
+    for flush in segments.flushes:
+        if flush.kind == "model":
+            for seg in flush.segments:
+                setdefault((seg.sample, seg.turn), seg.start)
     starts: list[tuple[int, ...]] = []
     rewards: list[tuple[float, ...]] = []
     for i, episode in enumerate(rec.samples):
@@ -279,7 +284,7 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
         for t in episode.turns:
             if t.result is None:
                 continue
-            start = get(t.turn * width + i)
+            start = first.get((i, t.turn))
             if start is None:
                 return None  # a turn without its tokens: no per-turn credit, the return stands
             sample_starts.append(start)

@@ -15,12 +15,11 @@ Covered: applying any number of pause events of the group -- ``EpisodeTurnsRecor
 
 * create the group's ``InflightSegments`` / ``InflightEpisodes`` when it had none
   (``.empty``): restore removes them from ``state.inflight`` / ``state.episodes``;
-* on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes``,
-  ``keys`` and ``turn_starts``, add to ``attempt_flushes``, ``version_token_sum`` and
-  ``model_tokens``, and write items of the four per-sample lists ``recorded``,
-  ``stopped``, ``first_version``, ``last_version``: restore truncates the three lists,
-  sets the counters back, and writes the saved copies of the four lists back into the
-  same list objects;
+* on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes``, add to
+  ``attempt_flushes``, ``version_token_sum`` and ``model_tokens``, and write items of the
+  four per-sample lists ``recorded``, ``stopped``, ``first_version``, ``last_version``:
+  restore truncates ``flushes``, sets the counters back, and writes the saved copies of
+  the four lists back into the same list objects;
 * on an ``InflightEpisodes`` (``episodes.record_completed`` / ``record_requested``): add
   to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call),
   change the last ``TurnRecord``'s ``attempt`` (a re-issued call) or append a
@@ -75,9 +74,8 @@ class GroupMark:
         self.segments: InflightSegments | None = None
         #: copies of recorded, stopped, first_version, last_version
         self.seg_lists: tuple[list[int], list[bool], list[int], list[int]] | None = None
-        #: len(flushes), attempt_flushes, version_token_sum, model_tokens, len(keys),
-        #: len(turn_starts)
-        self.seg_counts: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
+        #: len(flushes), attempt_flushes, version_token_sum, model_tokens
+        self.seg_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
         #: the episode record at the mark (None: none existed)
         self.episodes: InflightEpisodes | None = None
         #: its attempt_events, and per sample what ``_TurnsMark`` says
@@ -94,8 +92,7 @@ def _mark_segments(state: RunState, mark: GroupMark) -> InflightEpisodes | None:
     if seg is not None:
         mark.segments = seg
         mark.seg_lists = (seg.recorded[:], seg.stopped[:], seg.first_version[:], seg.last_version[:])
-        mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum,
-                           seg.model_tokens, len(seg.keys), len(seg.turn_starts))
+        mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum, seg.model_tokens)
     rec = state.episodes.get(mark.group_id)
     if rec is not None:
         mark.episodes = rec
@@ -155,11 +152,8 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
     if seg is None:
         state.inflight.pop(gid, None)  # a pause that made the record takes it with it
     else:
-        (n_flushes, seg.attempt_flushes, seg.version_token_sum, seg.model_tokens, n_keys,
-         n_starts) = mark.seg_counts
+        n_flushes, seg.attempt_flushes, seg.version_token_sum, seg.model_tokens = mark.seg_counts
         del seg.flushes[n_flushes:]
-        del seg.keys[n_keys:]
-        del seg.turn_starts[n_starts:]
         recorded, stopped, first, last = mark.seg_lists  # type: ignore[misc]
         seg.recorded[:], seg.stopped[:] = recorded, stopped  # the same list objects
         seg.first_version[:], seg.last_version[:] = first, last

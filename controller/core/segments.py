@@ -51,12 +51,6 @@ class InflightSegments(msgspec.Struct, kw_only=True, gc=False):
     #: sum of version x tokens over the recorded model tokens, and their count
     version_token_sum: int = 0
     model_tokens: int = 0
-    #: every segment's data-plane key, in log order (what :func:`segment_keys` returns)
-    keys: list[str] = []
-    #: per model segment, in log order, ``turn * n + sample`` (n samples) and its start,
-    #: flat: appending at the tail costs the fold less than a dict's probe into a cold
-    #: table per segment; :func:`turn_starts` keeps each pair's first start
-    turn_starts: list[int] = []
 
     @classmethod
     def empty(cls, n_samples: int, attempt: int) -> InflightSegments:
@@ -68,17 +62,11 @@ class InflightSegments(msgspec.Struct, kw_only=True, gc=False):
 
 
 def segment_keys(inflight: Mapping[str, InflightSegments], group_ids: Iterable[str]) -> list[str]:
-    """Data-plane keys of every segment row these groups recorded (all attempts).
-
-    Read from ``keys``, which :func:`record_flush` keeps while each flush is hot in the
-    cache: at a commit, long after, a walk over every segment touched ~300 cold objects
-    per group (``docs/episode-cost.md``, "Tenth pass")."""
-    out: list[str] = []
-    for gid in group_ids:
-        rec = inflight.get(gid)
-        if rec is not None:
-            out += rec.keys
-    return out
+    """Data-plane keys of every segment row these groups recorded (all attempts)."""
+    return [
+        seg.key for gid in group_ids if gid in inflight
+        for f in inflight[gid].flushes for seg in f.segments
+    ]
 
 
 def segments_problem(rec: InflightSegments, ev: SegmentsRecorded, trainer_version: int) -> str:
@@ -119,40 +107,26 @@ def record_flush(rec: InflightSegments, ev: SegmentsRecorded) -> None:
     rec.attempt_flushes += 1
     # once per segment of every flush: the lists as locals, and a flush's one version
     # tested once (the integer sums are the same added per segment or per flush)
-    recorded, stopped, keys = rec.recorded, rec.stopped, rec.keys
+    recorded, stopped = rec.recorded, rec.stopped
     v = ev.weight_version
     if v is None:
         for seg in ev.segments:
             i = seg.sample
             recorded[i] += seg.length
             stopped[i] = seg.stopped
-            keys.append(seg.key)
         return
-    first, last, starts = rec.first_version, rec.last_version, rec.turn_starts
-    width = len(recorded)
+    first, last = rec.first_version, rec.last_version
     tokens = 0
     for seg in ev.segments:
         i, n = seg.sample, seg.length
         recorded[i] += n
         stopped[i] = seg.stopped
-        keys.append(seg.key)
         if first[i] == _NONE:
             first[i] = v
         last[i] = v
         tokens += n
-        starts.append(seg.turn * width + i)
-        starts.append(seg.start)
     rec.version_token_sum += v * tokens
     rec.model_tokens += tokens
-
-
-def turn_starts(rec: InflightSegments) -> dict[int, int]:
-    """Each (sample, turn)'s first model token, keyed ``turn * n + sample``: the start of
-    its first model segment, which is its lowest (a sample's segments start where its
-    recorded tokens end, ``segments_problem``)."""
-    flat = rec.turn_starts
-    # built from the end, so that the first segment of a (sample, turn) is written last
-    return dict(zip(flat[-2::-2], flat[::-2]))
 
 
 def lost_samples(rec: InflightSegments, keys: Iterable[str]) -> tuple[set[int], list[str]]:
