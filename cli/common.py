@@ -15,6 +15,7 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,8 +168,13 @@ def writable_dir(flag: str, directory: str | Path, *, named: str | None = None) 
         here = here.parent
     if not here.is_dir():
         raise CliError(f"{shown}: {str(here)!r} is a file, not a directory")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise CliError(f"{shown}: directory {str(here)!r} is not writable")
+    # A probe, not os.access: for root access() says yes to a read-only mount or a
+    # pseudo-filesystem (/proc), and the later mkdir/open then failed with a traceback.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlc-write-probe-", dir=here))
+    except OSError as err:
+        raise CliError(f"{shown}: directory {str(here)!r} is not writable "
+                       f"({err.strerror or err})") from None
 
 
 def require_run(store: EventStore, run_id: str) -> None:

@@ -79,3 +79,27 @@ def test_stop_server_of_a_file_says_none_runs_there(capsys, a_file: Path) -> Non
     assert main(["stop-server", "--data-dir", str(a_file)]) == 0
     assert capsys.readouterr().out.startswith("no embedded redis-server is running for")
     assert a_file.read_text() == "not a directory"
+
+
+# /proc refuses a new entry even to root, for whom os.access() said "writable": the
+# check passed and the plot's mkdir (or the data directory's) was a traceback.
+UNWRITABLE = Path("/proc")
+
+
+@pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs Linux /proc")
+def test_a_directory_that_refuses_writes_is_one_line(
+    capsys, redis_url: str, logged: LogBuilder, monkeypatch
+) -> None:
+    run = logged.run_id
+    for flag, argv in (("--plot", ["staleness", "--run", run, "--plot", "/proc/rlc/p.png"]),
+                       ("--plot", ["simulate", "--run", run, "--plot", "/proc/p.png"]),
+                       ("--csv", ["audit", "--run", run, "--csv", "/proc/a.csv"]),
+                       ("-o", ["trace", "--run", run, "-o", "/proc/t.json"])):
+        _refused(capsys, redis_url, argv, flag, "'/proc' is not writable")
+    monkeypatch.delenv("RLC_REDIS_URL", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--local-workers", "--no-progress", "--steps", "1",
+              "--data-dir", "/proc/rlc-data"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--data-dir" in err and "'/proc' is not writable" in err
