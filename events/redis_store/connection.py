@@ -168,6 +168,11 @@ def translate_errors(safe_url: str) -> Iterator[None]:
     except rex.ResponseError as err:
         if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
             raise unavailable(safe_url, err) from err
+        if "DB index is out of range" in str(err):  # SELECT of the URL's /DB at connect
+            raise StoreUnavailableError(
+                f"Redis at {safe_url} is unavailable: it has no database with the number "
+                "the URL names after the port (the server's 'databases' setting caps it)"
+            ) from err
         raise
 
 

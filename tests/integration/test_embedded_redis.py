@@ -124,3 +124,12 @@ def test_live_but_silent_server_is_not_doubled(data_dir: Path) -> None:
         ensure_embedded_redis(data_dir, start_timeout_s=0.2)
     assert stop_embedded_redis(data_dir)  # stop goes by the pid, answered or not
     assert not pid_alive(server.pid)
+
+
+def test_a_database_number_the_server_lacks_is_one_line(redis_url: str) -> None:
+    # the URL's /DB is SELECTed at connect: "DB index is out of range" was a traceback
+    url = redis_url.rsplit("/", 1)[0] + "/99"
+    with pytest.raises(StoreUnavailableError) as info:
+        RedisEventStore(url, connect_timeout_s=1)
+    message = str(info.value)
+    assert url in message and "no database with the number" in message and "\n" not in message
