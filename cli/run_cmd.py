@@ -109,6 +109,22 @@ def _resume_config(logged: dict, args: argparse.Namespace) -> Config:
     return with_changes(cfg, extra) if extra else cfg
 
 
+def _check_resume_steps(run_id: str, state, steps: int) -> None:
+    """A target below where the run is cannot be trained to. An unfinished run was
+    marked finished by it (the loop saw its target reached) without a word: a typo in
+    --steps ended a run meant to go on."""
+    version = state.trainer_version
+    if steps >= version:
+        return
+    if state.finished:
+        where, fix = "finished at", f"N > {version} to train further"
+    else:
+        target = config_from_dict(state.config).run.steps
+        where, fix = "at", f"N >= {version}, or leave --steps out to go on to its {target}"
+    raise CliError(f"--steps {steps} is below where run {run_id} is: {where} "
+                   f"trainer_version {version}; pass --steps {fix}")
+
+
 def checkpoint_dir(run_dir: Path) -> str:
     """Where a run's checkpoints go (under its run directory)."""
     return str(run_dir / "checkpoints")
@@ -155,6 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             state = Projector(store, fork_readers=False).get(run_id).require()
             cfg = _resume_config(state.config, args)
             preflight.check_config(cfg)
+            _check_resume_steps(run_id, state, cfg.run.steps)
             if state.finished and state.trainer_version >= cfg.run.steps:
                 return run_summary.nothing_to_do(run_id, state.trainer_version)
             run_open.check_not_held(args, store, run_id)

@@ -1,0 +1,51 @@
+"""``run --resume --steps N`` with N below where the run is: one line, exit 2, the log
+untouched. An unfinished run resumed so was marked finished (its loop saw the target
+reached) with exit status 0 -- a typo in --steps ended a run meant to go on."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.redis_store import RedisEventStore
+from tests.e2e.test_readonly_cli import cli, write_log
+from tests.unit.log_builder import LogBuilder
+from tests.unit.random_log import random_run
+
+pytestmark = pytest.mark.integration
+
+
+def _written(url: str, *, finished: bool) -> LogBuilder:
+    b = random_run(7, 6)
+    assert type(b.events[-1].event).__name__ == "RunFinished"
+    if not finished:
+        b.events = b.events[:-1]
+    write_log(url, b)
+    return b
+
+
+def _last_position(url: str, run_id: str) -> int:
+    store = RedisEventStore(url)
+    try:
+        return store.last_position(run_id)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_steps_below_the_version_is_refused(capsys, redis_url: str, finished: bool) -> None:
+    b = _written(redis_url, finished=finished)
+    before = _last_position(redis_url, b.run_id)
+    code, out, err = cli(capsys, redis_url, "run", "--resume", "--run-id", b.run_id,
+                         "--steps", "2", "--local-workers", "--no-progress")
+    assert code == 2, (out, err)
+    assert err.count("\n") == 1 and err.startswith("rl-controller: error: --steps 2 is below"), err
+    assert f"run {b.run_id} is" in err and "trainer_version 6" in err, err
+    assert ("N > 6 to train further" if finished else "N >= 6") in err, err
+    assert _last_position(redis_url, b.run_id) == before  # no epoch claimed, nothing appended
+
+
+def test_steps_at_the_version_of_a_finished_run_is_nothing_to_do(capsys, redis_url: str) -> None:
+    b = _written(redis_url, finished=True)
+    code, out, err = cli(capsys, redis_url, "run", "--resume", "--run-id", b.run_id,
+                         "--steps", "6", "--local-workers", "--no-progress")
+    assert code == 0 and "nothing to do" in out, (out, err)
