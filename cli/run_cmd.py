@@ -150,7 +150,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume and (args.config or args.set):
         raise CliError(_RESUME_KEEPS_CONFIG)
     check_redis_url(args)
-    run_id = args.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
+    # None, not "": an empty --run-id (an unset shell variable) is refused, not defaulted
+    run_id = (args.run_id if args.run_id is not None
+              else datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S"))
     preflight.check_new_run_id(run_id)
     cfg = None if args.resume else _resolve_config(args)
     if cfg is not None:
