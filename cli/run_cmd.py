@@ -158,11 +158,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg is not None:
         # (the buffer's capacity rule was checked by the config's own load)
         preflight.check_config(cfg)
+        # Before anything is written: an unreachable or too small cluster must leave no
+        # run behind. --local-workers joins ray.address too (the data plane's actors).
         if not args.local_workers:
-            # Before anything is written: an unreachable or too small cluster must
-            # leave no run behind.
             ray_cluster.check_local_capacity(cfg)
-            ray_cluster.check_address(cfg.ray.address)
+        ray_cluster.check_address(cfg.ray.address)
     chain_key = run_open.chain_key(args, cfg, run_id)
     with open_store(args, start=True, replication=cfg.store if cfg else None,
                     chain_key=chain_key) as store, contextlib.ExitStack() as serving:
@@ -179,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             run_open.check_not_held(args, store, run_id)
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
-                ray_cluster.check_address(cfg.ray.address)
+            ray_cluster.check_address(cfg.ray.address)
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             exporter = serving.enter_context(run_open.metrics_served(cfg))
