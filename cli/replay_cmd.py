@@ -66,25 +66,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _run_row(store: Any, info: Any) -> dict[str, Any]:
-    """Cheap facts: last event type says finished; the newest StepFinished in the tail says
-    the trainer_version (None when the tail has none)."""
-    from events.codec import decode
-    from events.errors import EventDecodeError
-
+    """Cheap facts: last event type says finished; the newest StepFinished (or RunRewound)
+    says the trainer_version, 0 when the log has none. Read back a page at a time: a
+    tail of 200 without a step (a run that stopped on failed generations, a long
+    multi-turn step) showed '?' for a version the log states."""
     finished, version = None, None
     if info.last_position:
-        tail = store.read_raw(info.run_id, max(1, info.last_position - 199), info.last_position)
-        finished = bool(tail) and tail[-1].event_type == "RunFinished"
-        for entry in reversed(tail):
-            if entry.event_type in ("StepFinished", "RunRewound"):
-                try:
-                    event = decode(entry.data, entry.position)
-                except EventDecodeError:
-                    break
-                version = getattr(event, "trainer_version", None)
-                if version is None:
-                    version = event.to_trainer_version  # type: ignore[union-attr]
-                break
+        last = store.read_raw(info.run_id, info.last_position, info.last_position)
+        finished = bool(last) and last[-1].event_type == "RunFinished"
+        version = _newest_version(store, info.run_id, info.last_position)
     return {
         "run_id": info.run_id,
         "events": info.last_position,
@@ -93,6 +83,25 @@ def _run_row(store: Any, info: Any) -> dict[str, Any]:
         "trainer_version": version,
         "snapshot_position": info.snapshot_position,
     }
+
+
+def _newest_version(store: Any, run_id: str, last: int, page: int = 200) -> int | None:
+    """trainer_version after the newest StepFinished/RunRewound at or before ``last``;
+    0 when there is none; None when that event does not decode."""
+    from events.codec import decode
+    from events.errors import EventDecodeError
+
+    while last >= 1:
+        for entry in reversed(store.read_raw(run_id, max(1, last - page + 1), last)):
+            if entry.event_type in ("StepFinished", "RunRewound"):
+                try:
+                    event = decode(entry.data, entry.position)
+                except EventDecodeError:
+                    return None
+                version = getattr(event, "trainer_version", None)
+                return event.to_trainer_version if version is None else version  # type: ignore[union-attr]
+        last -= page
+    return 0
 
 
 # -- replay ------------------------------------------------------------------------------
