@@ -243,6 +243,8 @@ def _train(args, cfg: Config, writer, exporter) -> int:
         run_open.mark("workers_ready")
     except WorkerStartError as err:
         raise CliError(str(err)) from None
+    except KeyboardInterrupt:  # the run exists from here on: say how to go on with it
+        raise _interrupted(args, writer.run_id) from None
     try:
         with progress:
             progress.status("reconciling workers with the log")
@@ -286,8 +288,7 @@ def _train(args, cfg: Config, writer, exporter) -> int:
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
     except KeyboardInterrupt:
-        raise CliError("interrupted; the log is consistent, continue with: "
-                       f"{_resume_command(args, writer.run_id)}", 130) from None
+        raise _interrupted(args, writer.run_id) from None
     finally:
         sink.close()
         workers.close()
@@ -296,6 +297,11 @@ def _train(args, cfg: Config, writer, exporter) -> int:
     run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
                               startup_s=run_open.PHASES.get("reconciled"), train_s=train_s)
     return 0
+
+
+def _interrupted(args: argparse.Namespace, run_id: str) -> CliError:
+    return CliError("interrupted; the log is consistent, continue with: "
+                    f"{_resume_command(args, run_id)}", 130)
 
 
 def _resume_command(args: argparse.Namespace, run_id: str) -> str:
