@@ -97,14 +97,15 @@ def store_address(args: argparse.Namespace, *, start: bool = False) -> StoreAddr
     )
 
 
-def load_chain_key(path: str) -> bytes | None:
-    """The hash chain's HMAC key from ``path``; None when no file is configured."""
+def load_chain_key(path: str, name: str = "store.chain_key_file") -> bytes | None:
+    """The hash chain's HMAC key from ``path`` (given by ``name``: a config key or a
+    flag); None when no file is configured."""
     if not path:
         return None
     from events.chain import ChainKeyError, load_key
 
     try:
-        return load_key(path)
+        return load_key(path, name)
     except ChainKeyError as err:
         raise CliError(str(err)) from None
 

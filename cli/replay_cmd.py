@@ -357,7 +357,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from replay.chain_audit import audit_log
 
     _check_last(args)
-    key = load_chain_key(args.chain_key_file)
+    key = load_chain_key(args.chain_key_file, "--chain-key-file")
     if args.csv:
         output_file("--csv", args.csv, create_parents=False)
     with open_store(args) as store:

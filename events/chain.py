@@ -67,16 +67,15 @@ class ChainKeyError(ValueError):
     """The chain key file is missing, unreadable or empty."""
 
 
-def load_key(path: str | Path) -> bytes:
-    """The HMAC key in ``path`` (its bytes, surrounding whitespace stripped)."""
+def load_key(path: str | Path, name: str = "store.chain_key_file") -> bytes:
+    """The HMAC key in ``path`` (its bytes, surrounding whitespace stripped); errors name
+    the setting or flag ``name`` that gave the path."""
     try:
         key = Path(path).read_bytes().strip()
     except OSError as err:
-        raise ChainKeyError(f"store.chain_key_file {str(path)!r}: {err.strerror}") from None
+        raise ChainKeyError(f"{name} {str(path)!r}: {err.strerror}") from None
     if len(key) < 16:
-        raise ChainKeyError(
-            f"store.chain_key_file {str(path)!r}: key has {len(key)} bytes; need at least 16"
-        )
+        raise ChainKeyError(f"{name} {str(path)!r}: key has {len(key)} bytes; need at least 16")
     return key
 
 
