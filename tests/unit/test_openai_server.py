@@ -149,6 +149,11 @@ def test_a_changed_history_is_refused_with_the_reason():
         ({"temperature": 0.5}, "temperature must be 1.0"),
         ({"extra_body": {"top_k": 5}}, r"unsupported request field\(s\) \['top_k'\]"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs is not offered"),
+        ({"tool_choice": "none"}, "tool_choice 'none' is not offered"),
+        ({"tools": [{"type": "function", "function": {"name": "search"}}]},
+         r"tools\[0\]: tool 'search' is not one this model calls \(its tools: \['calculator'\]\)"),
     ],
 )
 def test_requests_the_session_cannot_serve_exactly_are_refused(kwargs, reason):  # type: ignore[no-untyped-def]
@@ -195,3 +200,98 @@ def test_a_generator_serves_its_model_and_the_turn_records_the_weight_version():
     assert second.model_extra["weight_version"] == [3, 3]
     assert [(t.version_start, t.version_end) for t in traj.turns] == [(0, 0), (3, 3)]
     assert traj.key.run == "run-9"
+
+
+def test_a_message_that_is_not_an_object_gets_a_400_not_a_dropped_connection():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.BadRequestError, match="message 0 must be a JSON object, got str"):
+            client(server, "ep-8").chat.completions.create(model="policy", messages=["47*38="])
+
+
+def test_a_refused_request_leaves_the_session_as_it_was():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK, context_len=16) as server:
+        llm = client(server, "ep-9")
+        with pytest.raises(openai.BadRequestError, match="message 1 cannot be encoded"):
+            llm.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": "47*38"}, {"role": "user", "content": "é"}])
+        with pytest.raises(openai.BadRequestError, match="leaves no room"):
+            llm.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": "47*38"}, {"role": "user", "content": "=" * 11}])
+        # the corrected request is served from the start: no message lost or held twice
+        reply = llm.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": "47*38"}, {"role": "user", "content": "="}])
+        traj = server.trajectory("ep-9")
+    assert reply.choices[0].model_extra["prompt_token_ids"] == TOK.encode("47*38=")
+    assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]
+
+
+class FailsOnce:
+    """A sampler whose first call fails (a model fault mid-request), then samples."""
+
+    def __init__(self, sampler):  # type: ignore[no-untyped-def]
+        self.sampler, self.calls = sampler, 0
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("device lost")
+        return self.sampler.generate(requests)
+
+
+def test_a_sampler_fault_is_a_500_line_and_the_retry_is_served_whole():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    sampler = FailsOnce(TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
+                                         torch.Generator()))
+    messages = [{"role": "user", "content": "47*38="}]
+    with OpenAIServer(sampler, PlainTemplate(TOK, CALCULATOR_FORMAT), 32) as server:
+        llm = client(server, "ep-10")
+        with pytest.raises(openai.InternalServerError, match="RuntimeError: device lost"):
+            llm.chat.completions.create(model="policy", messages=messages)
+        reply = llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-10")
+    assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]
+    assert len(traj.turns) == 1
+
+
+class Counting:
+    def __init__(self, sampler):  # type: ignore[no-untyped-def]
+        self.sampler, self.calls = sampler, 0
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return self.sampler.generate(requests)
+
+
+def test_a_client_retry_of_a_served_request_gets_the_same_reply_sampled_once():
+    """The OpenAI client resends a request whose reply it lost (a timeout, a dropped
+    connection): the turn was sampled and is in the trajectory, so the resend is
+    answered from it, not refused and not sampled again."""
+    model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
+    sampler = Counting(TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
+                                        torch.Generator()))
+    messages = [{"role": "user", "content": "47*38="}]
+    with OpenAIServer(sampler, PlainTemplate(TOK, CALCULATOR_FORMAT), 32) as server:
+        llm = client(server, "ep-11")
+        first = llm.chat.completions.create(model="policy", messages=messages)
+        again = llm.chat.completions.create(model="policy", messages=messages)
+        messages += [again.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "x", "content": "1786"}]
+        llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-11")
+    assert again.model_dump() == first.model_dump()
+    assert sampler.calls == 2 and len(traj.turns) == 2
+    assert traj.input_ids == TOK.encode("47*38=47*38") + [EOS_ID] + TOK.encode(">1786") \
+        + TOK.encode("1786") + [EOS_ID]
+
+
+def test_a_get_or_a_query_string_is_answered_in_json():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.NotFoundError, match="only POST .../v1/chat/completions"):
+            client(server, "ep-12").models.list()
+        client(server, "ep-12").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}],
+            extra_query={"api-version": "1"})
+        assert server.trajectory("ep-12").input_ids[:6] == TOK.encode("47*38=")

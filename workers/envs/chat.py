@@ -17,6 +17,7 @@ parses as a call is returned as ``tool_calls``. A chat template with role header
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +74,13 @@ class ChatSession:
         self.trajectory = Trajectory(self.key)
 
     def prepare(self, messages: Sequence[Mapping[str, Any]], max_tokens: int) -> TurnRequest:
-        """Check the history, append the new messages' ids; the next turn's request."""
+        """Check the history, append the new messages' ids; the next turn's request.
+
+        A refused request leaves the session as it was (:func:`serve_turn` restores it),
+        so the client can correct the request and send it again."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise ChatRequestError(f"message {i} must be a JSON object, got {type(m).__name__}")
         if len(messages) <= len(self.history):
             raise ChatRequestError(
                 f"the request has {len(messages)} messages; the session already holds "
@@ -107,6 +114,17 @@ class ChatSession:
         turn = len(self.trajectory.turns) + 1
         return TurnRequest(self.key.at(turn), tuple(self.trajectory.input_ids), min(max_tokens, room))
 
+    def is_resend(self, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """``messages`` is the request the session's last reply answered, sent again (a
+        client retries a request whose reply it did not receive)."""
+        if not self.history or self.history[-1].get("role") != "assistant":
+            return False
+        asked = self.history[:-1]
+        return len(messages) == len(asked) and all(
+            isinstance(m, Mapping) and _canonical(m) == _canonical(h)
+            for m, h in zip(messages, asked)
+        )
+
     def complete(self, turn: ModelTurn) -> dict[str, Any]:
         """Append the model's turn; the assistant message the client will send back."""
         self.trajectory.append_turn(len(self.trajectory.turns) + 1, turn)
@@ -133,10 +151,13 @@ def _canonical(message: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.get("role"), "content": message.get("content") or None}
     calls = message.get("tool_calls")
     if calls:
-        out["tool_calls"] = [
-            (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in calls
-        ]
+        try:
+            out["tool_calls"] = [
+                (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in calls
+            ]
+        except (KeyError, TypeError, ValueError):
+            out["tool_calls"] = ("malformed", repr(calls))  # matches no call the session made
     return out
 
 
@@ -147,7 +168,17 @@ def serve_turn(
     messages: Sequence[Mapping[str, Any]],
     max_tokens: int,
 ) -> tuple[dict[str, Any], ModelTurn]:
-    """One chat completion of ``session``: through the recorder, like every model turn."""
-    request = session.prepare(messages, max_tokens)
-    (turn,) = recorder.model_turns([request], sampler.generate)
-    return session.complete(turn), turn
+    """One chat completion of ``session``: through the recorder, like every model turn.
+
+    A request refused or failed on the way (a message that cannot be encoded, no room
+    in the context, the sampler raising) leaves the session exactly as it was: a
+    half-appended request would shift every later id, or refuse the corrected resend.
+    """
+    saved = copy.deepcopy(session.trajectory), list(session.history)
+    try:
+        request = session.prepare(messages, max_tokens)
+        (turn,) = recorder.model_turns([request], sampler.generate)
+        return session.complete(turn), turn
+    except BaseException:
+        session.trajectory, session.history = saved
+        raise

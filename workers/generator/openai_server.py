@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -66,6 +67,8 @@ class OpenAIServer:
         self.run_id, self.temperature, self.max_tokens = run_id, temperature, max_tokens
         self.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
         self.sessions: dict[str, ChatSession] = {}
+        #: each session's last response, answered again to a client's retry of it
+        self._replies: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self.handle))
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
@@ -124,7 +127,7 @@ class OpenAIServer:
 
     def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Serve one POST; returns (status, JSON body)."""
-        parts = path.strip("/").split("/")
+        parts = urlsplit(path).path.strip("/").split("/")
         if parts[-2:] != ["chat", "completions"]:
             return 404, _error(f"unknown path {path!r}; POST .../v1/chat/completions", "not_found")
         session_id = parts[1] if parts[0] == "sessions" and len(parts) == 5 else body.get("session_id")
@@ -137,18 +140,24 @@ class OpenAIServer:
                 return 200, self._complete(session_id, body)
         except ChatRequestError as err:
             return 400, _error(str(err), "invalid_request_error")
+        except Exception as err:  # a fault of the server's, not of the request
+            return 500, _error(f"the server failed: {type(err).__name__}: {err}", "server_error")
 
     def _complete(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         max_tokens = self._check(body)
         session = self.sessions.get(session_id)
+        if session is not None and session.is_resend(body["messages"]):
+            return self._replies[session_id]  # served once, never sampled twice
         if session is None:
             key = StepKey(self.run_id, session_id, 0, 0)
             session = self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
         prompt_len = len(session.trajectory.input_ids)
         message, turn = serve_turn(session, self.recorder, self.sampler, body["messages"], max_tokens)
         prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
-        return _response(session_id, body.get("model", "policy"), message, turn, prompt_ids,
-                         self.template.tokenizer.decode, prompt_len)
+        reply = self._replies[session_id] = _response(
+            session_id, body.get("model", "policy"), message, turn, prompt_ids,
+            self.template.tokenizer.decode, prompt_len)
+        return reply
 
     def _check(self, body: dict[str, Any]) -> int:
         unknown = sorted(set(body) - _KNOWN)
@@ -158,9 +167,18 @@ class OpenAIServer:
             raise ChatRequestError("'messages' must be a non-empty list")
         if body.get("stream"):
             raise ChatRequestError("stream=true is not supported")
-        if body.get("n", 1) != 1:
-            raise ChatRequestError(f"n must be 1 (one episode per session), got {body['n']}")
+        if body.get("n") not in (None, 1):
+            raise ChatRequestError(f"n must be 1 (one episode per session), got {body['n']!r}")
+        if body.get("top_logprobs"):
+            raise ChatRequestError(
+                f"top_logprobs is not offered (got {body['top_logprobs']!r}); each token's "
+                "own logprob comes with logprobs=true")
+        self._check_tools(body)
         temperature = body.get("temperature")
+        if temperature is not None and (
+            not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
+        ):
+            raise ChatRequestError(f"temperature must be a number, got {temperature!r}")
         if temperature is not None and float(temperature) != self.temperature:
             raise ChatRequestError(
                 f"temperature must be {self.temperature} (the run's sampling temperature, "
@@ -171,6 +189,21 @@ class OpenAIServer:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ChatRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         return max_tokens
+
+    def _check_tools(self, body: dict[str, Any]) -> None:
+        """The model calls the tools of the server's format, nothing else: a request that
+        asks for other tools, or forbids or forces calls, cannot be honoured."""
+        if body.get("tool_choice") not in (None, "auto"):
+            raise ChatRequestError(
+                f"tool_choice {body['tool_choice']!r} is not offered: the model decides "
+                "whether a turn is a call ('auto')")
+        known = [t.name for t in self.template.tools.tools] if self.template.tools else []
+        for i, tool in enumerate(body.get("tools") or []):
+            name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+            if name not in known:
+                raise ChatRequestError(
+                    f"tools[{i}]: tool {name!r} is not one this model calls "
+                    f"(its tools: {known or 'none'})")
 
 
 def _response(
@@ -224,6 +257,17 @@ def _handler(handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
                 status, out = handle(self.path, body)
             data = json.dumps(out).encode()
             self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            # JSON, and not a 5xx the OpenAI client would retry (e.g. models.list())
+            data = json.dumps(_error(
+                f"unknown path {self.path!r}: only POST .../v1/chat/completions is served",
+                "not_found")).encode()
+            self.send_response(404)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
