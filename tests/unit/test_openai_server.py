@@ -295,3 +295,30 @@ def test_a_get_or_a_query_string_is_answered_in_json():
             model="policy", messages=[{"role": "user", "content": "47*38="}],
             extra_query={"api-version": "1"})
         assert server.trajectory("ep-12").input_ids[:6] == TOK.encode("47*38=")
+
+
+def test_a_replayed_session_that_asks_otherwise_is_a_400_naming_the_turn():
+    """A session served again from its record (a new server over the same recorder, as
+    after a restart) by an agent that does not repeat itself: the agent's fault, said in
+    one line, not a server failure the client would retry."""
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    recorder = InMemoryTurnRecorder()
+
+    def fresh() -> OpenAIServer:
+        sampler = TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
+                                   torch.Generator())
+        return OpenAIServer(sampler, PlainTemplate(TOK, CALCULATOR_FORMAT), 32,
+                            recorder=recorder).start()
+
+    with fresh() as server:
+        first = client(server, "ep-13").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}])
+    with fresh() as server:
+        replayed = client(server, "ep-13").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}])
+        assert replayed.choices[0].model_extra["token_ids"] == first.choices[0].model_extra["token_ids"]
+    with fresh() as server:
+        with pytest.raises(openai.BadRequestError, match=r"model turn run/ep-13/s0/t1: the agent "
+                           r"asked for a different turn than the recorded one"):
+            client(server, "ep-13").chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "12+34="}])

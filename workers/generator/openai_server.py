@@ -35,7 +35,12 @@ import torch
 
 from workers.envs.base import StepKey
 from workers.envs.chat import ChatRequestError, ChatSession, PlainTemplate, serve_turn
-from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder
+from workers.envs.recorder import (
+    InMemoryTurnRecorder,
+    ModelTurn,
+    ReplayMismatchError,
+    TurnRecorder,
+)
 from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
@@ -138,7 +143,8 @@ class OpenAIServer:
                 )
             with self._lock:
                 return 200, self._complete(session_id, body)
-        except ChatRequestError as err:
+        except (ChatRequestError, ReplayMismatchError) as err:
+            # a mismatch is the agent's doing: a replayed session asked other than it did
             return 400, _error(str(err), "invalid_request_error")
         except Exception as err:  # a fault of the server's, not of the request
             return 500, _error(f"the server failed: {type(err).__name__}: {err}", "server_error")
