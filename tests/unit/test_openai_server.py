@@ -322,3 +322,10 @@ def test_a_replayed_session_that_asks_otherwise_is_a_400_naming_the_turn():
                            r"asked for a different turn than the recorded one"):
             client(server, "ep-13").chat.completions.create(
                 model="policy", messages=[{"role": "user", "content": "12+34="}])
+
+
+def test_a_server_never_started_closes():
+    # shutdown() alone waits for a serve loop that never ran: this test would hang
+    server = OpenAIServer(Counting(None), PlainTemplate(TOK, CALCULATOR_FORMAT), 32)
+    server.close()
+    assert server.sessions == {}

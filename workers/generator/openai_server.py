@@ -115,7 +115,8 @@ class OpenAIServer:
         return self
 
     def close(self) -> None:
-        self._http.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for a serve loop that never ran
+            self._http.shutdown()
         self._http.server_close()
 
     def __enter__(self) -> OpenAIServer:
