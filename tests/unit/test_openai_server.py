@@ -329,3 +329,37 @@ def test_a_server_never_started_closes():
     server = OpenAIServer(Counting(None), PlainTemplate(TOK, CALCULATOR_FORMAT), 32)
     server.close()
     assert server.sessions == {}
+
+
+class Echo:
+    """A tool called by ':': ':<letters>' is a call, ':' then anything else is malformed."""
+
+    name, marker = "echo", ":"
+
+    def parse(self, raw):  # type: ignore[no-untyped-def]
+        from workers.envs.base import ToolCallParseError
+
+        if not raw.isalpha():
+            raise ToolCallParseError(f"echo call {':' + raw!r} does not parse: expected :<letters>")
+        return {"text": raw}
+
+    def run(self, arguments):  # type: ignore[no-untyped-def]
+        return arguments["text"]
+
+
+def test_a_turn_that_starts_like_a_call_but_does_not_parse_says_why():
+    from workers.envs.tools import ToolCallFormat
+
+    model = OracleLM(planned("1?", ":12", ">x", ":ab"), TOK.vocab_size)
+    with serve(model, TOK, tools=ToolCallFormat((Echo(),))) as server:
+        llm = client(server, "ep-14")
+        messages = [{"role": "user", "content": "1?"}]
+        bad = llm.chat.completions.create(model="policy", messages=messages)
+        messages += [bad.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "x", "content": "x"}]
+        good = llm.chat.completions.create(model="policy", messages=messages)
+    assert bad.choices[0].message.content == ":12" and not bad.choices[0].message.tool_calls
+    assert bad.choices[0].model_extra["tool_call_error"] == (
+        "echo call ':12' does not parse: expected :<letters>")
+    assert good.choices[0].message.tool_calls[0].function.name == "echo"
+    assert "tool_call_error" not in good.choices[0].model_extra

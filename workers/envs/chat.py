@@ -69,6 +69,8 @@ class ChatSession:
     trajectory: Trajectory = field(init=False)
     #: the conversation so far, as the client must send it back
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: why the last turn, which starts like a tool call, is not one ("" if it is, or is text)
+    tool_call_error: str = ""
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.key)
@@ -130,12 +132,13 @@ class ChatSession:
         self.trajectory.append_turn(len(self.trajectory.turns) + 1, turn)
         text = self.template.tokenizer.decode(list(turn.tokens))
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        call = None
+        call, self.tool_call_error = None, ""
         if self.template.tools is not None:
             try:
                 call = self.template.tools.parse(text)
-            except ToolCallParseError:
-                call = None  # not a well-formed call: the client sees the text
+            except ToolCallParseError as err:
+                # not a well-formed call: the client sees the text, and why it is not a call
+                self.tool_call_error = str(err)
         if call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [{
                 "id": f"call_{self.key.group}_{self.key.sample}_{len(self.trajectory.turns)}",

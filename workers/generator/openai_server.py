@@ -164,6 +164,8 @@ class OpenAIServer:
         reply = self._replies[session_id] = _response(
             session_id, body.get("model", "policy"), message, turn, prompt_ids,
             self.template.tokenizer.decode, prompt_len)
+        if session.tool_call_error:
+            reply["choices"][0]["tool_call_error"] = session.tool_call_error
         return reply
 
     def _check(self, body: dict[str, Any]) -> int:
