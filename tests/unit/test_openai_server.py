@@ -363,3 +363,13 @@ def test_a_turn_that_starts_like_a_call_but_does_not_parse_says_why():
         "echo call ':12' does not parse: expected :<letters>")
     assert good.choices[0].message.tool_calls[0].function.name == "echo"
     assert "tool_call_error" not in good.choices[0].model_extra
+
+
+@pytest.mark.parametrize("session", ["ep 15", "run/g15/s0", "épisode-15"])
+def test_a_session_id_with_a_slash_a_space_or_non_ascii_is_its_own_session(session):  # type: ignore[no-untyped-def]
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        reply = client(server, session).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}])
+        traj = server.trajectory(session)
+    assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import torch
 
@@ -106,7 +106,8 @@ class OpenAIServer:
 
     def session_url(self, session_id: str) -> str:
         """The ``base_url`` an OpenAI client uses for one episode."""
-        return f"{self.url}/sessions/{session_id}/v1"
+        # quoted whole: an id with '/', a space or non-ASCII stays one path segment
+        return f"{self.url}/sessions/{quote(session_id, safe='')}/v1"
 
     def start(self) -> OpenAIServer:
         """Serve in a background thread (a no-op if already serving)."""
@@ -136,7 +137,8 @@ class OpenAIServer:
         parts = urlsplit(path).path.strip("/").split("/")
         if parts[-2:] != ["chat", "completions"]:
             return 404, _error(f"unknown path {path!r}; POST .../v1/chat/completions", "not_found")
-        session_id = parts[1] if parts[0] == "sessions" and len(parts) == 5 else body.get("session_id")
+        session_id = (unquote(parts[1]) if parts[0] == "sessions" and len(parts) == 5
+                      else body.get("session_id"))
         try:
             if not isinstance(session_id, str) or not session_id:
                 raise ChatRequestError(
