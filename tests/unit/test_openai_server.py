@@ -373,3 +373,12 @@ def test_a_session_id_with_a_slash_a_space_or_non_ascii_is_its_own_session(sessi
             model="policy", messages=[{"role": "user", "content": "47*38="}])
         traj = server.trajectory(session)
     assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]
+
+
+def test_unsupported_fields_sent_as_null_ask_for_nothing():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        reply = client(server, "ep-16").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}],
+            extra_body={"stop": None, "user": None, "response_format": None})
+    assert reply.choices[0].model_extra["token_ids"] == TOK.encode("47*38") + [EOS_ID]

@@ -171,7 +171,8 @@ class OpenAIServer:
         return reply
 
     def _check(self, body: dict[str, Any]) -> int:
-        unknown = sorted(set(body) - _KNOWN)
+        # a field sent as null asks for nothing (agent frameworks send their unset ones)
+        unknown = sorted(k for k in set(body) - _KNOWN if body[k] is not None)
         if unknown:
             raise ChatRequestError(f"unsupported request field(s) {unknown}")
         if not isinstance(body.get("messages"), list) or not body["messages"]:
