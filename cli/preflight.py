@@ -14,7 +14,8 @@ half-created run or a traceback from inside a Ray actor half a minute later:
 * the prompts (every line of ``task.dataset``, or the generated set), each encoded
   with the model's tokenizer and checked to fit its context with
   ``sampling.max_new_tokens``; for an episode task, also its environment's first
-  observation (what the model reads first; a TextArena game's prompt is a label).
+  observation (what the model reads first; a TextArena game's prompt is a label),
+  and a reasoning-gym task's answers (what the model must write to score).
 
 Every failure is a :class:`cli.common.CliError` naming the key or file.
 Only pure-python pieces of ``workers`` are imported here (no Ray; torch only through
@@ -52,6 +53,25 @@ def check_config(cfg: Config) -> None:
     encode, context_len = _check_model(cfg, probe)
     examples = _check_prompts(cfg, task, encode=encode, context_len=context_len)
     _check_first_observation(cfg, task, examples[0], encode, context_len)
+    _check_answers(cfg, task, examples, encode)
+
+
+def _check_answers(cfg: Config, task, examples, encode) -> None:
+    """A reasoning-gym answer the tokenizer cannot write (its tags included) is one the
+    model can never give: every reward would be partial at best, and nothing says why."""
+    from workers.envs.reasoning_gym import ReasoningGymTask
+
+    if not isinstance(task, ReasoningGymTask):
+        return
+    for example in examples:
+        answer = (f"<answer>{example.answer}</answer>" if task.answer_format == "tag"
+                  else example.answer)
+        try:
+            encode(answer)
+        except ValueError as err:
+            raise CliError(
+                f"config: task {cfg.task.name!r} (answer_format {task.answer_format!r}): the "
+                f"model cannot write its answers (model.alphabet?): {err}") from None
 
 
 def _check_first_observation(cfg: Config, task, example, encode, context_len: int) -> None:

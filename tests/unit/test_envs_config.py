@@ -106,3 +106,17 @@ def test_a_game_whose_first_observation_the_tokenizer_cannot_encode_is_refused_b
         check_config(load_config(overrides=[*base[:2], "model.context_len=64", "task.num_prompts=4",
                                             f'model.alphabet="{_GAME_CHARS}\\n"']))
     check_config(load_config(overrides=[*base, f'model.alphabet="{_GAME_CHARS}\\n"']))
+
+
+def test_answers_the_model_cannot_write_are_refused_before_the_run():
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ():->"
+    base = ['task.name="reasoning-gym/spell_backward"', "task.num_prompts=16",
+            "model.context_len=64", f'model.alphabet="{alphabet}"']
+    with pytest.raises(CliError, match=r"^config: task 'reasoning-gym/spell_backward' \(answer_format "
+                       r"'tag'\): the model cannot write its answers \(model.alphabet\?\): "
+                       r"character '<'"):
+        check_config(load_config(overrides=[
+            *base, 'task.options={min_word_len=3, max_word_len=3, answer_format="tag"}']))
+    check_config(load_config(overrides=[
+        *base[:3], f'model.alphabet="{alphabet}</"',
+        'task.options={min_word_len=3, max_word_len=3, answer_format="tag"}']))
