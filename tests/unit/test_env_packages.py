@@ -238,3 +238,9 @@ def test_a_word_game_that_would_download_at_run_time_is_refused_at_load(monkeypa
     with pytest.raises(UnknownEnvError, match=r"textarena/Hangman-v0 needs nltk data \['words'\], "
                        r"which TextArena would download at run time; install it first"):
         make_task("textarena/Hangman-v0")
+
+
+def test_a_game_that_cannot_start_with_its_options_says_so_not_that_it_needs_players():
+    with pytest.raises(EnvError, match=r"textarena/GuessTheNumber-v0 could not start with options "
+                       r"\{'min_number': 30, 'max_number': 5\}: ValueError: empty range"):
+        make_task("textarena/GuessTheNumber-v0", min_number=30, max_number=5)

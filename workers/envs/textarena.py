@@ -122,9 +122,15 @@ class TextArenaEnv:
         try:
             self._env.reset(num_players=1, seed=self.seed)
         except Exception as err:
+            if _starts_with_two(raw, self.options, self.seed):
+                raise EnvError(
+                    f"{PREFIX}{self.env_id} did not start as a single-player game "
+                    f"({type(err).__name__}: {err}); only single-player games are supported"
+                ) from err
+            # not a matter of players: the options (or the game itself) are at fault
             raise EnvError(
-                f"{PREFIX}{self.env_id} did not start as a single-player game "
-                f"({type(err).__name__}: {err}); only single-player games are supported"
+                f"{PREFIX}{self.env_id} could not start with options {dict(self.options)}: "
+                f"{type(err).__name__}: {err}"
             ) from err
         player, messages = self._env.get_observation()
         self._player = player
@@ -241,6 +247,17 @@ def _own_random(env: TextArenaEnv) -> Iterator[None]:
             env._rng = random.getstate(), np.random.get_state()
             random.setstate(outside[0])
             np.random.set_state(outside[1])
+
+
+def _starts_with_two(raw: str, options: Mapping[str, Any], seed: int) -> bool:
+    """Whether the game starts for two players (a game that failed to start for one)."""
+    import textarena
+
+    try:
+        textarena.make(raw, **dict(options)).reset(num_players=2, seed=seed)
+    except Exception:
+        return False
+    return True
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
