@@ -222,9 +222,11 @@ def test_a_textarena_game_plays_on_its_own_random_state():
 
 
 def test_a_game_that_echoes_moves_out_of_order_is_shown_its_board():
-    # textarena 0.7.4's Countdown passes add_observation its arguments out of order
-    task = make_task("textarena/Countdown-v0")
-    env = task.make_env(task.examples(1, seed=5)[0])
+    # textarena 0.7.4's Countdown passes add_observation its arguments out of order (the
+    # task refuses it for its malformed-move path, below; its valid moves show the fix)
+    from workers.envs.textarena import TextArenaEnv
+
+    env = TextArenaEnv("Countdown-v0", 5)
     first = env.reset(KEY).text
     assert first is not None and "[0 2 *]" in first
     step = env.step(Action("[0 1 +]", (), True), KEY.at(1))
@@ -244,3 +246,11 @@ def test_a_game_that_cannot_start_with_its_options_says_so_not_that_it_needs_pla
     with pytest.raises(EnvError, match=r"textarena/GuessTheNumber-v0 could not start with options "
                        r"\{'min_number': 30, 'max_number': 5\}: ValueError: empty range"):
         make_task("textarena/GuessTheNumber-v0", min_number=30, max_number=5)
+
+
+def test_a_game_that_raises_on_a_malformed_move_is_refused_at_load():
+    # textarena 0.7.4's Slitherlink passes set_invalid_move its arguments out of order:
+    # the game ended by malformed moves gives its reason as its reward
+    with pytest.raises(EnvError, match=r"textarena/Slitherlink-v0 fails when malformed moves end it "
+                       r"\(textarena/Slitherlink-v0 returned reward 'Bad action format"):
+        make_task("textarena/Slitherlink-v0")

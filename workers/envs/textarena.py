@@ -146,9 +146,11 @@ class TextArenaEnv:
         done, info = self._env.step(action.text)
         if done:
             rewards, game_info = self._env.close()
-            reward = float((rewards or {}).get(self._player, 0.0))
-            if not math.isfinite(reward):
-                raise EnvError(f"{PREFIX}{self.env_id} returned reward {reward} at {key}")
+            reward = (rewards or {}).get(self._player, 0.0)
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
+                    or not math.isfinite(reward):
+                raise EnvError(f"{PREFIX}{self.env_id} returned reward {reward!r} at {key}")
+            reward = float(reward)
             details = dict((game_info or {}).get(self._player, {}))
             result = EnvStep(Observation(text=""), reward, True, _jsonable(details))
         else:
@@ -276,8 +278,20 @@ class TextArenaTask:
         self.name = PREFIX + env_id
         self.max_turns = max_turns
         self.options = dict(options)
-        # fail at load, not mid-run: build and start one game now
-        TextArenaEnv(env_id, 0, self.options).reset(StepKey("check", "check", 0, 0))
+        # fail at load, not mid-run: build and start one game now, and make one malformed
+        # move in it, as a model in training does from its first turn
+        check = TextArenaEnv(env_id, 0, self.options)
+        key = StepKey("check", "check", 0, 0)
+        check.reset(key)
+        try:  # a game allows one malformed move; the next ends it, through its own path
+            for turn in (1, 2, 3):
+                if check.step(Action("?", (), True), key.at(turn)).done:
+                    break
+        except Exception as err:
+            raise EnvError(
+                f"{self.name} fails when malformed moves end it ({err}), so a model's "
+                "malformed moves would fail its groups; pick another game"
+            ) from err
 
     def examples(self, count: int, seed: int) -> list[Example]:
         # the game draws its puzzle from the seed; the prompt names it for the logs
