@@ -16,7 +16,10 @@ standard fields, ``token_ids`` (the completion's ids, EOS included) and
 logprob. Every completion passes through the turn recorder, like the episode runner's.
 
 Errors are JSON ``{"error": {"message", "type"}}`` with status 400 (a request the
-session cannot serve exactly) or 404 (unknown path); the message names the problem.
+session cannot serve exactly; the session is left as it was), 404 (unknown path or a
+GET) or 500 (the server's own fault, e.g. the sampler raising); the message names the
+problem. A resend of the request the session's last reply answered (the client retries
+one whose reply it lost) gets that reply again, without sampling.
 The server is a ``ThreadingHTTPServer`` bound to loopback by default; requests are
 served one at a time (one model).
 """
