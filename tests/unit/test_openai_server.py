@@ -382,3 +382,13 @@ def test_unsupported_fields_sent_as_null_ask_for_nothing():
             model="policy", messages=[{"role": "user", "content": "47*38="}],
             extra_body={"stop": None, "user": None, "response_format": None})
     assert reply.choices[0].model_extra["token_ids"] == TOK.encode("47*38") + [EOS_ID]
+
+
+def test_a_message_without_text_content_names_what_it_holds():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.BadRequestError, match=r"message 0: expected role "
+                           r"system/developer/user/tool with text content, got role 'tool' "
+                           r"with content NoneType"):
+            client(server, "ep-17").chat.completions.create(
+                model="policy", messages=[{"role": "tool", "tool_call_id": "x", "content": None}])

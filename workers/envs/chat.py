@@ -48,8 +48,8 @@ class PlainTemplate:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if role not in ("system", "user", "tool", "developer") or not isinstance(content, str):
             raise ChatRequestError(
-                f"message {index}: expected role system/user/tool with text content, "
-                f"got role {role!r}"
+                f"message {index}: expected role system/developer/user/tool with text "
+                f"content, got role {role!r} with content {type(content).__name__}"
             )
         if role == "tool" and self.tools is not None:
             content = self.tools.render_result(content)
