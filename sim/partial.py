@@ -4,8 +4,10 @@ The same contract as ``workers.generator.inflight`` (``docs/segments.md``), in v
 time and without a model. A group's generation time T (the timings' draw) is spread
 evenly over its longest completion's L tokens, so a token takes T / L and sample i
 stops at its own length. A call returns at the first flush point of its groups:
-``segment_tokens`` more tokens since the last flush. A window that spans refits is
-flushed one version at a time.
+``segment_tokens`` more tokens since the last flush, or once all are done (a group that
+ends first waits in the call, as the protocol says; ``docs/segments.md``). A group that
+another group's flush pauses keeps the part of a token it had decoded. A window that
+spans refits is flushed one version at a time.
 
 A refit (the publisher moved the fleet's weight version while the group was generating)
 applies from the next token on, as the real generator does at a token boundary, and
@@ -39,6 +41,10 @@ class _Group:
     lengths: list[int]
     #: virtual seconds per token step
     token_s: float
+    #: work-clock seconds already spent on the token being decoded when its call
+    #: returned: a group of several in a call is paused between two tokens of its own
+    #: whenever another group flushes, and the next call goes on from there
+    into_s: float = 0.0
     #: token steps taken; tokens of each sample made durable so far; flushes so far;
     #: token steps at the last flush
     steps: int = 0
@@ -99,6 +105,19 @@ class _Group:
         return out
 
 
+def _advance(g: _Group, target: int, stop: int, elapsed: float, refit: bool) -> None:
+    """``g`` ran ``elapsed`` work-clock seconds of its call, toward token step ``target``
+    (its flush point or end, ``stop``, or as far as the call's first flush let it go); the
+    part of a token it had decoded is kept for the next call, never decoded again."""
+    if g.done:
+        return
+    ran = g.into_s + elapsed
+    reached = min(target, g.steps + int(ran / g.token_s + 1e-9)) if refit else target
+    g.into_s = 0.0 if reached >= stop else max(
+        0.0, ran - (reached - g.steps) * g.token_s)
+    g.steps = reached
+
+
 class SimPartialGenerator:
     """A generator whose calls end at their groups' next flush point."""
 
@@ -154,6 +173,8 @@ class _Call:
         self.decoding = False
         #: token steps each group reaches at the timer (the first to flush reaches it exactly)
         self.target: list[int] = []
+        #: the token step of each group's flush point (or end) at the last schedule
+        self.stops: list[int] = []
 
     def _until_flush(self, g: _Group) -> int:
         """Token steps until this group's next flush point (or its end)."""
@@ -161,13 +182,19 @@ class _Call:
         return max(1, min(self.gen.segment_tokens - since, max(g.lengths) - g.steps))
 
     def schedule(self) -> None:
-        steps = [self._until_flush(g) for g in self.groups]
-        wait = min(n * g.token_s for n, g in zip(steps, self.groups))
+        # a group that ended waits in the call for the others' flush point (it takes no steps)
+        groups = self.groups
+        live = [k for k, g in enumerate(groups) if not g.done]
+        steps = [self._until_flush(g) for g in groups]
+        need = [n * g.token_s - g.into_s for n, g in zip(steps, groups)]
+        wait = min(need[k] for k in live)
         self.target = [
-            g.steps + min(n, int(wait / g.token_s + 1e-9)) for n, g in zip(steps, self.groups)
+            g.steps if g.done else g.steps + min(n, int((wait + g.into_s) / g.token_s + 1e-9))
+            for n, g in zip(steps, groups)
         ]
-        first = min(range(len(steps)), key=lambda k: steps[k] * self.groups[k].token_s)
-        self.target[first] = self.groups[first].steps + steps[first]
+        first = min(live, key=lambda k: need[k])
+        self.target[first] = groups[first].steps + steps[first]
+        self.stops = [g.steps + n for n, g in zip(steps, groups)]
         fleet = self.gen.fleet
         if not self.decoding:  # a call re-timed after a refit keeps decoding
             self.decoding = True
@@ -197,7 +224,8 @@ class _Call:
         with fleet.loop.uncharged():
             elapsed = fleet.work_clock.time() - self.started
             for g, target in zip(self.groups, self.target):
-                g.refit(fleet.weight_version, min(target, g.steps + int(elapsed / g.token_s + 1e-9)))
+                if not g.done:  # an ended group has no next token for the new version
+                    g.refit(fleet.weight_version, min(target, g.steps + int((g.into_s + elapsed) / g.token_s + 1e-9)))
 
     def resolve(self, refit: bool) -> None:
         fleet = self.gen.fleet
@@ -207,8 +235,8 @@ class _Call:
             return
         with fleet.loop.uncharged():
             elapsed = fleet.work_clock.time() - self.started
-            for g, target in zip(self.groups, self.target):
-                g.steps = target if not refit else min(target, g.steps + int(elapsed / g.token_s + 1e-9))
+            for g, target, stop in zip(self.groups, self.target, self.stops):
+                _advance(g, target, stop, elapsed, refit)
             v = fleet.weight_version
             if refit and not any(g.done or (g.fresh() and g.version != v) for g in self.groups):
                 for g in self.groups:  # nothing to flush: the next tokens are the new weights'
@@ -216,11 +244,27 @@ class _Call:
                     g.began(v)
                 self.schedule()
                 return
+            if not any(self._flushes(g, refit) for g in self.groups) and not all(
+                    g.done for g in self.groups):
+                # the protocol: a call returns at a flush point of one of its groups, or
+                # once all are done; one that ended first waits for the others (the real
+                # generator runs the rest before it returns), never "done" beside "pending"
+                for g in self.groups:
+                    if refit and not g.done and not g.fresh():
+                        g.version = v  # as a pending outcome after a refit would note
+                        g.began(v)
+                self.schedule()
+                return
             self._stop_decoding()
             self.fut.set_result([self._outcome(r, g, refit) for r, g in zip(self.reqs, self.groups)])
 
+    def _flushes(self, g: _Group, refit: bool) -> bool:
+        """Whether ``_outcome`` flushes this group now."""
+        full = g.steps - g.flushed_at >= self.gen.segment_tokens
+        return not g.done and g.fresh() and (full or (refit and self.gen.fleet.weight_version != g.version))
+
     def _outcome(self, req: GenerationRequest, g: _Group, refit: bool) -> GenerationOutcome:
-        fleet, seg_tokens = self.gen.fleet, self.gen.segment_tokens
+        fleet = self.gen.fleet
         if g.done:
             del self.gen.held[req.group_id]
             # the versions its tokens have, as the real generator's final rows say: a refit
@@ -234,8 +278,7 @@ class _Call:
                 lengths=list(g.lengths), weight_version_start=start, weight_version_end=end,
                 version_runs=runs,
             )
-        full = g.steps - g.flushed_at >= seg_tokens
-        if not g.fresh() or not (full or (refit and fleet.weight_version != g.version)):
+        if not self._flushes(g, refit):
             if refit and not g.fresh():
                 g.version = fleet.weight_version
                 g.began(g.version)
