@@ -254,3 +254,29 @@ def test_a_game_that_raises_on_a_malformed_move_is_refused_at_load():
     with pytest.raises(EnvError, match=r"textarena/Slitherlink-v0 fails when malformed moves end it "
                        r"\(textarena/Slitherlink-v0 returned reward 'Bad action format"):
         make_task("textarena/Slitherlink-v0")
+
+
+def test_reasoning_gym_questions_do_not_depend_on_the_process_hash_seed():
+    """isomorphic_strings draws from sets of strings: in processes with other hash seeds
+    (each generator, a resumed run) one prompt index would be another question."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from workers.envs.reasoning_gym import ReasoningGymTask; "
+            "print([(e.prompt, e.answer) for e in ReasoningGymTask('isomorphic_strings')"
+            ".examples(4, 11)])")
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2", "0")
+    ]
+    assert runs[0] == runs[1] == runs[2] and "isomorphic" in runs[0]
+
+
+def test_a_dataset_that_prints_while_it_makes_questions_still_gives_them():
+    # bf prints while it generates: the child's output must not mix into its questions
+    from workers.envs.reasoning_gym import ReasoningGymTask
+
+    (example,) = ReasoningGymTask("bf").examples(1, 3)
+    assert example.prompt and example.answer
