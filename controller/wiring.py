@@ -175,9 +175,11 @@ def _start_local(cfg: Config, spec: WorkerSpec) -> Workers:
 
     def factory(role: str, name: str) -> LocalHandle:
         if role == "trainer":
-            return LocalHandle(TrainerWorker(spec, plane), name=name, role=role)
+            return LocalHandle(TrainerWorker(spec, plane), name=name, role=role,
+                               torch_threads=spec.torch_threads)
         # two threads: a weight update may arrive while a group is generating
-        return LocalHandle(GeneratorWorker(spec, name, plane), threads=2, name=name, role=role)
+        return LocalHandle(GeneratorWorker(spec, name, plane), threads=2, name=name, role=role,
+                           torch_threads=spec.torch_threads)
 
     return _assemble(cfg, spec, plane, factory)
 

@@ -116,7 +116,8 @@ def build_trainer(state: RunState, run_dir: Path, plane):
 
     cfg = recorded_config(state)
     spec = worker_spec(cfg, state.run_id, run_dir)
-    return TrainerClientImpl(LocalHandle(TrainerWorker(spec, plane), name="replay-trainer", role="trainer"))
+    return TrainerClientImpl(LocalHandle(TrainerWorker(spec, plane), name="replay-trainer",
+                                         role="trainer", torch_threads=spec.torch_threads))
 
 
 async def retrain(

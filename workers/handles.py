@@ -46,6 +46,17 @@ from workers.weight_transport import BucketTransport, WeightTransport
 Call = Callable[..., Any]
 
 
+def _pin_torch_threads(n: int) -> None:
+    import torch  # only where a worker runs in this process
+
+    # ATen sets a thread's OpenMP count once, lazily, to the process-wide count of that
+    # moment -- which another thread may have changed by then (TransferQueue's client
+    # sets it around every put, from its own loop thread): ask first, so that lazy set
+    # happens now, then pin
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 def _stamped(token: EpochToken | None, call: Call, args: tuple[Any, ...]) -> tuple[str, tuple]:
     """(method name, args) as sent: through ``fenced`` with the epoch once the token has one."""
     method = call_name(call)
@@ -55,15 +66,27 @@ def _stamped(token: EpochToken | None, call: Call, args: tuple[Any, ...]) -> tup
 
 
 class LocalHandle:
-    """Calls a plain object's methods on its own worker threads."""
+    """Calls a plain object's methods on its own worker threads.
+
+    ``torch_threads`` pins torch's intra-op thread count on each of those threads, as a
+    Ray actor's process pins it for the thread its calls run on. OpenMP keeps the count
+    per calling thread: the worker's own ``torch.set_num_threads`` in its constructor
+    (on the thread that built it) does not reach a pool thread, which took whatever the
+    process-wide count was at its first parallel op (2, once TransferQueue's client had
+    set it), and a float32 step computed with 2 threads instead of 1 rounds differently:
+    a ``--local-workers`` run wrote weight digests ``replay --retrain`` (one thread)
+    could never reproduce.
+    """
 
     def __init__(
-        self, obj: Any, *, threads: int = 1, name: str = "worker", role: str = "worker"
+        self, obj: Any, *, threads: int = 1, name: str = "worker", role: str = "worker",
+        torch_threads: int | None = None,
     ) -> None:
         self.obj = obj
         self.name = name
         self.role = role
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        pin = None if torch_threads is None else functools.partial(_pin_torch_threads, torch_threads)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=pin)
         self._lost: str | None = None
         #: the controller's epoch, stamped on every call (set by ``controller.wiring``)
         self.token: EpochToken | None = None
