@@ -13,7 +13,9 @@ half-created run or a traceback from inside a Ray actor half a minute later:
   ``workers.models.hf_check``);
 * the prompts (every line of ``task.dataset``, or the generated set), each encoded
   with the model's tokenizer and checked to fit its context with
-  ``sampling.max_new_tokens``.
+  ``sampling.max_new_tokens``; for an episode task, also its environment's first
+  observation (what the model reads first; a TextArena game's prompt is a label),
+  and a reasoning-gym task's answers (what the model must write to score).
 
 Every failure is a :class:`cli.common.CliError` naming the key or file.
 Only pure-python pieces of ``workers`` are imported here (no Ray; torch only through
@@ -49,7 +51,53 @@ def check_config(cfg: Config) -> None:
     task = _check_task(cfg)
     probe = _check_prompts(cfg, task)[0].prompt
     encode, context_len = _check_model(cfg, probe)
-    _check_prompts(cfg, task, encode=encode, context_len=context_len)
+    examples = _check_prompts(cfg, task, encode=encode, context_len=context_len)
+    _check_first_observation(cfg, task, examples[0], encode, context_len)
+    _check_answers(cfg, task, examples, encode)
+
+
+def _check_answers(cfg: Config, task, examples, encode) -> None:
+    """A reasoning-gym answer the tokenizer cannot write (its tags included) is one the
+    model can never give: every reward would be partial at best, and nothing says why."""
+    from workers.envs.reasoning_gym import ReasoningGymTask
+
+    if not isinstance(task, ReasoningGymTask):
+        return
+    for example in examples:
+        answer = (f"<answer>{example.answer}</answer>" if task.answer_format == "tag"
+                  else example.answer)
+        try:
+            encode(answer)
+        except ValueError as err:
+            raise CliError(
+                f"config: task {cfg.task.name!r} (answer_format {task.answer_format!r}): the "
+                f"model cannot write its answers (model.alphabet?): {err}") from None
+
+
+def _check_first_observation(cfg: Config, task, example, encode, context_len: int) -> None:
+    """An episode task's prompt can be a mere label (a TextArena game's is its seed):
+    what the model reads first is the environment's first observation, so that is what
+    must encode and fit, or every group fails at its first step once the run is up."""
+    from workers.envs.base import StepKey
+    from workers.envs.task import EpisodeTask
+
+    if not isinstance(task, EpisodeTask):
+        return
+    try:
+        first = task.make_env(example).reset(StepKey("preflight", "preflight", 0, 0))
+    except Exception as err:  # the run would fail the same way at every group
+        raise CliError(f"config: task {cfg.task.name!r}: its environment cannot start: "
+                       f"{type(err).__name__}: {err}") from None
+    if first.text is None:
+        return  # ids: the environment speaks the model's tokenizer
+    try:
+        ids = encode(first.text)
+    except ValueError as err:
+        raise CliError(f"config: task {cfg.task.name!r}: its first observation cannot be "
+                       f"encoded (model.alphabet?): {err}") from None
+    if len(ids) + 1 > context_len:
+        raise CliError(f"config: task {cfg.task.name!r}: its first observation is {len(ids)} "
+                       f"tokens; the model's context of {context_len} leaves no room for a turn")
 
 
 def _check_task(cfg: Config):

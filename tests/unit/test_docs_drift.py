@@ -17,6 +17,7 @@ _KEY_IN_MESSAGE = re.compile(r"(?<![\w.])([a-z_]+(?:\.[a-z_0-9]+)+) (?:=|must|ne
 #: dotted names in messages that are not config keys, and what they are instead
 NOT_CONFIG_KEYS = {
     "megatron.use_distributed_optimizer": "a megatron backend option (workers.backends)",
+    "sys.stdout": "Python in the source of reasoning-gym's child process (workers.envs.reasoning_gym)",
 }
 
 

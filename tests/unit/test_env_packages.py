@@ -190,3 +190,93 @@ def test_the_ledger_tool_makes_a_keyed_call_once_unless_it_says_it_cannot_dedupe
         assert (first == again) is dedupe and first.reward == 2 / 4 and not first.done
     with pytest.raises(ValueError, match="task.options.path"):
         make_task("ledger")
+
+
+def test_a_textarena_game_plays_on_its_own_random_state():
+    """2048 spawns a tile from the global ``random`` on every move: games stepped in turn
+    in one process (a group), or a game resumed alone, must still be functions of their
+    seed and moves, or a resumed game goes on from another board than its log's."""
+    import random
+
+    task = make_task("textarena/2048-v0", max_turns=8)
+    example = task.examples(1, seed=4)[0]
+    moves = [Action(m, (), True) for m in ("[up]", "[left]", "[down]", "[right]")]
+    alone = task.make_env(example)
+    alone.reset(KEY)
+    expected = [alone.step(m, KEY.at(t)) for t, m in enumerate(moves, start=1)]
+    played, other = task.make_env(example), task.make_env(task.examples(1, seed=9)[0])
+    played.reset(KEY)
+    other.reset(KEY.at(0))
+    results = []
+    for t, move in enumerate(moves, start=1):
+        random.random()  # anything else in the process that draws
+        other.step(move, StepKey("run", "g", 1, t))
+        results.append(played.step(move, KEY.at(t)))
+    assert results == expected
+    resumed = task.make_env(example)  # after a crash: the first three moves restored
+    resumed.reset(KEY)
+    for t, (move, result) in enumerate(zip(moves[:3], expected[:3]), start=1):
+        random.random()
+        resumed.restore_step(move, result, KEY.at(t))
+    assert resumed.step(moves[3], KEY.at(4)) == expected[3]
+
+
+def test_a_game_that_echoes_moves_out_of_order_is_shown_its_board():
+    # textarena 0.7.4's Countdown passes add_observation its arguments out of order (the
+    # task refuses it for its malformed-move path, below; its valid moves show the fix)
+    from workers.envs.textarena import TextArenaEnv
+
+    env = TextArenaEnv("Countdown-v0", 5)
+    first = env.reset(KEY).text
+    assert first is not None and "[0 2 *]" in first
+    step = env.step(Action("[0 1 +]", (), True), KEY.at(1))
+    assert not step.done and "Move history:\n  1. " in (step.observation.text or "")
+    assert not (step.observation.text or "").startswith("[0 1 +]")  # its own move: not repeated
+
+
+def test_a_word_game_that_would_download_at_run_time_is_refused_at_load(monkeypatch, tmp_path):
+    nltk = pytest.importorskip("nltk")
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])  # no nltk data installed
+    with pytest.raises(UnknownEnvError, match=r"textarena/Hangman-v0 needs nltk data \['words'\], "
+                       r"which TextArena would download at run time; install it first"):
+        make_task("textarena/Hangman-v0")
+
+
+def test_a_game_that_cannot_start_with_its_options_says_so_not_that_it_needs_players():
+    with pytest.raises(EnvError, match=r"textarena/GuessTheNumber-v0 could not start with options "
+                       r"\{'min_number': 30, 'max_number': 5\}: ValueError: empty range"):
+        make_task("textarena/GuessTheNumber-v0", min_number=30, max_number=5)
+
+
+def test_a_game_that_raises_on_a_malformed_move_is_refused_at_load():
+    # textarena 0.7.4's Slitherlink passes set_invalid_move its arguments out of order:
+    # the game ended by malformed moves gives its reason as its reward
+    with pytest.raises(EnvError, match=r"textarena/Slitherlink-v0 fails when malformed moves end it "
+                       r"\(textarena/Slitherlink-v0 returned reward 'Bad action format"):
+        make_task("textarena/Slitherlink-v0")
+
+
+def test_reasoning_gym_questions_do_not_depend_on_the_process_hash_seed():
+    """isomorphic_strings draws from sets of strings: in processes with other hash seeds
+    (each generator, a resumed run) one prompt index would be another question."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from workers.envs.reasoning_gym import ReasoningGymTask; "
+            "print([(e.prompt, e.answer) for e in ReasoningGymTask('isomorphic_strings')"
+            ".examples(4, 11)])")
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2", "0")
+    ]
+    assert runs[0] == runs[1] == runs[2] and "isomorphic" in runs[0]
+
+
+def test_a_dataset_that_prints_while_it_makes_questions_still_gives_them():
+    # bf prints while it generates: the child's output must not mix into its questions
+    from workers.envs.reasoning_gym import ReasoningGymTask
+
+    (example,) = ReasoningGymTask("bf").examples(1, 3)
+    assert example.prompt and example.answer

@@ -85,3 +85,38 @@ def test_a_run_says_which_of_its_task_s_defaults_it_took():
     assert taken("train.loss.entropy_coef=0.01") == [alphabet]
     assert task_defaults_in_effect("reverse", config_to_dict(load_config())) == []
     assert task_defaults_in_effect("no-such-task", config_to_dict(load_config())) == []
+
+
+#: everything GuessTheNumber's messages hold but the newline
+_GAME_CHARS = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+               " .,:;!?'()[]<>=+-*/_")
+
+
+def test_a_game_whose_first_observation_the_tokenizer_cannot_encode_is_refused_before_the_run():
+    """A TextArena game's prompt is a label (its seed); the model reads the game's first
+    message, so that is what the preflight encodes, or every group fails once the run is up."""
+    pytest.importorskip("textarena")
+    base = ['task.name="textarena/GuessTheNumber-v0"', "task.options={max_turns=3}",
+            "model.context_len=1024", "task.num_prompts=4"]
+    with pytest.raises(CliError, match=r"^config: task 'textarena/GuessTheNumber-v0': its first "
+                       r"observation cannot be encoded \(model.alphabet\?\): character '\\n'"):
+        check_config(load_config(overrides=[*base, f'model.alphabet="{_GAME_CHARS}"']))
+    with pytest.raises(CliError, match=r"its first observation is \d+ tokens; the model's "
+                       r"context of 64 leaves no room"):
+        check_config(load_config(overrides=[*base[:2], "model.context_len=64", "task.num_prompts=4",
+                                            f'model.alphabet="{_GAME_CHARS}\\n"']))
+    check_config(load_config(overrides=[*base, f'model.alphabet="{_GAME_CHARS}\\n"']))
+
+
+def test_answers_the_model_cannot_write_are_refused_before_the_run():
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ():->"
+    base = ['task.name="reasoning-gym/spell_backward"', "task.num_prompts=16",
+            "model.context_len=64", f'model.alphabet="{alphabet}"']
+    with pytest.raises(CliError, match=r"^config: task 'reasoning-gym/spell_backward' \(answer_format "
+                       r"'tag'\): the model cannot write its answers \(model.alphabet\?\): "
+                       r"character '<'"):
+        check_config(load_config(overrides=[
+            *base, 'task.options={min_word_len=3, max_word_len=3, answer_format="tag"}']))
+    check_config(load_config(overrides=[
+        *base[:3], f'model.alphabet="{alphabet}</"',
+        'task.options={min_word_len=3, max_word_len=3, answer_format="tag"}']))

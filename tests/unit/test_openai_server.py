@@ -149,6 +149,11 @@ def test_a_changed_history_is_refused_with_the_reason():
         ({"temperature": 0.5}, "temperature must be 1.0"),
         ({"extra_body": {"top_k": 5}}, r"unsupported request field\(s\) \['top_k'\]"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs is not offered"),
+        ({"tool_choice": "none"}, "tool_choice 'none' is not offered"),
+        ({"tools": [{"type": "function", "function": {"name": "search"}}]},
+         r"tools\[0\]: tool 'search' is not one this model calls \(its tools: \['calculator'\]\)"),
     ],
 )
 def test_requests_the_session_cannot_serve_exactly_are_refused(kwargs, reason):  # type: ignore[no-untyped-def]
@@ -195,3 +200,195 @@ def test_a_generator_serves_its_model_and_the_turn_records_the_weight_version():
     assert second.model_extra["weight_version"] == [3, 3]
     assert [(t.version_start, t.version_end) for t in traj.turns] == [(0, 0), (3, 3)]
     assert traj.key.run == "run-9"
+
+
+def test_a_message_that_is_not_an_object_gets_a_400_not_a_dropped_connection():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.BadRequestError, match="message 0 must be a JSON object, got str"):
+            client(server, "ep-8").chat.completions.create(model="policy", messages=["47*38="])
+
+
+def test_a_refused_request_leaves_the_session_as_it_was():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK, context_len=16) as server:
+        llm = client(server, "ep-9")
+        with pytest.raises(openai.BadRequestError, match="message 1 cannot be encoded"):
+            llm.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": "47*38"}, {"role": "user", "content": "é"}])
+        with pytest.raises(openai.BadRequestError, match="leaves no room"):
+            llm.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": "47*38"}, {"role": "user", "content": "=" * 11}])
+        # the corrected request is served from the start: no message lost or held twice
+        reply = llm.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": "47*38"}, {"role": "user", "content": "="}])
+        traj = server.trajectory("ep-9")
+    assert reply.choices[0].model_extra["prompt_token_ids"] == TOK.encode("47*38=")
+    assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]
+
+
+class FailsOnce:
+    """A sampler whose first call fails (a model fault mid-request), then samples."""
+
+    def __init__(self, sampler):  # type: ignore[no-untyped-def]
+        self.sampler, self.calls = sampler, 0
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("device lost")
+        return self.sampler.generate(requests)
+
+
+def test_a_sampler_fault_is_a_500_line_and_the_retry_is_served_whole():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    sampler = FailsOnce(TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
+                                         torch.Generator()))
+    messages = [{"role": "user", "content": "47*38="}]
+    with OpenAIServer(sampler, PlainTemplate(TOK, CALCULATOR_FORMAT), 32) as server:
+        llm = client(server, "ep-10")
+        with pytest.raises(openai.InternalServerError, match="RuntimeError: device lost"):
+            llm.chat.completions.create(model="policy", messages=messages)
+        reply = llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-10")
+    assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]
+    assert len(traj.turns) == 1
+
+
+class Counting:
+    def __init__(self, sampler):  # type: ignore[no-untyped-def]
+        self.sampler, self.calls = sampler, 0
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return self.sampler.generate(requests)
+
+
+def test_a_client_retry_of_a_served_request_gets_the_same_reply_sampled_once():
+    """The OpenAI client resends a request whose reply it lost (a timeout, a dropped
+    connection): the turn was sampled and is in the trajectory, so the resend is
+    answered from it, not refused and not sampled again."""
+    model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
+    sampler = Counting(TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
+                                        torch.Generator()))
+    messages = [{"role": "user", "content": "47*38="}]
+    with OpenAIServer(sampler, PlainTemplate(TOK, CALCULATOR_FORMAT), 32) as server:
+        llm = client(server, "ep-11")
+        first = llm.chat.completions.create(model="policy", messages=messages)
+        again = llm.chat.completions.create(model="policy", messages=messages)
+        messages += [again.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "x", "content": "1786"}]
+        llm.chat.completions.create(model="policy", messages=messages)
+        traj = server.trajectory("ep-11")
+    assert again.model_dump() == first.model_dump()
+    assert sampler.calls == 2 and len(traj.turns) == 2
+    assert traj.input_ids == TOK.encode("47*38=47*38") + [EOS_ID] + TOK.encode(">1786") \
+        + TOK.encode("1786") + [EOS_ID]
+
+
+def test_a_get_or_a_query_string_is_answered_in_json():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.NotFoundError, match="only POST .../v1/chat/completions"):
+            client(server, "ep-12").models.list()
+        client(server, "ep-12").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}],
+            extra_query={"api-version": "1"})
+        assert server.trajectory("ep-12").input_ids[:6] == TOK.encode("47*38=")
+
+
+def test_a_replayed_session_that_asks_otherwise_is_a_400_naming_the_turn():
+    """A session served again from its record (a new server over the same recorder, as
+    after a restart) by an agent that does not repeat itself: the agent's fault, said in
+    one line, not a server failure the client would retry."""
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    recorder = InMemoryTurnRecorder()
+
+    def fresh() -> OpenAIServer:
+        sampler = TorchTurnSampler(model, EOS_ID, SamplingSection(max_new_tokens=8),
+                                   torch.Generator())
+        return OpenAIServer(sampler, PlainTemplate(TOK, CALCULATOR_FORMAT), 32,
+                            recorder=recorder).start()
+
+    with fresh() as server:
+        first = client(server, "ep-13").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}])
+    with fresh() as server:
+        replayed = client(server, "ep-13").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}])
+        assert replayed.choices[0].model_extra["token_ids"] == first.choices[0].model_extra["token_ids"]
+    with fresh() as server:
+        with pytest.raises(openai.BadRequestError, match=r"model turn run/ep-13/s0/t1: the agent "
+                           r"asked for a different turn than the recorded one"):
+            client(server, "ep-13").chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "12+34="}])
+
+
+def test_a_server_never_started_closes():
+    # shutdown() alone waits for a serve loop that never ran: this test would hang
+    server = OpenAIServer(Counting(None), PlainTemplate(TOK, CALCULATOR_FORMAT), 32)
+    server.close()
+    assert server.sessions == {}
+
+
+class Echo:
+    """A tool called by ':': ':<letters>' is a call, ':' then anything else is malformed."""
+
+    name, marker = "echo", ":"
+
+    def parse(self, raw):  # type: ignore[no-untyped-def]
+        from workers.envs.base import ToolCallParseError
+
+        if not raw.isalpha():
+            raise ToolCallParseError(f"echo call {':' + raw!r} does not parse: expected :<letters>")
+        return {"text": raw}
+
+    def run(self, arguments):  # type: ignore[no-untyped-def]
+        return arguments["text"]
+
+
+def test_a_turn_that_starts_like_a_call_but_does_not_parse_says_why():
+    from workers.envs.tools import ToolCallFormat
+
+    model = OracleLM(planned("1?", ":12", ">x", ":ab"), TOK.vocab_size)
+    with serve(model, TOK, tools=ToolCallFormat((Echo(),))) as server:
+        llm = client(server, "ep-14")
+        messages = [{"role": "user", "content": "1?"}]
+        bad = llm.chat.completions.create(model="policy", messages=messages)
+        messages += [bad.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "x", "content": "x"}]
+        good = llm.chat.completions.create(model="policy", messages=messages)
+    assert bad.choices[0].message.content == ":12" and not bad.choices[0].message.tool_calls
+    assert bad.choices[0].model_extra["tool_call_error"] == (
+        "echo call ':12' does not parse: expected :<letters>")
+    assert good.choices[0].message.tool_calls[0].function.name == "echo"
+    assert "tool_call_error" not in good.choices[0].model_extra
+
+
+@pytest.mark.parametrize("session", ["ep 15", "run/g15/s0", "épisode-15"])
+def test_a_session_id_with_a_slash_a_space_or_non_ascii_is_its_own_session(session):  # type: ignore[no-untyped-def]
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        reply = client(server, session).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}])
+        traj = server.trajectory(session)
+    assert traj.input_ids == TOK.encode("47*38=") + reply.choices[0].model_extra["token_ids"]
+
+
+def test_unsupported_fields_sent_as_null_ask_for_nothing():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        reply = client(server, "ep-16").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "47*38="}],
+            extra_body={"stop": None, "user": None, "response_format": None})
+    assert reply.choices[0].model_extra["token_ids"] == TOK.encode("47*38") + [EOS_ID]
+
+
+def test_a_message_without_text_content_names_what_it_holds():
+    model = OracleLM(planned("47*38=", "47*38"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        with pytest.raises(openai.BadRequestError, match=r"message 0: expected role "
+                           r"system/developer/user/tool with text content, got role 'tool' "
+                           r"with content NoneType"):
+            client(server, "ep-17").chat.completions.create(
+                model="policy", messages=[{"role": "tool", "tool_call_id": "x", "content": None}])

@@ -17,6 +17,7 @@ parses as a call is returned as ``tool_calls``. A chat template with role header
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,8 +48,8 @@ class PlainTemplate:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if role not in ("system", "user", "tool", "developer") or not isinstance(content, str):
             raise ChatRequestError(
-                f"message {index}: expected role system/user/tool with text content, "
-                f"got role {role!r}"
+                f"message {index}: expected role system/developer/user/tool with text "
+                f"content, got role {role!r} with content {type(content).__name__}"
             )
         if role == "tool" and self.tools is not None:
             content = self.tools.render_result(content)
@@ -68,12 +69,20 @@ class ChatSession:
     trajectory: Trajectory = field(init=False)
     #: the conversation so far, as the client must send it back
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: why the last turn, which starts like a tool call, is not one ("" if it is, or is text)
+    tool_call_error: str = ""
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.key)
 
     def prepare(self, messages: Sequence[Mapping[str, Any]], max_tokens: int) -> TurnRequest:
-        """Check the history, append the new messages' ids; the next turn's request."""
+        """Check the history, append the new messages' ids; the next turn's request.
+
+        A refused request leaves the session as it was (:func:`serve_turn` restores it),
+        so the client can correct the request and send it again."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise ChatRequestError(f"message {i} must be a JSON object, got {type(m).__name__}")
         if len(messages) <= len(self.history):
             raise ChatRequestError(
                 f"the request has {len(messages)} messages; the session already holds "
@@ -107,17 +116,29 @@ class ChatSession:
         turn = len(self.trajectory.turns) + 1
         return TurnRequest(self.key.at(turn), tuple(self.trajectory.input_ids), min(max_tokens, room))
 
+    def is_resend(self, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """``messages`` is the request the session's last reply answered, sent again (a
+        client retries a request whose reply it did not receive)."""
+        if not self.history or self.history[-1].get("role") != "assistant":
+            return False
+        asked = self.history[:-1]
+        return len(messages) == len(asked) and all(
+            isinstance(m, Mapping) and _canonical(m) == _canonical(h)
+            for m, h in zip(messages, asked)
+        )
+
     def complete(self, turn: ModelTurn) -> dict[str, Any]:
         """Append the model's turn; the assistant message the client will send back."""
         self.trajectory.append_turn(len(self.trajectory.turns) + 1, turn)
         text = self.template.tokenizer.decode(list(turn.tokens))
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        call = None
+        call, self.tool_call_error = None, ""
         if self.template.tools is not None:
             try:
                 call = self.template.tools.parse(text)
-            except ToolCallParseError:
-                call = None  # not a well-formed call: the client sees the text
+            except ToolCallParseError as err:
+                # not a well-formed call: the client sees the text, and why it is not a call
+                self.tool_call_error = str(err)
         if call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [{
                 "id": f"call_{self.key.group}_{self.key.sample}_{len(self.trajectory.turns)}",
@@ -133,10 +154,13 @@ def _canonical(message: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.get("role"), "content": message.get("content") or None}
     calls = message.get("tool_calls")
     if calls:
-        out["tool_calls"] = [
-            (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in calls
-        ]
+        try:
+            out["tool_calls"] = [
+                (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in calls
+            ]
+        except (KeyError, TypeError, ValueError):
+            out["tool_calls"] = ("malformed", repr(calls))  # matches no call the session made
     return out
 
 
@@ -147,7 +171,17 @@ def serve_turn(
     messages: Sequence[Mapping[str, Any]],
     max_tokens: int,
 ) -> tuple[dict[str, Any], ModelTurn]:
-    """One chat completion of ``session``: through the recorder, like every model turn."""
-    request = session.prepare(messages, max_tokens)
-    (turn,) = recorder.model_turns([request], sampler.generate)
-    return session.complete(turn), turn
+    """One chat completion of ``session``: through the recorder, like every model turn.
+
+    A request refused or failed on the way (a message that cannot be encoded, no room
+    in the context, the sampler raising) leaves the session exactly as it was: a
+    half-appended request would shift every later id, or refuse the corrected resend.
+    """
+    saved = copy.deepcopy(session.trajectory), list(session.history)
+    try:
+        request = session.prepare(messages, max_tokens)
+        (turn,) = recorder.model_turns([request], sampler.generate)
+        return session.complete(turn), turn
+    except BaseException:
+        session.trajectory, session.history = saved
+        raise

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -85,17 +90,39 @@ class ReasoningGymTask:
             raise ValueError(f"{self.name}: invalid config {self.config}: {err}") from None
 
     def examples(self, count: int, seed: int) -> list[Example]:
-        data = self._create(seed, count)
-        if self._scorer is None:
-            self._scorer = data
+        if sys.flags.hash_randomization:
+            entries = self._entries_at_fixed_hash(seed, count)
+        else:  # PYTHONHASHSEED=0 here already
+            data = self._create(seed, count)
+            entries = [data[i] for i in range(count)]
         return [
             Example(prompt=e["question"], answer=str(e["answer"]),
                     metadata={"metadata": e.get("metadata", {})})
-            for e in (data[i] for i in range(count))
+            for e in entries
         ]
 
+    def _entries_at_fixed_hash(self, seed: int, count: int) -> list[dict[str, Any]]:
+        """The dataset's entries as a process with ``PYTHONHASHSEED=0`` makes them.
+
+        Some datasets (isomorphic_strings, knight_swap, polynomial_multiplication,
+        ransom_note, word_ladder, ...) draw from sets of strings, whose order follows the
+        process's hash seed: each generator process, and a resumed run, would pose other
+        questions under the same prompt index than the log's. A child process with a
+        fixed hash seed makes them the same everywhere."""
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, self.dataset, json.dumps(self.config), str(seed),
+             str(count)],
+            env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, check=False,
+        )
+        if child.returncode == 2:  # the dataset refused its config
+            raise ValueError(child.stderr.decode().strip().splitlines()[-1])
+        if child.returncode != 0:
+            raise EnvError(f"{self.name}: generating its questions failed: "
+                           f"{child.stderr.decode().strip()[-500:]}")
+        return pickle.loads(child.stdout)
+
     def reward(self, example: Example, completion: str, stopped: bool) -> float:
-        if self._scorer is None:
+        if self._scorer is None:  # scoring reads the entry and the config, not the questions
             self._scorer = self._create(0, 1)
         answer: str | None = completion
         if self.answer_format == "tag":
@@ -114,6 +141,21 @@ class ReasoningGymTask:
         if not math.isfinite(score):
             raise EnvError(f"{self.name}: the dataset's scorer returned {score}")
         return min(1.0, max(0.0, score))
+
+
+#: the child of ``_entries_at_fixed_hash``: argv dataset, config (JSON), seed, count
+_CHILD = """
+import json, pickle, sys
+import reasoning_gym
+name, config, seed, count = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, sys.stdout = sys.stdout.buffer, sys.stderr  # what a dataset prints stays out of the pickle
+try:
+    data = reasoning_gym.create_dataset(name, seed=seed, size=count, **config)
+except (AssertionError, ValueError, TypeError) as err:
+    print(f"reasoning-gym/{name}: invalid config {config}: {err}", file=sys.stderr)
+    sys.exit(2)
+out.write(pickle.dumps([data[i] for i in range(count)]))
+"""
 
 
 def make_reasoning_gym_task(dataset: str, **options: Any) -> ReasoningGymTask:

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+import random
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -62,13 +65,26 @@ def render(messages: Any, player: int) -> str:
     """The text of the game's messages to ``player`` (its own echoed moves left out)."""
     if isinstance(messages, str):
         return messages
-    parts = [m[1] for m in messages if not (m[0] == player and _kind(m[2]) == _PLAYER_ACTION)]
+    parts = []
+    for m in messages:
+        sender, text, kind = _fields(m)
+        if not (sender == player and kind == _PLAYER_ACTION):
+            parts.append(text)
     return "\n".join(parts) + ("\n" if parts else "")
 
 
-def _kind(kind: Any) -> int:
-    # TextArena's observation kinds are an Enum in some releases and plain ints in others
-    return int(kind.value if isinstance(kind, Enum) else kind)
+def _fields(message: Any) -> tuple[Any, str, int]:
+    """(sender, text, kind) of one message. Read by type, not position: some games
+    (Countdown, Cryptarithm in textarena 0.7.4) pass ``add_observation`` its arguments
+    out of order, so their echoed moves arrive as (kind, sender, text)."""
+    texts = [x for x in message if isinstance(x, str)]
+    kinds = [x for x in message if isinstance(x, Enum)]
+    if len(message) != 3 or len(texts) != 1 or len(kinds) > 1:
+        raise EnvError(f"a game message that is not (sender, text, kind): {message!r}")
+    if not kinds:  # plain-int kinds (older releases): the documented order
+        return message[0], texts[0], int(message[2])
+    (sender,) = [x for x in message if x is not texts[0] and x is not kinds[0]]
+    return sender, texts[0], int(kinds[0].value)
 
 
 @dataclass
@@ -84,12 +100,20 @@ class TextArenaEnv:
     dedupes_by_key: bool = True
 
     def reset(self, key: StepKey) -> Observation:
+        self._rng: tuple[Any, Any] | None = None
+        with _own_random(self):
+            return self._reset()
+
+    def _reset(self) -> Observation:
         import textarena
 
         raw = _raw_id(self.env_id)
         self._results: dict[StepKey, EnvStep] = {}
         try:
-            self._env = textarena.make(raw, **dict(self.options))
+            with _no_downloads(self.env_id):
+                self._env = textarena.make(raw, **dict(self.options))
+        except UnknownEnvError:
+            raise
         except TypeError as err:
             raise ValueError(f"{PREFIX}{self.env_id}: invalid options {dict(self.options)}: {err}") from None
         except Exception as err:
@@ -98,9 +122,15 @@ class TextArenaEnv:
         try:
             self._env.reset(num_players=1, seed=self.seed)
         except Exception as err:
+            if _starts_with_two(raw, self.options, self.seed):
+                raise EnvError(
+                    f"{PREFIX}{self.env_id} did not start as a single-player game "
+                    f"({type(err).__name__}: {err}); only single-player games are supported"
+                ) from err
+            # not a matter of players: the options (or the game itself) are at fault
             raise EnvError(
-                f"{PREFIX}{self.env_id} did not start as a single-player game "
-                f"({type(err).__name__}: {err}); only single-player games are supported"
+                f"{PREFIX}{self.env_id} could not start with options {dict(self.options)}: "
+                f"{type(err).__name__}: {err}"
             ) from err
         player, messages = self._env.get_observation()
         self._player = player
@@ -109,12 +139,18 @@ class TextArenaEnv:
     def step(self, action: Action, key: StepKey) -> EnvStep:
         if key in self._results:
             return self._results[key]
+        with _own_random(self):
+            return self._step(action, key)
+
+    def _step(self, action: Action, key: StepKey) -> EnvStep:
         done, info = self._env.step(action.text)
         if done:
             rewards, game_info = self._env.close()
-            reward = float((rewards or {}).get(self._player, 0.0))
-            if not math.isfinite(reward):
-                raise EnvError(f"{PREFIX}{self.env_id} returned reward {reward} at {key}")
+            reward = (rewards or {}).get(self._player, 0.0)
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
+                    or not math.isfinite(reward):
+                raise EnvError(f"{PREFIX}{self.env_id} returned reward {reward!r} at {key}")
+            reward = float(reward)
             details = dict((game_info or {}).get(self._player, {}))
             result = EnvStep(Observation(text=""), reward, True, _jsonable(details))
         else:
@@ -129,15 +165,101 @@ class TextArenaEnv:
         is an in-process simulation seeded by the example, so replaying the moves on a
         new instance rebuilds its state with no effect outside it; the recorded result
         stands (a game that answers otherwise fails the episode at its next move)."""
-        done, _ = self._env.step(action.text)
+        with _own_random(self):
+            done, _ = self._env.step(action.text)
+            if not done:
+                self._env.get_observation()  # taken, as the live step took it: not shown again
         self._results[key] = recorded
-        if not done:
-            self._env.get_observation()  # taken, as the live step took it: not shown again
         if bool(done) != recorded.done:
             raise EnvError(
                 f"{PREFIX}{self.env_id} is not deterministic on replay at {key}: the log "
                 f"recorded done={recorded.done}, the re-applied move gave done={bool(done)}"
             )
+
+
+@contextmanager
+def _no_downloads(env_id: str) -> Iterator[None]:
+    """Build a game with ``nltk.download`` refusing to fetch what is not installed.
+
+    TextArena's word games (Wordle, Hangman, WordLadder, ...) call ``nltk.download``
+    when their module is imported: a network fetch at run time, and, offline, a game
+    that fails later with a long LookupError. Data already installed is used as is.
+    """
+    try:
+        import nltk
+    except ImportError:  # pragma: no cover - textarena depends on it
+        yield
+        return
+
+    def download(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
+        ids = [info_or_id] if isinstance(info_or_id, str) else list(info_or_id or [])
+        missing = [i for i in ids if not _nltk_installed(nltk, i)]
+        if missing:
+            raise UnknownEnvError(
+                f"{PREFIX}{env_id} needs nltk data {missing}, which TextArena would download "
+                f"at run time; install it first (python -m nltk.downloader {' '.join(missing)})"
+            )
+        return True
+
+    original, nltk.download = nltk.download, download
+    try:
+        yield
+    finally:
+        nltk.download = original
+
+
+def _nltk_installed(nltk: Any, resource: str) -> bool:
+    for kind in ("corpora", "taggers", "tokenizers", "chunkers", "models", "misc"):
+        try:
+            nltk.data.find(f"{kind}/{resource}")
+            return True
+        except LookupError:
+            continue
+    return False
+
+
+#: the process's random state is swapped per call, so calls of two games never overlap
+_RANDOM_LOCK = threading.Lock()
+
+
+@contextmanager
+def _own_random(env: TextArenaEnv) -> Iterator[None]:
+    """Run a game call on the game's own random state, not the process's.
+
+    TextArena's games draw from the global ``random`` (2048 spawns its tiles with
+    ``random.choice`` on every move) and ``numpy.random``, seeded once in ``reset``. A
+    group's episodes step in turn in one process, so each game's draws would depend
+    on the others' moves, and a game resumed alone after a crash (``restore_step``)
+    would continue from another board than the one its log recorded. With its own
+    state, seeded from the example, a game is a function of its seed and its moves.
+    """
+    import numpy as np
+
+    with _RANDOM_LOCK:
+        outside = random.getstate(), np.random.get_state()
+        if env._rng is None:
+            random.seed(env.seed)
+            np.random.seed(env.seed % 2**32)
+        else:
+            random.setstate(env._rng[0])
+            np.random.set_state(env._rng[1])
+        try:
+            yield
+        finally:
+            env._rng = random.getstate(), np.random.get_state()
+            random.setstate(outside[0])
+            np.random.set_state(outside[1])
+
+
+def _starts_with_two(raw: str, options: Mapping[str, Any], seed: int) -> bool:
+    """Whether the game starts for two players (a game that failed to start for one)."""
+    import textarena
+
+    try:
+        textarena.make(raw, **dict(options)).reset(num_players=2, seed=seed)
+    except Exception:
+        return False
+    return True
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -156,8 +278,20 @@ class TextArenaTask:
         self.name = PREFIX + env_id
         self.max_turns = max_turns
         self.options = dict(options)
-        # fail at load, not mid-run: build and start one game now
-        TextArenaEnv(env_id, 0, self.options).reset(StepKey("check", "check", 0, 0))
+        # fail at load, not mid-run: build and start one game now, and make one malformed
+        # move in it, as a model in training does from its first turn
+        check = TextArenaEnv(env_id, 0, self.options)
+        key = StepKey("check", "check", 0, 0)
+        check.reset(key)
+        try:  # a game allows one malformed move; the next ends it, through its own path
+            for turn in (1, 2, 3):
+                if check.step(Action("?", (), True), key.at(turn)).done:
+                    break
+        except Exception as err:
+            raise EnvError(
+                f"{self.name} fails when malformed moves end it ({err}), so a model's "
+                "malformed moves would fail its groups; pick another game"
+            ) from err
 
     def examples(self, count: int, seed: int) -> list[Example]:
         # the game draws its puzzle from the seed; the prompt names it for the logs

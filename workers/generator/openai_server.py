@@ -16,7 +16,10 @@ standard fields, ``token_ids`` (the completion's ids, EOS included) and
 logprob. Every completion passes through the turn recorder, like the episode runner's.
 
 Errors are JSON ``{"error": {"message", "type"}}`` with status 400 (a request the
-session cannot serve exactly) or 404 (unknown path); the message names the problem.
+session cannot serve exactly; the session is left as it was), 404 (unknown path or a
+GET) or 500 (the server's own fault, e.g. the sampler raising); the message names the
+problem. A resend of the request the session's last reply answered (the client retries
+one whose reply it lost) gets that reply again, without sampling.
 The server is a ``ThreadingHTTPServer`` bound to loopback by default; requests are
 served one at a time (one model).
 """
@@ -29,12 +32,18 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 import torch
 
 from workers.envs.base import StepKey
 from workers.envs.chat import ChatRequestError, ChatSession, PlainTemplate, serve_turn
-from workers.envs.recorder import InMemoryTurnRecorder, ModelTurn, TurnRecorder
+from workers.envs.recorder import (
+    InMemoryTurnRecorder,
+    ModelTurn,
+    ReplayMismatchError,
+    TurnRecorder,
+)
 from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
@@ -66,6 +75,8 @@ class OpenAIServer:
         self.run_id, self.temperature, self.max_tokens = run_id, temperature, max_tokens
         self.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
         self.sessions: dict[str, ChatSession] = {}
+        #: each session's last response, answered again to a client's retry of it
+        self._replies: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self.handle))
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
@@ -98,7 +109,8 @@ class OpenAIServer:
 
     def session_url(self, session_id: str) -> str:
         """The ``base_url`` an OpenAI client uses for one episode."""
-        return f"{self.url}/sessions/{session_id}/v1"
+        # quoted whole: an id with '/', a space or non-ASCII stays one path segment
+        return f"{self.url}/sessions/{quote(session_id, safe='')}/v1"
 
     def start(self) -> OpenAIServer:
         """Serve in a background thread (a no-op if already serving)."""
@@ -107,7 +119,8 @@ class OpenAIServer:
         return self
 
     def close(self) -> None:
-        self._http.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for a serve loop that never ran
+            self._http.shutdown()
         self._http.server_close()
 
     def __enter__(self) -> OpenAIServer:
@@ -124,10 +137,11 @@ class OpenAIServer:
 
     def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Serve one POST; returns (status, JSON body)."""
-        parts = path.strip("/").split("/")
+        parts = urlsplit(path).path.strip("/").split("/")
         if parts[-2:] != ["chat", "completions"]:
             return 404, _error(f"unknown path {path!r}; POST .../v1/chat/completions", "not_found")
-        session_id = parts[1] if parts[0] == "sessions" and len(parts) == 5 else body.get("session_id")
+        session_id = (unquote(parts[1]) if parts[0] == "sessions" and len(parts) == 5
+                      else body.get("session_id"))
         try:
             if not isinstance(session_id, str) or not session_id:
                 raise ChatRequestError(
@@ -135,32 +149,51 @@ class OpenAIServer:
                 )
             with self._lock:
                 return 200, self._complete(session_id, body)
-        except ChatRequestError as err:
+        except (ChatRequestError, ReplayMismatchError) as err:
+            # a mismatch is the agent's doing: a replayed session asked other than it did
             return 400, _error(str(err), "invalid_request_error")
+        except Exception as err:  # a fault of the server's, not of the request
+            return 500, _error(f"the server failed: {type(err).__name__}: {err}", "server_error")
 
     def _complete(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         max_tokens = self._check(body)
         session = self.sessions.get(session_id)
+        if session is not None and session.is_resend(body["messages"]):
+            return self._replies[session_id]  # served once, never sampled twice
         if session is None:
             key = StepKey(self.run_id, session_id, 0, 0)
             session = self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
         prompt_len = len(session.trajectory.input_ids)
         message, turn = serve_turn(session, self.recorder, self.sampler, body["messages"], max_tokens)
         prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
-        return _response(session_id, body.get("model", "policy"), message, turn, prompt_ids,
-                         self.template.tokenizer.decode, prompt_len)
+        reply = self._replies[session_id] = _response(
+            session_id, body.get("model", "policy"), message, turn, prompt_ids,
+            self.template.tokenizer.decode, prompt_len)
+        if session.tool_call_error:
+            reply["choices"][0]["tool_call_error"] = session.tool_call_error
+        return reply
 
     def _check(self, body: dict[str, Any]) -> int:
-        unknown = sorted(set(body) - _KNOWN)
+        # a field sent as null asks for nothing (agent frameworks send their unset ones)
+        unknown = sorted(k for k in set(body) - _KNOWN if body[k] is not None)
         if unknown:
             raise ChatRequestError(f"unsupported request field(s) {unknown}")
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise ChatRequestError("'messages' must be a non-empty list")
         if body.get("stream"):
             raise ChatRequestError("stream=true is not supported")
-        if body.get("n", 1) != 1:
-            raise ChatRequestError(f"n must be 1 (one episode per session), got {body['n']}")
+        if body.get("n") not in (None, 1):
+            raise ChatRequestError(f"n must be 1 (one episode per session), got {body['n']!r}")
+        if body.get("top_logprobs"):
+            raise ChatRequestError(
+                f"top_logprobs is not offered (got {body['top_logprobs']!r}); each token's "
+                "own logprob comes with logprobs=true")
+        self._check_tools(body)
         temperature = body.get("temperature")
+        if temperature is not None and (
+            not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
+        ):
+            raise ChatRequestError(f"temperature must be a number, got {temperature!r}")
         if temperature is not None and float(temperature) != self.temperature:
             raise ChatRequestError(
                 f"temperature must be {self.temperature} (the run's sampling temperature, "
@@ -171,6 +204,21 @@ class OpenAIServer:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ChatRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         return max_tokens
+
+    def _check_tools(self, body: dict[str, Any]) -> None:
+        """The model calls the tools of the server's format, nothing else: a request that
+        asks for other tools, or forbids or forces calls, cannot be honoured."""
+        if body.get("tool_choice") not in (None, "auto"):
+            raise ChatRequestError(
+                f"tool_choice {body['tool_choice']!r} is not offered: the model decides "
+                "whether a turn is a call ('auto')")
+        known = [t.name for t in self.template.tools.tools] if self.template.tools else []
+        for i, tool in enumerate(body.get("tools") or []):
+            name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+            if name not in known:
+                raise ChatRequestError(
+                    f"tools[{i}]: tool {name!r} is not one this model calls "
+                    f"(its tools: {known or 'none'})")
 
 
 def _response(
@@ -224,6 +272,17 @@ def _handler(handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
                 status, out = handle(self.path, body)
             data = json.dumps(out).encode()
             self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            # JSON, and not a 5xx the OpenAI client would retry (e.g. models.list())
+            data = json.dumps(_error(
+                f"unknown path {self.path!r}: only POST .../v1/chat/completions is served",
+                "not_found")).encode()
+            self.send_response(404)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
