@@ -210,6 +210,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     raise CliError(str(err)) from None
         try:
             return _train(args, cfg, writer, exporter)
+        except KeyboardInterrupt:  # the run is open from here on: say how to go on with it
+            raise _interrupted(args, writer.run_id) from None
         finally:
             ray_cluster.disconnect()
 
@@ -243,8 +245,6 @@ def _train(args, cfg: Config, writer, exporter) -> int:
         run_open.mark("workers_ready")
     except WorkerStartError as err:
         raise CliError(str(err)) from None
-    except KeyboardInterrupt:  # the run exists from here on: say how to go on with it
-        raise _interrupted(args, writer.run_id) from None
     try:
         with progress:
             progress.status("reconciling workers with the log")
