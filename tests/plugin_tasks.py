@@ -100,6 +100,8 @@ class _Lookup:
         return str(arguments["query"])[::-1]
 
 
+#: a file ReverseAgent appends each episode's ids to (the e2e test compares the rows)
+AGENT_LOG_ENV = "RLC_TEST_AGENT_LOG"
 LOOKUP_FORMAT = ToolCallFormat(tools=(_Lookup(),))
 LOOKUP_TOOL = {"type": "function", "function": {
     "name": "lookup", "description": "reverse a string",
@@ -126,6 +128,11 @@ class ReverseAgent(ReverseTask):
             messages.append({"role": "user", "content": "?"})
         final = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL])
         choice = final.choices[0]
+        log = os.environ.get(AGENT_LOG_ENV)
+        if log:  # what the session holds, as its last reply reports it (one write: whole)
+            ids = choice.model_extra["prompt_token_ids"] + choice.model_extra["token_ids"]
+            with open(log, "a") as f:
+                f.write(json.dumps({"prompt": example.prompt, "ids": ids}) + "\n")
         text = choice.message.content if not choice.message.tool_calls else (
             json.loads(choice.message.tool_calls[0].function.arguments)["query"])
         return self.reward(example, text or "", choice.finish_reason != "length")
