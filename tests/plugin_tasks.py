@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from workers.envs.tools import ToolCallFormat
 from workers.tasks.base import Example
 from workers.tasks.builtin import ReverseTask
 
@@ -79,3 +83,56 @@ def held_env(hold: Path) -> dict[str, str]:
     """What a run's environment needs for RewardHeldWhileMarked: the hold file, and this
     repository on the path (its generators, Ray actors included, import the task)."""
     return {HOLD_ENV: str(hold), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """A tool with no marker whose grammar takes any text: every model turn is a call
+    to it, so an untrained tiny model's episode exercises the tool round trip."""
+
+    name: str = "lookup"
+    marker: str = ""
+
+    def parse(self, raw: str) -> dict[str, str]:
+        return {"query": raw}
+
+    def run(self, arguments: Mapping[str, Any]) -> str:
+        return str(arguments["query"])[::-1]
+
+
+#: a file ReverseAgent appends each episode's ids to (the e2e test compares the rows)
+AGENT_LOG_ENV = "RLC_TEST_AGENT_LOG"
+LOOKUP_FORMAT = ToolCallFormat(tools=(_Lookup(),))
+LOOKUP_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "reverse a string",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+
+
+@dataclass(frozen=True)
+class ReverseAgent(ReverseTask):
+    """The reverse task played by agent code written for the OpenAI client: ask, run the
+    tool call the model makes, send its result back, score the final reply."""
+
+    name = "tests.plugin_tasks:ReverseAgent"
+    tool_format: ToolCallFormat | None = LOOKUP_FORMAT
+
+    def run_agent(self, client: Any, model: str, example: Example) -> float:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": example.prompt}]
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            result = LOOKUP_FORMAT.tool(call.function.name).run(json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": "?"})
+        final = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL])
+        choice = final.choices[0]
+        log = os.environ.get(AGENT_LOG_ENV)
+        if log:  # what the session holds, as its last reply reports it (one write: whole)
+            ids = choice.model_extra["prompt_token_ids"] + choice.model_extra["token_ids"]
+            with open(log, "a") as f:
+                f.write(json.dumps({"prompt": example.prompt, "ids": ids}) + "\n")
+        text = choice.message.content if not choice.message.tool_calls else (
+            json.loads(choice.message.tool_calls[0].function.arguments)["query"])
+        return self.reward(example, text or "", choice.finish_reason != "length")

@@ -36,6 +36,7 @@ from workers.dataplane.api import MissingPayloadError
 from workers.fencing import EpochFence, Fenced
 from workers.generator.config import MIB, PartialSection, VllmSection
 from workers.generator.generator import Generator
+from workers.envs.agent import AgentTask
 from workers.generator.episodes import EpisodeGroups
 from workers.generator.inflight import InflightRunner
 from workers.generator.vllm_config import VllmRuntime
@@ -267,6 +268,10 @@ class GeneratorWorker(Fenced):
         #: partial rollouts: the groups paused at a flush point (``generator.inflight``);
         #: for an episode task, at every record point (``generator.episodes``)
         self.inflight: InflightRunner | EpisodeGroups | None = None
+        if spec.partial.enabled and isinstance(task, AgentTask):
+            raise ValueError(
+                f"rollout.partial.enabled: task {task.name!r} is an agent task, whose "
+                "episodes are not durable across a crash yet; set it to false (docs/agents.md)")
         if spec.partial.enabled:
             self.inflight = (
                 EpisodeGroups(self.generator) if isinstance(task, EpisodeTask)

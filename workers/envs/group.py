@@ -13,13 +13,13 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import torch
 from torch import nn
 
+from workers.envs.agent import AgentTask, run_agent_group
 from workers.envs.base import StepKey
 from workers.envs.recorder import InMemoryTurnRecorder, TurnRecorder
 from workers.envs.runner import EpisodeRunner
-from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
+from workers.envs.sampler import HoldingWeights, TurnSampler, generator_sampler
 from workers.envs.task import EpisodeTask
 from workers.envs.trajectory import Trajectory
 from workers.dataplane.api import DataPlane
@@ -67,11 +67,7 @@ def run_episodes(
     Without a recorder (in memory, the group in one call) the caller holds the weights
     for the whole group; with one, each sampling call holds them, so a refit lands
     while the episodes wait for the log or for an environment."""
-    sampler: TurnSampler = TorchTurnSampler(
-        gen.model, gen.tokenizer.eos_id, sampling, torch.Generator().manual_seed(seed),
-        version=lambda: gen.weights.version, between_steps=gen.weights.at_step_boundary,
-        use_cache=gen.use_cache,
-    )
+    sampler: TurnSampler = generator_sampler(gen, sampling, seed)
     if recorder is not None:
         sampler = HoldingWeights(sampler, gen.weights)
     runner = EpisodeRunner(
@@ -99,6 +95,9 @@ def generate_episode_group(
     ``keys`` and returns the ``GroupResult`` fields (same result, same keys). The
     group's versions are its oldest and newest model token's."""
     task = gen.task
+    if isinstance(task, AgentTask):  # the user's OpenAI-client code drives the episodes
+        trajs = run_agent_group(gen, task, group_id, prompt, n, sampling, seed, attempt, recorder)
+        return commit_trajectories(gen, keys, group_id, attempt, trajs, task.name)
     assert isinstance(task, EpisodeTask)
     if recorder is None:
         gen.weights.begin_group()
@@ -108,10 +107,18 @@ def generate_episode_group(
             gen.weights.end_group()
     else:
         trajs = run_episodes(gen, task, group_id, prompt, n, sampling, seed, recorder, restarts)
+    return commit_trajectories(gen, keys, group_id, attempt, trajs, task.name)
+
+
+def commit_trajectories(
+    gen: EpisodeHost, keys: list[str], group_id: str, attempt: int,
+    trajs: Sequence[Trajectory], task_name: str,
+) -> dict[str, Any]:
+    """Store one row per trajectory under ``keys``; the ``GroupResult`` fields."""
     rewards = [t.reward for t in trajs]
     bad = [r for r in rewards if not math.isfinite(r)]
     if bad:
-        raise ValueError(f"task {task.name!r} returned non-finite rewards {bad}")
+        raise ValueError(f"task {task_name!r} returned non-finite rewards {bad}")
     seen = [v for t in trajs for v in t.versions if v >= 0] or [gen.weights.version]
     start, end = min(seen), max(seen)
     tag = {"group": group_id, "attempt": attempt, "v_start": start, "v_end": end}

@@ -87,3 +87,13 @@ class HoldingWeights:
             return self.sampler.generate(requests)
         finally:
             self.weights.end_group()
+
+
+def generator_sampler(gen: Any, sampling: SamplingSection, seed: int) -> TorchTurnSampler:
+    """A sampler over a ``workers.generator.Generator``'s model and weights: each turn
+    reads the version in force, and a refit lands between its token steps."""
+    return TorchTurnSampler(
+        gen.model, gen.tokenizer.eos_id, sampling, torch.Generator().manual_seed(seed),
+        version=lambda: gen.weights.version, between_steps=gen.weights.at_step_boundary,
+        use_cache=gen.use_cache,
+    )

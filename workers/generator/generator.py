@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from workers.dataplane.api import DataPlane
+from workers.envs.agent import AgentTask
 from workers.envs.task import EpisodeTask
 from workers.generator.segments import version_runs
 from workers.models.config import KvOnRefit, SamplingSection
@@ -143,7 +144,7 @@ class Generator:
         seed: int,
         attempt: int = 0,
     ) -> GroupResult:
-        if isinstance(self.task, EpisodeTask):  # multi-turn: the episode runner's group
+        if isinstance(self.task, (EpisodeTask, AgentTask)):  # multi-turn: episodes
             from workers.envs.group import generate_episode_group
 
             keys = [row_key(self.run_id, group_id, attempt, i) for i in range(n)]

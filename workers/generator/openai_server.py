@@ -34,7 +34,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-import torch
 
 from workers.envs.base import StepKey
 from workers.envs.chat import ChatRequestError, ChatSession, PlainTemplate, serve_turn
@@ -44,7 +43,7 @@ from workers.envs.recorder import (
     ReplayMismatchError,
     TurnRecorder,
 )
-from workers.envs.sampler import HoldingWeights, TorchTurnSampler, TurnSampler
+from workers.envs.sampler import HoldingWeights, TurnSampler, generator_sampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
 from workers.models.config import SamplingSection
@@ -92,11 +91,7 @@ class OpenAIServer:
         between token steps and the turn records both versions), so the generator serves
         either a group or a completion at a time, never both at once.
         """
-        sampler = TorchTurnSampler(
-            gen.model, gen.tokenizer.eos_id, sampling, torch.Generator().manual_seed(seed),
-            version=lambda: gen.weights.version, between_steps=gen.weights.at_step_boundary,
-            use_cache=gen.use_cache,
-        )
+        sampler = generator_sampler(gen, sampling, seed)
         kwargs.setdefault("run_id", gen.run_id)
         return cls(HoldingWeights(sampler, gen.weights), PlainTemplate(gen.tokenizer, tools),
                    context_len(gen.model), temperature=sampling.temperature,
@@ -128,6 +123,21 @@ class OpenAIServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def open_session(self, session_id: str, key: StepKey) -> None:
+        """Open ``session_id`` with its recorder key (an episode's: run, group, sample),
+        before the client's first request; a session opened by a request is keyed
+        (run, session id, 0)."""
+        with self._lock:
+            if session_id in self.sessions:
+                raise ValueError(f"session {session_id!r} is already open")
+            self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
+
+    def end_session(self, session_id: str) -> Trajectory:
+        """Forget the session; its trajectory (the client is done with it)."""
+        with self._lock:
+            self._replies.pop(session_id, None)
+            return self.sessions.pop(session_id).trajectory
 
     def trajectory(self, session_id: str) -> Trajectory:
         """The session's exact token trajectory (set per-turn rewards on it to train)."""

@@ -1,0 +1,67 @@
+"""``rl-controller run --local-workers`` on an agent task: agent code written for the
+OpenAI client (``tests.plugin_tasks:ReverseAgent``: a question, the model's tool call,
+the tool's result sent back, a final reply) plays every episode against the
+generators' own model, through the installed command.
+
+The log audits clean, ``replay --retrain`` re-trains both steps to their recorded
+digests from the retained rows, and every row the steps trained is, id for id, what
+the agent's session held (its last reply's ``prompt_token_ids + token_ids``), with the
+loss on the model's two replies only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_run_cli import ROOT, cli
+from tests.plugin_tasks import AGENT_LOG_ENV, ReverseAgent
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RUN_ID = "agent-smoke"
+
+
+def _runs_of_true(mask: list[bool]) -> int:
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+def test_an_openai_client_agent_drives_two_steps_and_the_rows_are_its_sessions(
+    data_dir: Path, tmp_path: Path
+):
+    from controller.projector import Projector
+    from events.embedded import ensure_embedded_redis
+    from events.redis_store import RedisEventStore
+    from workers.dataplane import MemoryDataPlane, SpillDataPlane
+
+    sessions = tmp_path / "sessions.jsonl"
+    env = {**os.environ, AGENT_LOG_ENV: str(sessions), "PYTHONPATH": str(ROOT)}
+    run = cli("run", "--local-workers", "--steps", "2", "--run-id", RUN_ID, "--no-progress",
+              "--data-dir", str(data_dir), "--set", f'task.name="{ReverseAgent.name}"',
+              env=env, timeout_s=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"run {RUN_ID} finished: trainer_version 2" in run.stdout + run.stderr
+    audit = cli("audit", "--run", RUN_ID, "--data-dir", str(data_dir))
+    assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+    retrain = cli("replay", "--run", RUN_ID, "--retrain", "--verify", "--data-dir",
+                  str(data_dir), timeout_s=600)
+    assert retrain.returncode == 0, retrain.stdout[-2000:] + retrain.stderr[-2000:]
+    assert "replayed 2 steps from trainer_version 0: all digests match" in retrain.stdout
+
+    held = {tuple(json.loads(line)["ids"]) for line in sessions.open()}
+    state = Projector(RedisEventStore(ensure_embedded_redis(data_dir).url)).get(RUN_ID).state
+    spill = SpillDataPlane(MemoryDataPlane(), data_dir / "runs" / RUN_ID / "spill")
+    spill.reload(RUN_ID)
+    trained = 0
+    for version in (1, 2):
+        step = state.steps[state.version_steps[version]]
+        keys = [k for g in step.group_ids for k in state.groups[g].payload_keys]
+        for row in spill.get(RUN_ID, keys):
+            assert tuple(row["input_ids"].tolist()) in held
+            # the question, reply 1 (the call), the tool's result, reply 2
+            assert _runs_of_true(row["loss_mask"].tolist()) == 2
+            trained += 1
+    assert trained == 2 * 16 * 16  # the run's groups_per_step x samples_per_group

@@ -1,0 +1,116 @@
+"""Agent tasks: episodes driven by the user's own OpenAI-client code.
+
+An :class:`AgentTask` is a ``Task`` (its prompts are drawn as any task's) with one more
+method, ``run_agent(client, model, example) -> reward``. For each sample of a group the
+generator opens a session on an ``OpenAIServer`` over its own model (loopback, started
+once per generator), hands the agent an ``openai.OpenAI`` client bound to that session,
+and trains on the session's trajectory: the ids as sampled, the loss mask on the
+model's tokens only, the behaviour logprobs and per-token weight versions -- the same
+row the episode runner builds. The returned reward lands on the last model turn.
+
+The shape follows the peers' rollout functions (verifiers' ``rollout(client, model,
+prompt, answer)``, verl's agent loop): the agent owns the conversation and the tool
+calls; the server owns the tokens. Samples run one after another on one seeded sampler,
+so a group is a function of its seed and the agent's calls.
+
+Every completion goes through the turn recorder. A group's record lives as long as its
+attempt on this generator: an agent re-run against it (:func:`run_agent_group` with the
+same ``recorder``) is served the recorded turns without sampling, and an agent that
+asks otherwise gets HTTP 400 naming the turn, which fails the episode. Not durable yet:
+the in-flight path (``rollout.partial``) is refused for agent tasks (``docs/agents.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Protocol, runtime_checkable
+
+from workers.envs.base import StepKey
+from workers.envs.recorder import InMemoryTurnRecorder, TurnRecorder
+from workers.envs.sampler import HoldingWeights, generator_sampler
+from workers.envs.tools import ToolCallFormat
+from workers.envs.trajectory import Trajectory
+from workers.models.config import SamplingSection
+from workers.tasks.base import Example, Task
+
+#: the ``model`` name the endpoint answers to (any name is served; this one is documented)
+MODEL_NAME = "policy"
+
+
+class AgentError(RuntimeError):
+    """The agent code failed an episode (the message names the task, group and sample)."""
+
+
+@runtime_checkable
+class AgentTask(Task, Protocol):
+    """A task whose every sample is an episode of the user's OpenAI-client agent."""
+
+    #: tools the model may call (their calls come back as ``tool_calls``); None: text only
+    tool_format: ToolCallFormat | None
+
+    def run_agent(self, client: Any, model: str, example: Example) -> float:
+        """Play one episode of ``example`` through ``client`` (an ``openai.OpenAI`` bound
+        to one session); return its reward (a finite number, [0, 1] by convention)."""
+        ...
+
+
+_servers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def agent_server(gen: Any, sampling: SamplingSection, tools: ToolCallFormat | None) -> Any:
+    """The generator's endpoint, started on first use and kept for the generator's life."""
+    from workers.generator.openai_server import OpenAIServer
+
+    server = _servers.get(gen)
+    if server is None:
+        server = _servers[gen] = OpenAIServer.for_generator(gen, sampling, tools).start()
+        weakref.finalize(gen, server.close)
+    return server
+
+
+def run_agent_group(
+    gen: Any,
+    task: AgentTask,
+    group_id: str,
+    prompt: Example,
+    n: int,
+    sampling: SamplingSection,
+    seed: int,
+    attempt: int = 0,
+    recorder: TurnRecorder | None = None,
+) -> list[Trajectory]:
+    """The group's ``n`` episodes, one session each, in sample order."""
+    import openai  # the envs extra; imported by the runs that use an agent task
+
+    server = agent_server(gen, sampling, task.tool_format)
+    # a fresh sampler per group: the group is a function of its seed, whichever
+    # groups this generator served before
+    server.sampler = HoldingWeights(generator_sampler(gen, sampling, seed), gen.weights)
+    server.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
+    trajs = []
+    for i in range(n):
+        session = f"{group_id}/a{attempt}/s{i}"
+        server.open_session(session, StepKey(gen.run_id, group_id, i, 0))
+        where = f"agent task {task.name!r}, group {group_id} sample {i}"
+        try:
+            client = openai.OpenAI(base_url=server.session_url(session), api_key="unused",
+                                   max_retries=0)
+            reward = task.run_agent(client, MODEL_NAME, prompt)
+        except Exception as err:
+            raise AgentError(f"{where}: the agent raised {type(err).__name__}: {err}") from err
+        finally:
+            traj = server.end_session(session)
+        trajs.append(_closed(traj, reward, where))
+    return trajs
+
+
+def _closed(traj: Trajectory, reward: object, where: str) -> Trajectory:
+    """The agent's reward on the episode's last model turn."""
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise AgentError(f"{where}: run_agent returned {reward!r}; expected a finite number")
+    if not traj.turns:
+        raise AgentError(f"{where}: the agent asked the model nothing (no completion to train on)")
+    traj.close_turn(float(reward), (), {})
+    traj.end_reason = "done"
+    return traj
