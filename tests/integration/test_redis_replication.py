@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from events.errors import ReplicationTimeoutError
+from events.errors import ReplicasMissingError, ReplicationTimeoutError
 from events.redis_store import RedisEventStore, events_key
 from events.store_config import StoreConfig
 from events.schema import GroupFailed
@@ -92,6 +92,49 @@ def test_more_replicas_than_exist_never_succeeds_silently(pair: SentinelCluster)
     store.close()
 
 
+def test_the_store_refuses_more_replicas_than_the_server_has_before_writing(
+    pair: SentinelCluster,
+) -> None:
+    store = RedisEventStore(pair.primary.url, replication=StoreConfig(replicas=1))
+    store.require_replicas(1)  # the pair's one replica is connected
+    with pytest.raises(ReplicasMissingError) as refused:
+        store.require_replicas(2)
+    assert str(refused.value).startswith("store.replicas = 2 ")
+    assert f"127.0.0.1:{pair.primary.port}/0 has 1 connected replica;" in str(refused.value)
+    assert pair.client(pair.primary).keys("*") == []  # asked, nothing written
+    store.close()
+
+
+def test_a_replica_that_drops_away_fails_the_append_naming_the_cause(
+    pair: SentinelCluster,
+) -> None:
+    """Mid-run the only replica goes away: the append that waited past its timeout
+    fails (in doubt, as any unconfirmed append) and its line says why -- the server has
+    no replica left to confirm it -- where a lagging replica's line says it lags."""
+    store = RedisEventStore(pair.primary.url,
+                            replication=StoreConfig(replicas=1, wait_timeout_s=0.3))
+    epoch = store.claim_epoch(RUN)
+    store.append(RUN, [failed(1, epoch)], expected_position=0, epoch=epoch)
+    pair.pause(pair.replica)
+    try:
+        with pytest.raises(ReplicationTimeoutError, match=r"only 0 of 1 replicas confirmed"
+                           r".* has 1 connected replica, which did not confirm in time"):
+            store.append(RUN, [failed(2, epoch)], expected_position=1, epoch=epoch)
+    finally:
+        pair.resume(pair.replica)
+    pair.replica.stop()
+    primary = pair.client(pair.primary)
+    pair.wait(lambda: int(primary.info("replication")["connected_slaves"]) == 0, 30,
+              "the primary to see its replica gone")
+    with pytest.raises(ReplicationTimeoutError) as failed_append:
+        store.append(RUN, [failed(3, epoch)], expected_position=2, epoch=epoch)
+    said = str(failed_append.value)
+    assert "only 0 of 1 replicas confirmed the append within 0.3s" in said
+    assert "has 0 connected replicas (store.replicas = 1 wants 1)" in said
+    assert "in doubt" in said and "\n" not in said
+    store.close()
+
+
 def test_replicas_zero_does_not_wait(pair: SentinelCluster) -> None:
     store = RedisEventStore(pair.primary.url)
     epoch = store.claim_epoch(RUN)
@@ -108,3 +151,4 @@ def test_bad_replication_settings_are_named() -> None:
         StoreConfig(replicas=-1)
     with pytest.raises(ValueError, match="store.wait_timeout_s must be > 0"):
         StoreConfig(wait_timeout_s=0)
+
