@@ -180,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
             ray_cluster.check_address(cfg.ray.address)
+            store.require_replicas(cfg.store.replicas)  # the run's own, from its log
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             exporter = serving.enter_context(run_open.metrics_served(cfg))
@@ -191,6 +192,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             if store.run_exists(run_id) and store.last_position(run_id) > 0:
                 raise CliError(f"run {run_id!r} already exists; pass --resume to continue it, "
                                "or choose another --run-id")
+            # before anything is written: appends would wait for replicas that are not there
+            store.require_replicas(cfg.store.replicas)
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             exporter = serving.enter_context(run_open.metrics_served(cfg))

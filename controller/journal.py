@@ -8,7 +8,9 @@ clocks and counters (``Timers``).
 
 ``append`` is a coroutine: when the store is unavailable it waits (``asyncio.sleep``,
 never blocking the event loop) and tries again, within the writer's ``Backoff``, then
-gives up with one line naming the cause. Appends are serialised: one that is waiting
+gives up with one line naming the cause. Once it gave up, every later append fails with
+that same line: the batch it gave up on may be in the log (its outcome is in doubt), so
+a different batch at the same position would only be refused as a conflict. Appends are serialised: one that is waiting
 to try again holds back the next, so two batches never race for one log position. An
 append that needs no retry never yields to the event loop, so the pumps' interleaving
 is the same as with a plain call.
@@ -72,6 +74,10 @@ class Journal:
         self.timers = Timers(started=now, last_progress=now, step_started=now)
         self._wake = asyncio.Event()
         self._appending = asyncio.Lock()
+        #: the error an append gave up with: its batch's outcome is in doubt, so the
+        #: log's position is unknown and every later append fails with the same error
+        #: (one behind it would only conflict with it and hide the cause)
+        self.gave_up: StoreUnavailableError | None = None
 
     @property
     def state(self) -> RunState:
@@ -94,6 +100,8 @@ class Journal:
     async def append(self, *events: ev.Event, batch_point: str | None = None) -> None:
         """Append a batch (see the module docstring); wakes the pumps once it landed."""
         async with self._appending:
+            if self.gave_up is not None:
+                raise self.gave_up
             started = self.clock()
             delays = self.backoff.delays()
             while True:
@@ -103,7 +111,8 @@ class Journal:
                 except StoreUnavailableError as err:
                     delay = next(delays, None)
                     if delay is None:
-                        raise self._gave_up(events, err, self.clock() - started) from err
+                        self.gave_up = self._gave_up(events, err, self.clock() - started)
+                        raise self.gave_up from err
                     await asyncio.sleep(delay)
         self.timers.last_progress = self.clock()
         if not _QUIET.issuperset(map(type, events)):

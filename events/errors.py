@@ -88,13 +88,46 @@ class ReplicationTimeoutError(StoreUnavailableError):
     by its event ids. Never treated as a success.
     """
 
-    def __init__(self, where: str, confirmed: int, wanted: int, timeout_s: float) -> None:
+    def __init__(
+        self, where: str, confirmed: int, wanted: int, timeout_s: float,
+        connected: int | None = None,
+    ) -> None:
         self.confirmed = confirmed
         self.wanted = wanted
+        #: the server's connected replicas when the wait ran out (None: it did not say)
+        self.connected = connected
+        if connected is None:
+            why = ""
+        elif connected < wanted:  # a replica dropped away: no wait can be long enough
+            why = (f": the server has {_replicas(connected)} "
+                   f"(store.replicas = {wanted} wants {wanted})")
+        else:
+            why = f": the server has {_replicas(connected)}, which did not confirm in time"
         super().__init__(
             f"Redis at {where}: only {confirmed} of {wanted} replicas confirmed the append "
-            f"within {timeout_s:g}s; its outcome is in doubt (the retry resolves it)"
+            f"within {timeout_s:g}s{why}; its outcome is in doubt (the retry resolves it)"
         )
+
+
+class ReplicasMissingError(StoreUnavailableError):
+    """``store.replicas`` wants more replicas than are connected to the log's server.
+
+    Every append would wait for confirmations that cannot come, so the store refuses at
+    start (``EventStore.require_replicas``), before anything is written.
+    """
+
+    def __init__(self, where: str, wanted: int, connected: int) -> None:
+        self.wanted = wanted
+        self.connected = connected
+        super().__init__(
+            f"store.replicas = {wanted} makes every append wait for {_replicas(wanted)}, "
+            f"but {where} has {_replicas(connected)}; connect replicas to it (replicaof) "
+            f"or lower store.replicas"
+        )
+
+
+def _replicas(n: int) -> str:
+    return f"{n} connected replica{'' if n == 1 else 's'}"
 
 
 class ChainError(EventStoreError):

@@ -18,6 +18,7 @@ from events.errors import (
     ConcurrencyError,
     EpochNotClaimedError,
     FencedError,
+    ReplicasMissingError,
     RunNotFoundError,
 )
 from events.schema import Event, StoredEvent
@@ -248,6 +249,12 @@ class MemoryEventStore:
                     pass
         finally:
             self._waiters.discard(waiter)
+
+    def require_replicas(self, wanted: int) -> None:
+        """Nothing copies an in-process log: it has no replica, so any ``wanted`` > 0 is
+        refused (an append here is as durable as this process, whatever is asked)."""
+        if wanted > 0:
+            raise ReplicasMissingError("the in-memory store", wanted, 0)
 
     def close(self) -> None:
         pass

@@ -16,7 +16,8 @@ Capabilities come in declared tiers (as eventsourcing's AggregateRecorder within
 ApplicationRecorder): a caller that needs more than the log asks for the tier that
 declares it, never probes a store with ``getattr``.
 
-    EventStore          the log: claim, append, read, follow, snapshots, runs
+    EventStore          the log: claim, append, read, follow, snapshots, runs, and
+                        whether the replicas an append waits for exist
       ServerEventStore  + a server others share: may this user write, how durable is
                         it, delete a run, chained pages picked out of one reply
 
@@ -181,6 +182,14 @@ class EventStore(Protocol):
     ) -> int:
         """Append bytes as they are, unchecked and unfenced; returns the position. For
         tests and repair tools only (an old or tampered log): the controller never calls it."""
+        ...
+
+    def require_replicas(self, wanted: int) -> None:
+        """Raise ``ReplicasMissingError`` now, before anything is written, when fewer than
+        ``wanted`` replicas could confirm an append (``store.replicas``): a server's
+        connected replicas; none where nothing copies the log (the in-memory store). A
+        server that does not say (``INFO`` refused) is not refused: each append's ``WAIT``
+        still fails when its replicas do not confirm it."""
         ...
 
     def close(self) -> None: ...

@@ -29,8 +29,9 @@ CONTROLLER_COMMANDS = (
     "xadd", "xrange", "xread", "xlen",                      # the stream
     "hget", "hmget", "hset", "hincrby",                     # meta and snapshot hashes
     "sadd", "smembers", "sismember",                        # the set of runs
-    "wait", "set",                                          # store.replicas > 0: WAIT, and
-)                                                           # the replay barrier key
+    "wait", "set", "info",                                  # store.replicas > 0: WAIT, the
+)                                                           # replay barrier key, and the
+                                                            # connected replicas (INFO)
 
 KEY_PATTERN = "rlc:*"
 

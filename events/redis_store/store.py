@@ -37,7 +37,9 @@ from events.redis_store.replies import (
     as_text, raw_entry, scripted_page, trusted_page, xrange_chain_page,
     xrange_page,
 )
-from events.redis_store.replication import check_confirmed, replicated_append, wait_command
+from events.redis_store.replication import (
+    check_confirmed, replicated_append, require_replicas, wait_command,
+)
 from events.redis_store.url import check_url
 from events.schema import Event, StoredEvent
 from events.store_config import StoreConfig
@@ -143,7 +145,7 @@ class RedisEventStore:
                 pipe.execute_command(*wait_command(self.replication))
             epoch, _, *waited = pipe.execute()
         if waited:
-            check_confirmed(waited[0], self.replication, self._safe_url)
+            check_confirmed(waited[0], self.replication, self._safe_url, self._client)
         return int(epoch)
 
     def append(
@@ -164,7 +166,7 @@ class RedisEventStore:
                 if self.replication.replicas:
                     _, first = replicated_append(
                         self._hot, APPEND, keys, args, self.replication,
-                        run_id=run_id, where=self._safe_url,
+                        run_id=run_id, where=self._safe_url, client=self._client,
                     )
                 else:
                     _, first = run_script(self._hot, APPEND, keys, args)
@@ -322,6 +324,11 @@ class RedisEventStore:
         run keys' prefix, a command the controller role has."""
         with translate_errors(self._safe_url):
             self._client.set(f"{RUNS_KEY}:write-probe", b"1", px=1000)
+
+    def require_replicas(self, wanted: int) -> None:
+        """Refuse when fewer than ``wanted`` replicas are connected (``replication``)."""
+        with translate_errors(self._safe_url):
+            require_replicas(self._client, wanted, self._safe_url)
 
     def durability(self) -> tuple[str, str] | None:
         """The server's (appendonly, appendfsync); None when CONFIG is not allowed."""

@@ -23,6 +23,7 @@ from events.errors import (
     EpochNotClaimedError,
     EventDecodeError,
     FencedError,
+    ReplicasMissingError,
     RunNotFoundError,
 )
 from events.redis_store import RedisEventStore
@@ -81,7 +82,7 @@ def test_implements_the_protocol_with_its_signatures(store: EventStore) -> None:
     # parameters (names, kinds, defaults, annotations) must match the protocol's too.
     assert isinstance(store, EventStore)
     methods = list(_declared(EventStore))
-    assert {"read_page", "chain_head", "append_raw"} <= set(methods) and len(methods) == 15
+    assert {"read_page", "chain_head", "append_raw"} <= set(methods) and len(methods) == 16
     for name in methods:
         want = inspect.signature(getattr(EventStore, name))
         got = inspect.signature(getattr(type(store), name))
@@ -112,6 +113,21 @@ def test_a_store_missing_a_method_is_not_an_event_store() -> None:
         read_page = None  # type: ignore[assignment]
 
     assert not isinstance(NoBulkRead(), EventStore)
+
+
+def test_every_store_says_whether_the_replicas_an_append_waits_for_exist(
+    store: EventStore, request: pytest.FixtureRequest
+) -> None:
+    """``store.replicas = N`` makes every append wait for N replicas: a store refuses,
+    before anything is written, a number it cannot have. None of these stores has a
+    replica (the in-memory log is one process's memory; the redis-server here runs
+    alone), so 0 passes and 1 is refused naming the key, the number wanted and had."""
+    store.require_replicas(0)
+    if request.node.callspec.params["store"] == "fakeredis":
+        return  # fakeredis has no INFO: a server that does not say is not refused
+    with pytest.raises(ReplicasMissingError, match=r"store.replicas = 1 .* has 0 connected"):
+        store.require_replicas(1)
+    assert store.list_runs() == []
 
 
 def test_claim_epoch_is_monotonic_per_run(store: EventStore) -> None:

@@ -55,3 +55,14 @@ def test_weaker_durability_is_a_single_plain_warning(everysec, tmp_path):
     assert "appendfsync everysec" in warnings[0] and "last second" in warnings[0]
     assert PASSWORD not in proc.stderr + proc.stdout
     assert _runs(everysec.url)["warned"]["finished"] is True
+
+
+def test_replicas_the_server_does_not_have_are_refused_before_any_write(everysec, tmp_path):
+    """``store.replicas = 1`` against a redis-server with no replica: every append would
+    wait for a confirmation that cannot come. Refused in one line naming the key, the
+    number wanted and the number the server has, and no run is left behind."""
+    proc = cli("run", "--run-id", "waits", "--redis-url", everysec.url, "--data-dir",
+               str(tmp_path), *QUICK, "--set", "store.replicas=1", timeout_s=120)
+    assert_one_line_error(proc, "store.replicas = 1", "has 0 connected replicas")
+    assert PASSWORD not in proc.stderr + proc.stdout
+    assert _runs(everysec.url) == {}

@@ -133,3 +133,65 @@ def test_an_agent_task_passes_the_preflight_and_partial_rollouts_are_refused_in_
     with pytest.raises(CliError, match=r"^config: rollout.partial.enabled: task .* is an agent "
                                        r"task, whose episodes are not durable"):
         check_config(load_config(overrides=[*task, "rollout.partial.enabled=true"]))
+
+
+def held_by(root: Any, kinds: tuple[type, ...]) -> list[Any]:
+    """Every object of ``kinds`` reachable from ``root`` by reference (modules, classes
+    and functions, which reach everything through their globals, are not followed)."""
+    import gc
+    import types
+
+    stop = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+    seen, todo, found = {id(root)}, [root], []
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, kinds):
+            found.append(obj)
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, stop):
+                seen.add(id(ref))
+                todo.append(ref)
+    return found
+
+
+@dataclass(frozen=True)
+class StaleClient(ReverseAgent):
+    """An agent that keeps its client after the episode and sends one more request
+    with it at the start of the next (a cached client, a retry fired too late)."""
+
+    kept: list[Any] = field(default_factory=list)
+    late: list[str] = field(default_factory=list)
+
+    def run_agent(self, client: Any, model: str, example: Example) -> float:
+        import openai
+
+        if self.kept:
+            try:
+                self.kept.pop().chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": example.prompt}])
+            except openai.NotFoundError as err:
+                self.late.append(str(err))
+        self.kept.append(client)
+        return super().run_agent(client, model, example)
+
+
+def test_the_generators_endpoint_holds_no_episode_it_served():
+    """The endpoint lives as long as its generator and serves every episode of every
+    group: once an episode has ended it holds nothing of it -- no session, reply,
+    recorded turn or trajectory -- and a late request to it is refused by name."""
+    from workers.envs.agent import agent_server
+    from workers.envs.chat import ChatSession
+    from workers.envs.recorder import ModelTurn
+    from workers.envs.trajectory import Trajectory
+
+    task = StaleClient()
+    gen, _, _ = generator(task)
+    example = task.examples(1, 0)[0]
+    for g in range(3):
+        run_agent_group(gen, task, f"g{g}", example, 2, SAMPLING, seed=g)
+    server = agent_server(gen, SAMPLING, task.tool_format)
+    assert server.sessions == {}
+    assert held_by(server, (ChatSession, ModelTurn, Trajectory)) == []
+    # every episode but the first was started with one late request to the one before
+    assert len(task.late) == 5
+    assert all("session 'g" in m and "is not open" in m for m in task.late), task.late

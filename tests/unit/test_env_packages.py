@@ -280,3 +280,50 @@ def test_a_dataset_that_prints_while_it_makes_questions_still_gives_them():
 
     (example,) = ReasoningGymTask("bf").examples(1, 3)
     assert example.prompt and example.answer
+
+
+class _Guesses:
+    """A sampler that plays the same guesses in every game (``[10]``, then ``[5]``, ...)."""
+
+    def __init__(self, *guesses: int) -> None:
+        self.turns = [tuple(WIDE.encode(f"[{g}]")) + (EOS_ID,) for g in guesses]
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        return [ModelTurn(self.turns[r.key.turn - 1], (0.0,) * len(self.turns[r.key.turn - 1]),
+                          True, 0, 0) for r in requests]
+
+
+def test_a_textarena_replay_that_reaches_another_state_is_caught_though_done_agrees():
+    """Seed 3's number is below 10, seed 5's above: the same move '[10]' answers 'lower'
+    in one game and 'higher' in the other, and neither game ends. A replay whose game
+    went elsewhere (the package changed its draws, say) must fail the episode at that
+    step, not go on training on a context the game never showed."""
+    task = make_task("textarena/GuessTheNumber-v0", max_turns=8)
+    game, elsewhere = (task.make_env(task.examples(1, seed=s)[0]) for s in (3, 5))
+    move = Action("[10]", (), True)
+    game.reset(KEY)
+    recorded = game.step(move, KEY.at(1))
+    elsewhere.reset(KEY)
+    assert not recorded.done and "lower" in recorded.observation.text
+    with pytest.raises(EnvError, match=r"not deterministic on replay at run/g/s0/t1: the log "
+                                       r"recorded .*lower.*the re-applied move gave .*higher"):
+        elsewhere.restore_step(move, recorded, KEY.at(1))
+
+
+def test_the_runner_catches_a_restored_textarena_game_whose_observation_differs():
+    """Through the runner, as after a crash: the log holds the step's observation as ids
+    only, and the re-applied move's observation is checked against them."""
+    task = make_task("textarena/GuessTheNumber-v0", max_turns=3)
+    recorder = InMemoryTurnRecorder()
+
+    def play(seed: int) -> list:  # type: ignore[type-arg]
+        runner = EpisodeRunner(_Guesses(10, 5, 7), WIDE, recorder, 1024, 6, task.max_turns,
+                               task.name)
+        return runner.run([KEY], [task.make_env(task.examples(1, seed=seed)[0])])
+
+    (first,) = play(3)
+    (again,) = play(3)  # the same game restored from the record: no complaint
+    assert again.input_ids == first.input_ids
+    with pytest.raises(EnvError, match=r"textarena/GuessTheNumber-v0 is not deterministic on "
+                                       r"replay at run/g/s0/t1"):
+        play(5)

@@ -392,3 +392,27 @@ def test_a_message_without_text_content_names_what_it_holds():
                            r"with content NoneType"):
             client(server, "ep-17").chat.completions.create(
                 model="policy", messages=[{"role": "tool", "tool_call_id": "x", "content": None}])
+
+
+def test_an_ended_session_is_freed_and_a_later_request_to_it_is_a_404_naming_it():
+    """A server that opens sessions on request: ending one frees its state (its
+    session, its last reply and its turns in the server's own record), and a request
+    naming it afterwards is refused, not served as a new episode nobody will end."""
+    from tests.unit.test_agent_task import held_by
+    from workers.envs.chat import ChatSession
+    from workers.envs.recorder import ModelTurn
+    from workers.envs.trajectory import Trajectory
+
+    model = OracleLM(planned("47*38=", "47*38", ">1786", "1786"), TOK.vocab_size)
+    with serve(model, TOK) as server:
+        for n in range(4):
+            assert calculator_agent(client(server, f"ep-{n}"), "47*38=") == "1786"
+            assert len(server.end_session(f"ep-{n}").turns) == 2
+        assert server.sessions == {}
+        assert held_by(server, (ChatSession, ModelTurn, Trajectory)) == []
+        with pytest.raises(openai.NotFoundError, match=r"session 'ep-2' has ended"):
+            client(server, "ep-2").chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "47*38="}])
+        with pytest.raises(KeyError, match="ep-2"):
+            server.end_session("ep-2")
+        assert server.sessions == {}

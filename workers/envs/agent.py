@@ -64,7 +64,8 @@ def agent_server(gen: Any, sampling: SamplingSection, tools: ToolCallFormat | No
 
     server = _servers.get(gen)
     if server is None:
-        server = _servers[gen] = OpenAIServer.for_generator(gen, sampling, tools).start()
+        server = _servers[gen] = OpenAIServer.for_generator(
+            gen, sampling, tools, open_on_request=False).start()
         weakref.finalize(gen, server.close)
     return server
 
@@ -87,21 +88,26 @@ def run_agent_group(
     # a fresh sampler per group: the group is a function of its seed, whichever
     # groups this generator served before
     server.sampler = HoldingWeights(generator_sampler(gen, sampling, seed), gen.weights)
+    # the group's record is its caller's (None: one for this group alone); the server
+    # lets go of it once the group is done, so it holds nothing of an ended group
     server.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
     trajs = []
-    for i in range(n):
-        session = f"{group_id}/a{attempt}/s{i}"
-        server.open_session(session, StepKey(gen.run_id, group_id, i, 0))
-        where = f"agent task {task.name!r}, group {group_id} sample {i}"
-        try:
-            client = openai.OpenAI(base_url=server.session_url(session), api_key="unused",
-                                   max_retries=0)
-            reward = task.run_agent(client, MODEL_NAME, prompt)
-        except Exception as err:
-            raise AgentError(f"{where}: the agent raised {type(err).__name__}: {err}") from err
-        finally:
-            traj = server.end_session(session)
-        trajs.append(_closed(traj, reward, where))
+    try:
+        for i in range(n):
+            session = f"{group_id}/a{attempt}/s{i}"
+            server.open_session(session, StepKey(gen.run_id, group_id, i, 0))
+            where = f"agent task {task.name!r}, group {group_id} sample {i}"
+            try:
+                client = openai.OpenAI(base_url=server.session_url(session), api_key="unused",
+                                       max_retries=0)
+                reward = task.run_agent(client, MODEL_NAME, prompt)
+            except Exception as err:
+                raise AgentError(f"{where}: the agent raised {type(err).__name__}: {err}") from err
+            finally:
+                traj = server.end_session(session)
+            trajs.append(_closed(traj, reward, where))
+    finally:
+        server.recorder = None
     return trajs
 
 

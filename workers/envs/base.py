@@ -111,10 +111,12 @@ class Environment(Protocol):
 class RestoresState(Protocol):
     """An environment that can take a recorded step back without making it again."""
 
-    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> None:
+    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> Observation | None:
         """Bring this instance (reset, then restored up to ``key.turn - 1``) to the state
         after ``action``, whose result the log recorded, with no side effect outside the
-        instance."""
+        instance. Returns the observation the re-applied step shows, which the caller
+        checks against the recorded one (a replay that reached another state fails the
+        episode); None when the instance has no observation to show without an effect."""
         ...
 
 

@@ -76,8 +76,10 @@ class LedgerEnv:
         return EnvStep(Observation(text=f">{result}"), turn_reward(action, self.turns), done,
                        {"ledger": result})
 
-    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> None:
-        """Nothing to rebuild: the tool's state is its ledger, not this instance."""
+    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> Observation | None:
+        """Nothing to rebuild: the tool's state is its ledger, not this instance (and its
+        observation is the ledger's line, which only a call would read)."""
+        return None
 
 
 class LedgerTask:

@@ -187,3 +187,11 @@ class InMemoryTurnRecorder:
             self.steps[call.key] = (call.request, outcome)
             out.append(outcome)
         return out
+
+    def forget(self, episode: StepKey) -> None:
+        """Drop every record of ``episode``'s turns (its run, group and sample): an
+        episode that can no longer be replayed through this recorder (its session ended)."""
+        same = (episode.run, episode.group, episode.sample, episode.restart)
+        for table in (self.turns, self.resets, self.steps):
+            for key in [k for k in table if (k.run, k.group, k.sample, k.restart) == same]:
+                del table[key]

@@ -14,7 +14,8 @@ Every model turn and env step passes through the :class:`TurnRecorder` (the dura
 one records them in the log and serves them on replay); nothing here calls the sampler
 or an env directly. A served step is not made again: the env instance is brought to
 the state after it by its ``restore_step``, or, for an env that deduplicates by key, by
-re-issuing it with its key and checking the result is the recorded one. An observation
+re-issuing it with its key; either way the step's reward, end and observation ids
+must be the recorded ones, or the episode fails (a replay that reached another state). An observation
 given as text is encoded once; given as ids, it is appended as is. An env that raises,
 or whose observation the tokenizer cannot encode, fails the group with an
 :class:`EnvError` naming the environment and the step.
@@ -140,19 +141,22 @@ class EpisodeRunner:
                            outcome.end_reason == "done", outcome.info)
         if isinstance(env, RestoresState):
             def restore(a: Action, k: StepKey) -> EnvStep:
-                env.restore_step(a, recorded, k)
-                return recorded
+                shown = env.restore_step(a, recorded, k)
+                return recorded if shown is None else EnvStep(shown, recorded.reward, recorded.done)
 
-            self._call(restore, action, key)
-            return
-        again = self._call(env.step, action, key)  # deduplicated by key: no second effect
+            again = self._call(restore, action, key)  # rebuilt in the instance: no effect
+        else:
+            again = self._call(env.step, action, key)  # deduplicated by key: no second effect
         ids = self._ids(again.observation, key) if outcome.observation else ()
         if (again.reward, again.done, ids) != (outcome.reward, recorded.done, outcome.observation):
+            differ = next((i for i, (a, b) in enumerate(zip(ids, outcome.observation)) if a != b),
+                          min(len(ids), len(outcome.observation)))
             raise EnvError(
                 f"{self.env_name} is not deterministic on replay at {key}: the log recorded "
                 f"reward {outcome.reward}, done={recorded.done}, {len(outcome.observation)} "
-                f"observation ids; re-issued, it returned reward {again.reward}, "
+                f"observation ids; replayed, it returned reward {again.reward}, "
                 f"done={again.done}, {len(ids)} ids"
+                + (f" (first different id at {differ})" if ids != outcome.observation else "")
             )
 
     def _ids(self, obs: Observation, key: StepKey) -> tuple[int, ...]:

@@ -160,21 +160,38 @@ class TextArenaEnv:
         self._results[key] = result
         return result
 
-    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> None:
+    def restore_step(self, action: Action, recorded: EnvStep, key: StepKey) -> Observation:
         """A recorded move, re-applied to this fresh game (``workers.envs.base``): the game
         is an in-process simulation seeded by the example, so replaying the moves on a
-        new instance rebuilds its state with no effect outside it; the recorded result
-        stands (a game that answers otherwise fails the episode at its next move)."""
+        new instance rebuilds its state with no effect outside it. The game must reach
+        the recorded step's end, reward and observation (the text the game showed, which
+        is its state as the model saw it); the runner, whose record holds the observation
+        as ids, checks the returned one against them."""
         with _own_random(self):
             done, _ = self._env.step(action.text)
-            if not done:
-                self._env.get_observation()  # taken, as the live step took it: not shown again
+            if done:
+                rewards, _ = self._env.close()
+                got = EnvStep(Observation(text=""), float((rewards or {}).get(self._player, 0.0)),
+                              True)
+            else:  # taken, as the live step took it: not shown again
+                player, messages = self._env.get_observation()
+                got = EnvStep(Observation(text=render(messages, player)), 0.0, False)
         self._results[key] = recorded
-        if bool(done) != recorded.done:
+        # the text is compared where the record has it (the runner's has ids: it compares)
+        if (got.done, got.reward) != (recorded.done, recorded.reward) \
+                or recorded.observation.text not in (None, got.observation.text):
             raise EnvError(
                 f"{PREFIX}{self.env_id} is not deterministic on replay at {key}: the log "
-                f"recorded done={recorded.done}, the re-applied move gave done={bool(done)}"
+                f"recorded {_shown(recorded)}, the re-applied move gave {_shown(got)}"
             )
+        return got.observation
+
+
+def _shown(step: EnvStep) -> str:
+    """A step as a replay check names it: its end, reward and observation text."""
+    text = step.observation.text
+    seen = "" if text is None else f", observation {text[:120]!r}"
+    return f"done={step.done}, reward {step.reward}{seen}"
 
 
 @contextmanager

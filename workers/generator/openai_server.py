@@ -16,9 +16,19 @@ standard fields, ``token_ids`` (the completion's ids, EOS included) and
 logprob. Every completion passes through the turn recorder, like the episode runner's.
 
 Errors are JSON ``{"error": {"message", "type"}}`` with status 400 (a request the
-session cannot serve exactly; the session is left as it was), 404 (unknown path or a
-GET) or 500 (the server's own fault, e.g. the sampler raising); the message names the
-problem. A resend of the request the session's last reply answered (the client retries
+session cannot serve exactly; the session is left as it was), 404 (unknown path, a GET,
+or a session that has ended or, on a server that opens none on request, was never
+opened) or 500 (the server's own fault, e.g. the sampler raising); the message names
+the problem.
+
+A server lives as long as its generator and serves every episode of it, so an episode
+leaves nothing behind: :meth:`OpenAIServer.end_session` drops the session, its last
+reply and its turns in the server's own record (a recorder handed in belongs to its
+caller, who keeps or drops it). A request to an ended session is a 404 naming it, never
+a fresh session that nobody would end. A server that opens sessions on request keeps
+the ids it ended (the ids only) to tell them apart from new ones; the generator's
+server (``open_on_request=False``, ``workers.envs.agent``) opens none on request and
+keeps nothing. A resend of the request the session's last reply answered (the client retries
 one whose reply it lost) gets that reply again, without sampling.
 The server is a ``ThreadingHTTPServer`` bound to loopback by default; requests are
 served one at a time (one model).
@@ -54,6 +64,10 @@ _KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperatu
           "stream", "logprobs", "top_logprobs", "session_id", "tools", "tool_choice", "seed"}
 
 
+class SessionNotOpenError(LookupError):
+    """A request names a session that has ended, or that this server would not open."""
+
+
 class OpenAIServer:
     """Chat completions over one model, one :class:`ChatSession` per episode."""
 
@@ -69,10 +83,18 @@ class OpenAIServer:
         recorder: TurnRecorder | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        open_on_request: bool = True,
     ) -> None:
         self.sampler, self.template, self.context_len = sampler, template, context_len
         self.run_id, self.temperature, self.max_tokens = run_id, temperature, max_tokens
-        self.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
+        #: where completions are recorded; None: the server's own record, from which an
+        #: ended session's turns are dropped
+        self.recorder: TurnRecorder | None = recorder
+        self._own_record = InMemoryTurnRecorder()
+        #: whether a request naming an unknown session opens it (else: 404)
+        self.open_on_request = open_on_request
+        #: ids of ended sessions, refused by name (kept only when sessions open on request)
+        self._ended: set[str] = set()
         self.sessions: dict[str, ChatSession] = {}
         #: each session's last response, answered again to a client's retry of it
         self._replies: dict[str, dict[str, Any]] = {}
@@ -131,13 +153,21 @@ class OpenAIServer:
         with self._lock:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id!r} is already open")
+            self._ended.discard(session_id)  # opened again on purpose
             self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
 
     def end_session(self, session_id: str) -> Trajectory:
-        """Forget the session; its trajectory (the client is done with it)."""
+        """Free the session (the client is done with it); its trajectory. Later requests
+        naming it get a 404."""
         with self._lock:
+            session = self.sessions.pop(session_id, None)
+            if session is None:
+                raise KeyError(f"no open session {session_id!r}")
             self._replies.pop(session_id, None)
-            return self.sessions.pop(session_id).trajectory
+            self._own_record.forget(session.key)
+            if self.open_on_request:
+                self._ended.add(session_id)
+            return session.trajectory
 
     def trajectory(self, session_id: str) -> Trajectory:
         """The session's exact token trajectory (set per-turn rewards on it to train)."""
@@ -159,6 +189,8 @@ class OpenAIServer:
                 )
             with self._lock:
                 return 200, self._complete(session_id, body)
+        except SessionNotOpenError as err:
+            return 404, _error(str(err), "not_found")
         except (ChatRequestError, ReplayMismatchError) as err:
             # a mismatch is the agent's doing: a replayed session asked other than it did
             return 400, _error(str(err), "invalid_request_error")
@@ -171,10 +203,10 @@ class OpenAIServer:
         if session is not None and session.is_resend(body["messages"]):
             return self._replies[session_id]  # served once, never sampled twice
         if session is None:
-            key = StepKey(self.run_id, session_id, 0, 0)
-            session = self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
+            session = self._opened_by_request(session_id)
         prompt_len = len(session.trajectory.input_ids)
-        message, turn = serve_turn(session, self.recorder, self.sampler, body["messages"], max_tokens)
+        recorder = self.recorder if self.recorder is not None else self._own_record
+        message, turn = serve_turn(session, recorder, self.sampler, body["messages"], max_tokens)
         prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
         reply = self._replies[session_id] = _response(
             session_id, body.get("model", "policy"), message, turn, prompt_ids,
@@ -182,6 +214,18 @@ class OpenAIServer:
         if session.tool_call_error:
             reply["choices"][0]["tool_call_error"] = session.tool_call_error
         return reply
+
+    def _opened_by_request(self, session_id: str) -> ChatSession:
+        if session_id in self._ended:
+            raise SessionNotOpenError(
+                f"session {session_id!r} has ended; a new episode needs a new session id")
+        if not self.open_on_request:
+            raise SessionNotOpenError(
+                f"session {session_id!r} is not open: it has ended, or was never opened "
+                "(this server's sessions are opened by the generator, one per episode)")
+        key = StepKey(self.run_id, session_id, 0, 0)
+        session = self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
+        return session
 
     def _check(self, body: dict[str, Any]) -> int:
         # a field sent as null asks for nothing (agent frameworks send their unset ones)
