@@ -124,10 +124,6 @@ def _check_task(cfg: Config):
         raise CliError(
             f"config: task.name = {cfg.task.name!r} is an agent task, whose endpoint the "
             "vLLM generator does not serve yet; use rollout.backend = \"torch\"")
-    if isinstance(task, AgentTask) and cfg.rollout.partial.enabled:
-        raise CliError(
-            f"config: rollout.partial.enabled: task {cfg.task.name!r} is an agent task, whose "
-            "episodes are not durable across a crash yet; set it to false (docs/agents.md)")
     return task
 
 

@@ -123,13 +123,11 @@ def test_an_agent_that_gives_nothing_to_train_on_fails_its_group(task, why):
         gen.generate_group("g1", task.examples(1, 0)[0], 2, SAMPLING, seed=5)
 
 
-def test_an_agent_task_passes_the_preflight_and_partial_rollouts_are_refused_in_one_line():
-    from cli.common import CliError
+def test_an_agent_task_passes_the_preflight_with_partial_rollouts_too():
     from cli.preflight import check_config
     from controller.config import load_config
 
     task = [f'task.name="{ReverseAgent.name}"']
     check_config(load_config(overrides=task))
-    with pytest.raises(CliError, match=r"^config: rollout.partial.enabled: task .* is an agent "
-                                       r"task, whose episodes are not durable"):
-        check_config(load_config(overrides=[*task, "rollout.partial.enabled=true"]))
+    # durable since the agent's calls are recorded as an env's are
+    check_config(load_config(overrides=[*task, "rollout.partial.enabled=true"]))
