@@ -38,6 +38,14 @@ A resumed attempt starts from the log (:func:`read_episode_log`):
   ``ReplayMismatchError`` naming its key: agent code replayed must make the same calls.
 
 Reset is not a recorded call: it runs again on every resume (``workers.envs.base``).
+
+An agent episode (``workers.envs.agent``) goes through the same pauses: its calls are
+made by the agent's own code, so the endpoint records each in two steps --
+``env_requested`` (the intent, PAUSE 1, before the completion is returned) and
+``env_completed`` (the result, once the agent's next request or reward says what it
+was; PAUSE 2, or held for the next PAUSE 1 when the agent deduplicates by key).
+``env_steps`` is those two around the call. A result completed again on a resumed
+attempt is checked against the recorded one instead of recorded twice.
 """
 
 from __future__ import annotations

@@ -20,8 +20,11 @@ session cannot serve exactly; the session is left as it was), 404 (unknown path 
 GET) or 500 (the server's own fault, e.g. the sampler raising); the message names the
 problem. A resend of the request the session's last reply answered (the client retries
 one whose reply it lost) gets that reply again, without sampling.
-The server is a ``ThreadingHTTPServer`` bound to loopback by default; requests are
-served one at a time (one model).
+The server is a ``ThreadingHTTPServer`` bound to loopback by default. Each session's
+requests are served in turn and the model samples for one request at a time; sessions
+are otherwise independent, so one whose (durable) recorder waits for the log to take
+a pause holds up no other. Each completion also carries ``step_key``, its turn's
+idempotency key, for the agent's tools to deduplicate by (``workers.envs.agent``).
 """
 
 from __future__ import annotations
