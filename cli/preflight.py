@@ -124,6 +124,11 @@ def _check_task(cfg: Config):
         raise CliError(
             f"config: task.name = {cfg.task.name!r} is an agent task, whose endpoint the "
             "vLLM generator does not serve yet; use rollout.backend = \"torch\"")
+    declared = getattr(task, "dedupes_by_key", False) if isinstance(task, AgentTask) else False
+    if not isinstance(declared, bool):  # read as a bool: a typo must not mean False silently
+        raise CliError(
+            f"config: task.name = {cfg.task.name!r} declares dedupes_by_key = {declared!r}; "
+            "an agent task declares True or False (docs/agents.md)")
     return task
 
 

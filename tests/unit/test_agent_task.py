@@ -131,3 +131,19 @@ def test_an_agent_task_passes_the_preflight_with_partial_rollouts_too():
     check_config(load_config(overrides=task))
     # durable since the agent's calls are recorded as an env's are
     check_config(load_config(overrides=[*task, "rollout.partial.enabled=true"]))
+
+
+@dataclass(frozen=True)
+class SaysYes(ReverseAgent):
+    name = "tests.unit.test_agent_task:SaysYes"
+    dedupes_by_key: Any = "yes"
+
+
+def test_an_agent_task_declaring_dedupes_by_key_other_than_a_bool_is_refused_in_one_line():
+    from cli.common import CliError
+    from cli.preflight import check_config
+    from controller.config import load_config
+
+    with pytest.raises(CliError, match=r"^config: task.name = .*SaysYes' declares dedupes_by_key "
+                                       r"= 'yes'; an agent task declares True or False"):
+        check_config(load_config(overrides=[f'task.name="{SaysYes.name}"']))
