@@ -124,10 +124,11 @@ def _check_task(cfg: Config):
         raise CliError(
             f"config: task.name = {cfg.task.name!r} is an agent task, whose endpoint the "
             "vLLM generator does not serve yet; use rollout.backend = \"torch\"")
-    if isinstance(task, AgentTask) and cfg.rollout.partial.enabled:
+    declared = getattr(task, "dedupes_by_key", False) if isinstance(task, AgentTask) else False
+    if not isinstance(declared, bool):  # read as a bool: a typo must not mean False silently
         raise CliError(
-            f"config: rollout.partial.enabled: task {cfg.task.name!r} is an agent task, whose "
-            "episodes are not durable across a crash yet; set it to false (docs/agents.md)")
+            f"config: task.name = {cfg.task.name!r} declares dedupes_by_key = {declared!r}; "
+            "an agent task declares True or False (docs/agents.md)")
     return task
 
 

@@ -136,3 +136,59 @@ class ReverseAgent(ReverseTask):
         text = choice.message.content if not choice.message.tool_calls else (
             json.loads(choice.message.tool_calls[0].function.arguments)["query"])
         return self.reward(example, text or "", choice.finish_reason != "length")
+
+
+class LedgerAgent:
+    """The ``ledger`` task (``workers.envs.ledger``) played by agent code: every reply's
+    tool call runs a tool whose side effect is a line in a ledger file, keyed by the
+    reply's ``step_key``; with ``dedupe`` the ledger is also the tool's memory of keys (a
+    key it holds is answered from it, not run again), and the task declares
+    ``dedupes_by_key``. ``KILL_ENV`` kills the process right after the side effect of
+    the keys it names, before the next request can record the result. Each of the
+    ``turns`` replies earns ``(its ids mod 3) / (2 turns)``; the episode's reward is
+    their sum."""
+
+    name = "tests.plugin_tasks:LedgerAgent"
+    tool_format = LOOKUP_FORMAT
+
+    def __init__(self, *, path: str = "", turns: int = 3, dedupe: bool = True) -> None:
+        if not path:
+            raise ValueError("LedgerAgent: task.options.path (the ledger file) is required")
+        self.path, self.turns, self.dedupes_by_key = path, turns, dedupe
+
+    def examples(self, count: int, seed: int) -> list[Example]:
+        return [Example(prompt=f"go{(seed + i) % 10}:", answer="") for i in range(count)]
+
+    def reward(self, example: Example, completion: str, stopped: bool) -> float:
+        return (len(completion) % 3) / (2 * self.turns)
+
+    def tool(self, key: str) -> str:
+        from workers.envs.ledger import KILL_ENV, read_ledger
+
+        lines = read_ledger(self.path)
+        result = dict(lines).get(key) if self.dedupes_by_key else None
+        if result is None:  # the side effect: one line, appended in one write
+            result = str(len(lines) % 1000)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{key}\t{result}\n".encode())
+            finally:
+                os.close(fd)
+            if key in os.environ.get(KILL_ENV, "").split(","):
+                os.kill(os.getpid(), 9)
+        return result
+
+    def run_agent(self, client: Any, model: str, example: Example) -> float:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": example.prompt}]
+        total = 0.0
+        for _ in range(self.turns):
+            reply = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL])
+            choice = reply.choices[0]
+            total += (len(choice.model_extra["token_ids"]) % 3) / (2 * self.turns)
+            messages.append(choice.message.model_dump(exclude_none=True))
+            result = self.tool(reply.model_extra["step_key"])
+            for call in choice.message.tool_calls or []:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            if not choice.message.tool_calls:
+                messages.append({"role": "user", "content": result})
+        return total

@@ -268,13 +268,9 @@ class GeneratorWorker(Fenced):
         #: partial rollouts: the groups paused at a flush point (``generator.inflight``);
         #: for an episode task, at every record point (``generator.episodes``)
         self.inflight: InflightRunner | EpisodeGroups | None = None
-        if spec.partial.enabled and isinstance(task, AgentTask):
-            raise ValueError(
-                f"rollout.partial.enabled: task {task.name!r} is an agent task, whose "
-                "episodes are not durable across a crash yet; set it to false (docs/agents.md)")
         if spec.partial.enabled:
             self.inflight = (
-                EpisodeGroups(self.generator) if isinstance(task, EpisodeTask)
+                EpisodeGroups(self.generator) if isinstance(task, (EpisodeTask, AgentTask))
                 else InflightRunner(
                     self.generator, spec.partial.segment_tokens, spec.partial.flush_on_refit
                 )

@@ -123,16 +123,30 @@ def test_an_agent_that_gives_nothing_to_train_on_fails_its_group(task, why):
         gen.generate_group("g1", task.examples(1, 0)[0], 2, SAMPLING, seed=5)
 
 
-def test_an_agent_task_passes_the_preflight_and_partial_rollouts_are_refused_in_one_line():
-    from cli.common import CliError
+def test_an_agent_task_passes_the_preflight_with_partial_rollouts_too():
     from cli.preflight import check_config
     from controller.config import load_config
 
     task = [f'task.name="{ReverseAgent.name}"']
     check_config(load_config(overrides=task))
-    with pytest.raises(CliError, match=r"^config: rollout.partial.enabled: task .* is an agent "
-                                       r"task, whose episodes are not durable"):
-        check_config(load_config(overrides=[*task, "rollout.partial.enabled=true"]))
+    # durable since the agent's calls are recorded as an env's are
+    check_config(load_config(overrides=[*task, "rollout.partial.enabled=true"]))
+
+
+@dataclass(frozen=True)
+class SaysYes(ReverseAgent):
+    name = "tests.unit.test_agent_task:SaysYes"
+    dedupes_by_key: Any = "yes"
+
+
+def test_an_agent_task_declaring_dedupes_by_key_other_than_a_bool_is_refused_in_one_line():
+    from cli.common import CliError
+    from cli.preflight import check_config
+    from controller.config import load_config
+
+    with pytest.raises(CliError, match=r"^config: task.name = .*SaysYes' declares dedupes_by_key "
+                                       r"= 'yes'; an agent task declares True or False"):
+        check_config(load_config(overrides=[f'task.name="{SaysYes.name}"']))
 
 
 def held_by(root: Any, kinds: tuple[type, ...]) -> list[Any]:

@@ -13,21 +13,37 @@ prompt, answer)``, verl's agent loop): the agent owns the conversation and the t
 calls; the server owns the tokens. Samples run one after another on one seeded sampler,
 so a group is a function of its seed and the agent's calls.
 
-Every completion goes through the turn recorder. A group's record lives as long as its
-attempt on this generator: an agent re-run against it (:func:`run_agent_group` with the
-same ``recorder``) is served the recorded turns without sampling, and an agent that
-asks otherwise gets HTTP 400 naming the turn, which fails the episode. Not durable yet:
-the in-flight path (``rollout.partial``) is refused for agent tasks (``docs/agents.md``).
+Every completion goes through the turn recorder, and so does what the agent does with
+it: a model turn's **call** is the completion as the agent received it (its tool calls
+or text), keyed (run, group, sample, turn) like an env call; its **result** is what the
+agent sends back with its next request (the new messages, the turn's observation), or,
+after the last turn, the reward ``run_agent`` returns. The intent is recorded before
+the completion is returned; the result when the next request, or the reward, comes
+(``workers.envs.chat.serve_turn``). Each completion carries its key (``step_key``,
+``run/group/s<sample>/t<turn>``) for the agent's tools to deduplicate their effects by.
+
+In memory (``rollout.partial`` off) the record lives as long as the group's attempt on
+this generator. With partial rollouts the recorder is the durable one
+(``workers.envs.durable``, through ``workers.generator.episodes``) and an episode
+survives a crash of any process: a resumed attempt runs ``run_agent`` again from the
+start; recorded completions are served from the log, recorded results are checked
+against what the agent sends now (otherwise HTTP 400 naming the turn, which fails the
+episode), and the first unrecorded request is sampled. ``dedupes_by_key`` means what an
+environment's does: ``True``, the agent's tools run a key's side effects at most once,
+so a turn whose result was lost is answered again under its key (and a turn's result
+rides with the next turn's intent, one pause per turn); ``False`` (the default), the
+controller restarts such an episode with new keys instead.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from workers.envs.base import StepKey
-from workers.envs.recorder import InMemoryTurnRecorder, TurnRecorder
+from workers.envs.recorder import InMemoryTurnRecorder, ReplayMismatchError, StepOutcome, TurnRecorder
 from workers.envs.sampler import HoldingWeights, generator_sampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
@@ -48,6 +64,8 @@ class AgentTask(Task, Protocol):
 
     #: tools the model may call (their calls come back as ``tool_calls``); None: text only
     tool_format: ToolCallFormat | None
+    # ``dedupes_by_key: bool`` may be declared too (False when absent; not a protocol
+    # member, so agent tasks written without it stay agent tasks): :func:`dedupes_by_key`
 
     def run_agent(self, client: Any, model: str, example: Example) -> float:
         """Play one episode of ``example`` through ``client`` (an ``openai.OpenAI`` bound
@@ -70,6 +88,11 @@ def agent_server(gen: Any, sampling: SamplingSection, tools: ToolCallFormat | No
     return server
 
 
+def dedupes_by_key(task: AgentTask) -> bool:
+    """Whether the task's tools declared they deduplicate by ``step_key``."""
+    return getattr(task, "dedupes_by_key", False) is True
+
+
 def run_agent_group(
     gen: Any,
     task: AgentTask,
@@ -80,34 +103,39 @@ def run_agent_group(
     seed: int,
     attempt: int = 0,
     recorder: TurnRecorder | None = None,
+    restarts: Sequence[int] | None = None,
 ) -> list[Trajectory]:
-    """The group's ``n`` episodes, one session each, in sample order."""
+    """The group's ``n`` episodes, one session each, in sample order (``restarts``: per
+    sample, times its episode was started over, part of its keys)."""
     import openai  # the envs extra; imported by the runs that use an agent task
 
     server = agent_server(gen, sampling, task.tool_format)
     # a fresh sampler per group: the group is a function of its seed, whichever
-    # groups this generator served before
-    server.sampler = HoldingWeights(generator_sampler(gen, sampling, seed), gen.weights)
-    # the group's record is its caller's (None: one for this group alone); the server
-    # lets go of it once the group is done, so it holds nothing of an ended group
-    server.recorder = recorder if recorder is not None else InMemoryTurnRecorder()
+    # groups this generator served before (and whichever others wait at a pause)
+    sampler = HoldingWeights(generator_sampler(gen, sampling, seed), gen.weights)
+    recorder = recorder if recorder is not None else InMemoryTurnRecorder()
+    again = restarts or [0] * n
     trajs = []
-    try:
-        for i in range(n):
-            session = f"{group_id}/a{attempt}/s{i}"
-            server.open_session(session, StepKey(gen.run_id, group_id, i, 0))
-            where = f"agent task {task.name!r}, group {group_id} sample {i}"
-            try:
-                client = openai.OpenAI(base_url=server.session_url(session), api_key="unused",
-                                       max_retries=0)
-                reward = task.run_agent(client, MODEL_NAME, prompt)
-            except Exception as err:
-                raise AgentError(f"{where}: the agent raised {type(err).__name__}: {err}") from err
-            finally:
-                traj = server.end_session(session)
-            trajs.append(_closed(traj, reward, where))
-    finally:
-        server.recorder = None
+    for i in range(n):
+        session = f"{group_id}/a{attempt}/s{i}"
+        server.open_session(session, StepKey(gen.run_id, group_id, i, 0, again[i]),
+                            recorder=recorder, sampler=sampler)
+        where = f"agent task {task.name!r}, group {group_id} sample {i}"
+        try:
+            client = openai.OpenAI(base_url=server.session_url(session), api_key="unused",
+                                   max_retries=0)
+            reward = task.run_agent(client, MODEL_NAME, prompt)
+        except Exception as err:
+            raise AgentError(f"{where}: the agent raised {type(err).__name__}: {err}") from err
+        finally:
+            traj = server.end_session(session)
+        traj = _closed(traj, reward, where)
+        last = traj.turns[-1]
+        try:  # the last turn's result: the episode's end and its reward
+            recorder.env_completed([(traj.key.at(last.turn), StepOutcome(last.reward, True, "done", ()))])
+        except ReplayMismatchError as err:
+            raise AgentError(f"{where}: {err}") from None
+        trajs.append(traj)
     return trajs
 
 

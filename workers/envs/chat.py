@@ -23,8 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.envs.base import StepKey, ToolCallParseError
-from workers.envs.recorder import ModelTurn, TurnRecorder, TurnRequest
+from workers.envs.base import Action, StepKey, ToolCallParseError
+from workers.envs.recorder import (
+    ModelTurn,
+    StepOutcome,
+    TurnRecorder,
+    TurnRequest,
+    digest,
+    external_call,
+)
 from workers.envs.sampler import TurnSampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
@@ -71,6 +78,8 @@ class ChatSession:
     history: list[dict[str, Any]] = field(default_factory=list)
     #: why the last turn, which starts like a tool call, is not one ("" if it is, or is text)
     tool_call_error: str = ""
+    #: the result of the last turn that the latest request brought (its new messages)
+    answered: tuple[StepKey, StepOutcome] | None = None
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.key)
@@ -96,6 +105,7 @@ class ChatSession:
                     "to change it)"
                 )
         ids: list[int] = []
+        new = messages[len(self.history):]
         for i in range(len(self.history), len(messages)):
             if messages[i].get("role") == "assistant":
                 raise ChatRequestError(
@@ -103,9 +113,14 @@ class ChatSession:
                 )
             ids += self.template.render(messages[i], i)
             self.history.append(dict(messages[i]))
+        self.answered = None
         if not self.trajectory.turns:
             self.trajectory.append_observation(ids)
         else:
+            # the last turn's call answered: its observation, and what was sent (a tool
+            # call's id is not in the ids, yet a replay must send it back the same)
+            self.answered = (self.key.at(len(self.trajectory.turns)), StepOutcome(
+                0.0, False, "", tuple(ids), {"messages": digest(*map(_canonical, new))}))
             self.trajectory.close_turn(0.0, ids, {})
         room = self.context_len - len(self.trajectory.input_ids)
         if room < 1:
@@ -173,6 +188,13 @@ def serve_turn(
 ) -> tuple[dict[str, Any], ModelTurn]:
     """One chat completion of ``session``: through the recorder, like every model turn.
 
+    The turn's call is whatever the agent does with the completion (its tools), so it
+    is recorded in two steps: its intent before the completion is returned, its result
+    (the next request's new messages, as observation ids) when that request comes; the
+    agent's reward closes the last turn (``workers.envs.agent``). A replayed session is
+    checked at both: another context or other new messages is a ``ReplayMismatchError``
+    naming the turn.
+
     A request refused or failed on the way (a message that cannot be encoded, no room
     in the context, the sampler raising) leaves the session exactly as it was: a
     half-appended request would shift every later id, or refuse the corrected resend.
@@ -180,8 +202,15 @@ def serve_turn(
     saved = copy.deepcopy(session.trajectory), list(session.history)
     try:
         request = session.prepare(messages, max_tokens)
+        if session.answered is not None:  # the last turn's result, before the next turn
+            recorder.env_completed([session.answered])
         (turn,) = recorder.model_turns([request], sampler.generate)
-        return session.complete(turn), turn
+        message = session.complete(turn)
+        # the intent: in the record before the agent sees the turn (and acts on it)
+        action = Action(session.template.tokenizer.decode(list(turn.tokens)), turn.tokens, turn.stopped)
+        recorder.env_requested([external_call(
+            request.key, action, digest(request.context, turn.tokens, turn.stopped))])
+        return message, turn
     except BaseException:
         session.trajectory, session.history = saved
         raise

@@ -38,6 +38,14 @@ A resumed attempt starts from the log (:func:`read_episode_log`):
   ``ReplayMismatchError`` naming its key: agent code replayed must make the same calls.
 
 Reset is not a recorded call: it runs again on every resume (``workers.envs.base``).
+
+An agent episode (``workers.envs.agent``) goes through the same pauses: its calls are
+made by the agent's own code, so the endpoint records each in two steps --
+``env_requested`` (the intent, PAUSE 1, before the completion is returned) and
+``env_completed`` (the result, once the agent's next request or reward says what it
+was; PAUSE 2, or held for the next PAUSE 1 when the agent deduplicates by key).
+``env_steps`` is those two around the call. A result completed again on a resumed
+attempt is checked against the recorded one instead of recorded twice.
 """
 
 from __future__ import annotations
@@ -54,7 +62,14 @@ from events.schema import EnvCall, EnvResult, Segment, SegmentKind
 from workers.api import EpisodeFlush, EpisodeResume, SegmentFlush
 from workers.dataplane.api import DataPlane
 from workers.envs.base import Observation, StepKey
-from workers.envs.recorder import ModelTurn, ReplayMismatchError, StepCall, StepOutcome, TurnRequest
+from workers.envs.recorder import (
+    ModelTurn,
+    ReplayMismatchError,
+    StepCall,
+    StepOutcome,
+    TurnRequest,
+    same_result,
+)
 from workers.generator.segments import SEGMENT_FIELDS, segment_key
 
 
@@ -230,25 +245,52 @@ class DurableTurnRecorder:
         return [self.writer.write("model", v, by_version[v]) for v in sorted(by_version)]
 
     def env_steps(self, calls: Sequence[StepCall]) -> list[StepOutcome]:
-        outcomes: list[StepOutcome | None] = [None] * len(calls)
-        to_make: list[int] = []
+        outcomes = self.env_requested(calls)
+        made = []
         for i, call in enumerate(calls):
+            if outcomes[i] is None:
+                outcomes[i] = call.run()
+                self.counts["made"] += 1
+                made.append((call.key, outcomes[i]))
+        self._record_results(made)
+        return outcomes  # type: ignore[return-value]
+
+    def env_requested(self, calls: Sequence[StepCall]) -> list[StepOutcome | None]:
+        outcomes: list[StepOutcome | None] = []
+        intents = []
+        for call in calls:
             served = self._recorded_outcome(call)
             if served is not None:
                 call.replayed(served)
-                outcomes[i] = served
             else:
-                to_make.append(i)
-        intents = [EnvCall(sample=calls[i].key.sample, turn=calls[i].key.turn,
-                           request=calls[i].request, restart=calls[i].key.restart) for i in to_make]
+                intents.append(EnvCall(sample=call.key.sample, turn=call.key.turn,
+                                       request=call.request, restart=call.key.restart))
+            outcomes.append(served)
         if self._held or intents or self._results:  # write-ahead: no call runs before its intent
             self._post(completed=self._results, segments=self._held, requested=intents)
             self._held, self._results = [], []
+        return outcomes
+
+    def env_completed(self, results: Sequence[tuple[StepKey, StepOutcome]]) -> None:
+        fresh = []
+        for key, outcome in results:
+            rec = self.log.turns.get((key.sample, key.turn))
+            if rec is not None and rec.result is not None:  # replayed: it must be the same
+                same_result(key, StepOutcome(
+                    rec.result.reward, rec.result.ended, rec.result.end_reason,
+                    tuple(rec.observation), dict(rec.result.info)),
+                    StepOutcome(outcome.reward, outcome.ended, outcome.end_reason,
+                                tuple(outcome.observation), _short(outcome.info)))
+                self.counts["replayed"] += 1
+            else:
+                fresh.append((key, outcome))
+        self._record_results(fresh)
+
+    def _record_results(self, made: Sequence[tuple[StepKey, StepOutcome]]) -> None:
+        """Results of calls just made: recorded now, or, for an env that deduplicates,
+        held for the next pause (see the module docstring)."""
         results, observations = [], {}
-        for i in to_make:
-            key, outcome = calls[i].key, calls[i].run()
-            self.counts["made"] += 1
-            outcomes[i] = outcome
+        for key, outcome in made:
             results.append(EnvResult(
                 sample=key.sample, turn=key.turn, reward=outcome.reward, ended=outcome.ended,
                 end_reason=outcome.end_reason, observation_tokens=len(outcome.observation),
@@ -258,10 +300,9 @@ class DurableTurnRecorder:
         if results:
             segments = [self.writer.write("observation", None, observations)] if observations else []
             if self.dedupes_by_key:  # they ride with the next pause (see the module docstring)
-                self._results, self._held = results, segments
+                self._results, self._held = self._results + results, self._held + segments
             else:
                 self._post(completed=results, segments=segments)
-        return outcomes  # type: ignore[return-value]
 
     def finish(self) -> None:
         """Record what is held (the episodes' last results) before the group's rows are

@@ -96,7 +96,8 @@ def generate_episode_group(
     group's versions are its oldest and newest model token's."""
     task = gen.task
     if isinstance(task, AgentTask):  # the user's OpenAI-client code drives the episodes
-        trajs = run_agent_group(gen, task, group_id, prompt, n, sampling, seed, attempt, recorder)
+        trajs = run_agent_group(gen, task, group_id, prompt, n, sampling, seed, attempt, recorder,
+                                restarts)
         return commit_trajectories(gen, keys, group_id, attempt, trajs, task.name)
     assert isinstance(task, EpisodeTask)
     if recorder is None:

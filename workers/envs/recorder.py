@@ -12,6 +12,13 @@ Replay must be faithful: a recorded key asked again with a different request (ot
 context ids, another action) is a :class:`ReplayMismatchError`, never silently served
 or re-run. Keys are ``StepKey`` (run, group, sample, turn); a model turn and the env
 step that follows it share the turn number but are recorded under separate kinds.
+
+A call the recorder cannot make itself -- an agent's tools, which the agent's own code
+runs between two completions (``workers.envs.agent``) -- is recorded in two steps:
+:meth:`TurnRecorder.env_requested` (the intent, before the completion goes back to the
+agent) and :meth:`TurnRecorder.env_completed` (the result, once the agent's next
+request, or its reward, says what it was). ``env_steps`` is exactly those two around
+the call. A result completed again is checked against the recorded one.
 """
 
 from __future__ import annotations
@@ -103,6 +110,45 @@ class TurnRecorder(Protocol):
         """One outcome per call: recorded ones are served (``replayed``), others run."""
         ...
 
+    def env_requested(self, calls: Sequence[StepCall]) -> list[StepOutcome | None]:
+        """Record the calls' intent (write-ahead: before anything acts on them); per
+        call its recorded outcome (served: ``replayed`` is told), or None where the
+        call is to be made and its result handed to :meth:`env_completed`."""
+        ...
+
+    def env_completed(self, results: Sequence[tuple[StepKey, StepOutcome]]) -> None:
+        """Record the results of calls made outside the recorder; a result the record
+        already holds must be the same (else :class:`ReplayMismatchError`)."""
+        ...
+
+
+def _agent_made(key: StepKey) -> StepOutcome:
+    raise RuntimeError(f"call {key} is made by the agent, not by the recorder")
+
+
+def external_call(key: StepKey, action: Action, request: str) -> StepCall:
+    """A call whose result comes from outside the recorder (an agent's tools): it is
+    recorded with :meth:`TurnRecorder.env_requested` and ``env_completed``, never run."""
+    return StepCall(key, action, request, run=lambda: _agent_made(key))
+
+
+def same_result(key: StepKey, recorded: StepOutcome, now: StepOutcome) -> None:
+    """A result completed again must be the recorded one: the replayed agent sent back
+    other messages (another observation), or returned another reward, than it did."""
+    if (recorded.reward, recorded.ended, recorded.end_reason, tuple(recorded.observation),
+            dict(recorded.info)) == (now.reward, now.ended, now.end_reason,
+                                     tuple(now.observation), dict(now.info)):
+        return
+    what = ("the episode's end" if recorded.ended or now.ended else
+            f"{len(now.observation)} observation ids")
+    raise ReplayMismatchError(
+        f"turn {key}: the replayed agent answered it otherwise than the recorded result "
+        f"({what}, reward {now.reward}; the log has "
+        f"{'the end' if recorded.ended else f'{len(recorded.observation)} observation ids'}, "
+        f"reward {recorded.reward}, info {dict(recorded.info)} against {dict(now.info)}): "
+        "agent code must send the same messages when it is replayed"
+    )
+
 
 def digest(*parts: object) -> str:
     """A short, stable fingerprint of a request (what replay compares)."""
@@ -123,7 +169,9 @@ class InMemoryTurnRecorder:
 
     turns: dict[StepKey, tuple[str, ModelTurn]] = field(default_factory=dict)
     resets: dict[StepKey, Observation] = field(default_factory=dict)
-    steps: dict[StepKey, tuple[str, StepOutcome]] = field(default_factory=dict)
+    #: each call's request fingerprint (its intent) and, once made, its outcome
+    requests: dict[StepKey, str] = field(default_factory=dict)
+    steps: dict[StepKey, StepOutcome] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=lambda: {"model": 0, "reset": 0, "step": 0})
 
     def model_turns(
@@ -171,20 +219,26 @@ class InMemoryTurnRecorder:
 
     def env_steps(self, calls: Sequence[StepCall]) -> list[StepOutcome]:
         out = []
+        for call, served in zip(calls, self.env_requested(calls)):
+            if served is None:
+                served = call.run()
+                self.calls["step"] += 1
+                self.env_completed([(call.key, served)])
+            out.append(served)
+        return out
+
+    def env_requested(self, calls: Sequence[StepCall]) -> list[StepOutcome | None]:
+        out: list[StepOutcome | None] = []
         for call in calls:
-            record = self.steps.get(call.key)
-            if record is not None:
-                if record[0] != call.request:
-                    raise ReplayMismatchError(
-                        f"env step {call.key}: the agent sent a different request than the "
-                        "recorded one"
-                    )
-                call.replayed(record[1])
-                out.append(record[1])
-                continue
-            outcome = call.run()
-            self.calls["step"] += 1
-            self.steps[call.key] = (call.request, outcome)
+            request = self.requests.setdefault(call.key, call.request)
+            if request != call.request:
+                raise ReplayMismatchError(
+                    f"env step {call.key}: the agent sent a different request than the "
+                    "recorded one"
+                )
+            outcome = self.steps.get(call.key)
+            if outcome is not None:
+                call.replayed(outcome)
             out.append(outcome)
         return out
 
@@ -195,3 +249,8 @@ class InMemoryTurnRecorder:
         for table in (self.turns, self.resets, self.steps):
             for key in [k for k in table if (k.run, k.group, k.sample, k.restart) == same]:
                 del table[key]
+
+    def env_completed(self, results: Sequence[tuple[StepKey, StepOutcome]]) -> None:
+        for key, outcome in results:
+            recorded = self.steps.setdefault(key, outcome)
+            same_result(key, recorded, outcome)

@@ -1,7 +1,9 @@
 """Durable episodes on the generator: groups that pause at every record point.
 
-With ``rollout.partial`` on, a generator whose task is an episode task runs each group's
-episodes in a thread of their own, through the durable recorder
+With ``rollout.partial`` on, a generator whose task is an episode task or an agent task
+(``workers.envs.agent``: the agent's code plays the episodes through the generator's
+endpoint, and its requests block at the pauses) runs each group's episodes in a thread
+of their own, through the durable recorder
 (``workers.envs.durable``). A generator call runs its groups in order until one of them
 reaches a pause -- the recorder hands over an ``EpisodeFlush`` (model turns and the
 intent of the calls that answer them, the calls' results and observations, or, for an
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.api import EpisodeFlush, GenerationOutcome, GenerationRequest
+from workers.envs.agent import AgentTask, dedupes_by_key
 from workers.envs.durable import DurableTurnRecorder, SegmentWriter, read_episode_log, token_ledger
 from workers.envs.group import generate_episode_group
 from workers.envs.task import EpisodeTask
@@ -107,7 +110,7 @@ class EpisodeGroups:
 
     def __init__(self, generator: Any) -> None:
         task = generator.task
-        assert isinstance(task, EpisodeTask)
+        assert isinstance(task, (EpisodeTask, AgentTask))
         self.gen, self.task = generator, task
         self.held: dict[str, _Held] = {}
 
@@ -181,7 +184,7 @@ class EpisodeGroups:
                                    list(log.recorded))
             recorder = DurableTurnRecorder(
                 log, channel, writer, env=self.task.name,
-                dedupes_by_key=bool(self.task.make_env(example).dedupes_by_key),
+                dedupes_by_key=self._dedupes(example),
                 eos_id=gen.tokenizer.eos_id, on_generated=token_ledger(req.group_id, req.attempt),
             )
             keys = [row_key(gen.run_id, req.group_id, req.attempt, i) for i in range(n)]
@@ -193,6 +196,12 @@ class EpisodeGroups:
             pass
         except BaseException as err:  # the call thread raises it: the attempt fails
             channel.end("error", err)
+
+
+    def _dedupes(self, example: Example) -> bool:
+        if isinstance(self.task, AgentTask):  # its own tools: declared on the task
+            return dedupes_by_key(self.task)
+        return bool(self.task.make_env(example).dedupes_by_key)
 
 
 def _outcome(status: str, episode: EpisodeFlush | None = None) -> GenerationOutcome:

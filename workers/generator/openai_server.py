@@ -30,8 +30,11 @@ the ids it ended (the ids only) to tell them apart from new ones; the generator'
 server (``open_on_request=False``, ``workers.envs.agent``) opens none on request and
 keeps nothing. A resend of the request the session's last reply answered (the client retries
 one whose reply it lost) gets that reply again, without sampling.
-The server is a ``ThreadingHTTPServer`` bound to loopback by default; requests are
-served one at a time (one model).
+The server is a ``ThreadingHTTPServer`` bound to loopback by default. Each session's
+requests are served in turn and the model samples for one request at a time; sessions
+are otherwise independent, so one whose (durable) recorder waits for the log to take
+a pause holds up no other. Each completion also carries ``step_key``, its turn's
+idempotency key, for the agent's tools to deduplicate by (``workers.envs.agent``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
@@ -52,6 +55,7 @@ from workers.envs.recorder import (
     ModelTurn,
     ReplayMismatchError,
     TurnRecorder,
+    TurnRequest,
 )
 from workers.envs.sampler import HoldingWeights, TurnSampler, generator_sampler
 from workers.envs.tools import ToolCallFormat
@@ -98,7 +102,12 @@ class OpenAIServer:
         self.sessions: dict[str, ChatSession] = {}
         #: each session's last response, answered again to a client's retry of it
         self._replies: dict[str, dict[str, Any]] = {}
+        #: a session's own recorder and sampler (an episode group's), where it has them
+        self._bound: dict[str, tuple[TurnRecorder, TurnSampler]] = {}
+        #: the sessions' table; each session's requests; the model (one sample at a time)
         self._lock = threading.Lock()
+        self._session_locks: dict[str, threading.Lock] = {}
+        self._model_lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self.handle))
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
 
@@ -146,15 +155,22 @@ class OpenAIServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def open_session(self, session_id: str, key: StepKey) -> None:
+    def open_session(
+        self, session_id: str, key: StepKey, *,
+        recorder: TurnRecorder | None = None, sampler: TurnSampler | None = None,
+    ) -> None:
         """Open ``session_id`` with its recorder key (an episode's: run, group, sample),
         before the client's first request; a session opened by a request is keyed
-        (run, session id, 0)."""
+        (run, session id, 0). ``recorder`` and ``sampler`` (both or neither) serve this
+        session instead of the server's: a durable recorder blocks a request while the
+        log takes a pause, and only that session's requests wait for it."""
         with self._lock:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id!r} is already open")
             self._ended.discard(session_id)  # opened again on purpose
             self.sessions[session_id] = ChatSession(key, self.template, self.context_len)
+            if recorder is not None and sampler is not None:
+                self._bound[session_id] = (recorder, sampler)
 
     def end_session(self, session_id: str) -> Trajectory:
         """Free the session (the client is done with it); its trajectory. Later requests
@@ -164,6 +180,8 @@ class OpenAIServer:
             if session is None:
                 raise KeyError(f"no open session {session_id!r}")
             self._replies.pop(session_id, None)
+            self._bound.pop(session_id, None)
+            self._session_locks.pop(session_id, None)
             self._own_record.forget(session.key)
             if self.open_on_request:
                 self._ended.add(session_id)
@@ -188,8 +206,13 @@ class OpenAIServer:
                     "no session: use base_url .../sessions/<id>/v1 or send 'session_id'"
                 )
             with self._lock:
+                session_lock = self._session_locks.setdefault(session_id, threading.Lock())
+            with session_lock:
                 return 200, self._complete(session_id, body)
         except SessionNotOpenError as err:
+            with self._lock:  # no lock kept for a session that is not open
+                if session_id not in self.sessions:
+                    self._session_locks.pop(session_id, None)
             return 404, _error(str(err), "not_found")
         except (ChatRequestError, ReplayMismatchError) as err:
             # a mismatch is the agent's doing: a replayed session asked other than it did
@@ -199,18 +222,23 @@ class OpenAIServer:
 
     def _complete(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         max_tokens = self._check(body)
-        session = self.sessions.get(session_id)
-        if session is not None and session.is_resend(body["messages"]):
+        with self._lock:
+            session = self.sessions.get(session_id)
+            if session is None:
+                session = self._opened_by_request(session_id)
+            own = self.recorder if self.recorder is not None else self._own_record
+            recorder, sampler = self._bound.get(session_id, (own, self.sampler))
+        if session.is_resend(body["messages"]):
             return self._replies[session_id]  # served once, never sampled twice
-        if session is None:
-            session = self._opened_by_request(session_id)
         prompt_len = len(session.trajectory.input_ids)
-        recorder = self.recorder if self.recorder is not None else self._own_record
-        message, turn = serve_turn(session, recorder, self.sampler, body["messages"], max_tokens)
+        message, turn = serve_turn(session, recorder, _Serialized(sampler, self._model_lock),
+                                   body["messages"], max_tokens)
         prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
         reply = self._replies[session_id] = _response(
             session_id, body.get("model", "policy"), message, turn, prompt_ids,
             self.template.tokenizer.decode, prompt_len)
+        # the turn's idempotency key: the agent's tools deduplicate their effects by it
+        reply["step_key"] = str(session.key.at(len(session.trajectory.turns)))
         if session.tool_call_error:
             reply["choices"][0]["tool_call_error"] = session.tool_call_error
         return reply
@@ -306,6 +334,17 @@ def _response(
                   "new_prompt_tokens": len(prompt_ids) - new_prompt_start},
         "weight_version": [turn.version_start, turn.version_end],
     }
+
+
+class _Serialized:
+    """A sampler used by one request at a time: the model is one, its sessions many."""
+
+    def __init__(self, sampler: TurnSampler, lock: threading.Lock) -> None:
+        self.sampler, self.lock = sampler, lock
+
+    def generate(self, requests: Sequence[TurnRequest]) -> list[ModelTurn]:
+        with self.lock:
+            return self.sampler.generate(requests)
 
 
 def _error(message: str, kind: str) -> dict[str, Any]:

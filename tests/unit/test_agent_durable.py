@@ -1,0 +1,199 @@
+"""Durable agent episodes: an agent's completions and what it sends back, in the log.
+
+A model turn of an agent episode is one completion; its call is what the agent does
+with it (its tools), keyed like an env call and announced in the response's
+``step_key``; its result is what the agent sends back with its next request, or the
+reward ``run_agent`` returns. The intent is recorded before the agent sees the
+completion, the result when the next request comes. A resumed attempt runs the agent
+again: recorded completions are served, recorded results checked, the rest sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from events import schema as ev
+from tests.plugin_tasks import LedgerAgent
+from tests.unit.test_loop_episodes import LosingGenerator, _by_group
+from tests.unit.test_loop_inprocess import Harness, make_config
+from workers.api import EpisodeFlush, EpisodeResume, RecordedCall
+from workers.dataplane import MemoryDataPlane
+from workers.envs.agent import AgentError, run_agent_group
+from workers.envs.durable import DurableTurnRecorder, SegmentWriter, read_episode_log
+from workers.envs.ledger import read_ledger
+from workers.generator import Generator
+from workers.models.config import ModelSection, SamplingSection
+from workers.models.factory import build_model
+from workers.tasks import Example
+
+pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]')")
+
+SAMPLING = SamplingSection(max_new_tokens=4)
+N = 2
+
+
+@dataclass
+class Log:
+    """The flushes a group's recorder posted, as the controller would append them."""
+
+    flushes: list[EpisodeFlush] = field(default_factory=list)
+
+    def post(self, flush: EpisodeFlush) -> None:
+        self.flushes.append(flush)
+
+    def resume(self, plane: MemoryDataPlane, upto: int | None = None) -> Any:
+        """What a resumed attempt reads of the first ``upto`` pauses."""
+        kept = self.flushes[:upto]
+        results = {(r.sample, r.turn): r for f in kept for r in f.completed}
+        calls = [RecordedCall(call=c, result=results.get((c.sample, c.turn)))
+                 for f in kept for c in f.requested]
+        segments = [s for f in kept for s in f.segments]
+        return read_episode_log(plane, "run-1", segments, EpisodeResume(restarts=[0] * N, calls=calls), N)
+
+    def intents(self) -> set[tuple[int, int]]:
+        return {(c.sample, c.turn) for f in self.flushes for c in f.requested}
+
+
+class Watched(LedgerAgent):
+    """LedgerAgent that checks, at every reply, that the log already holds its intent."""
+
+    def __init__(self, log: Log, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.log, self.keys = log, []
+
+    def tool(self, key: str) -> str:
+        sample, turn = key.split("/")[-2:]
+        assert (int(sample[1:]), int(turn[1:])) in self.log.intents(), f"{key} ran before its intent"
+        self.keys.append(key)
+        return super().tool(key)
+
+
+def recorder(gen: Generator, plane: MemoryDataPlane, sink: Log, log: Any = None,
+             dedupe: bool = True, attempt: int = 1) -> DurableTurnRecorder:
+    log = log if log is not None else sink.resume(plane, 0)
+    writer = SegmentWriter(plane, "run-1", "g1", attempt, list(log.recorded))
+    return DurableTurnRecorder(log, sink, writer, env="agent", dedupes_by_key=dedupe,
+                               eos_id=gen.tokenizer.eos_id)
+
+
+def generator(task: Any) -> tuple[Generator, MemoryDataPlane]:
+    model, tok = build_model(ModelSection(context_len=32, d_model=32, n_heads=2), 4)
+    plane = MemoryDataPlane()
+    return Generator(model, tok, task, plane, "run-1"), plane
+
+
+def play(task: Any, gen: Generator, rec: DurableTurnRecorder, seed: int = 5) -> list[Any]:
+    example = Example(prompt="go3:", answer="")
+    trajs = run_agent_group(gen, task, "g1", example, N, SAMPLING, seed, attempt=1, recorder=rec)
+    rec.finish()
+    return trajs
+
+
+def test_every_intent_is_logged_before_the_agent_sees_its_turn_and_carries_its_step_key(tmp_path):
+    sink = Log()
+    task = Watched(sink, path=str(tmp_path / "ledger.txt"), turns=3)
+    gen, plane = generator(task)
+    trajs = play(task, gen, recorder(gen, plane, sink))
+    assert task.keys == [f"run-1/g1/s{s}/t{t}" for s in range(N) for t in (1, 2, 3)]
+    # every turn: one intent, then one result (the observation the agent sent, or the end)
+    results = [(r.sample, r.turn, r.ended) for f in sink.flushes for r in f.completed]
+    assert results == [(s, t, t == 3) for s in range(N) for t in (1, 2, 3)]
+    assert [sum(r.reward for f in sink.flushes for r in f.completed if r.sample == s)
+            for s in range(N)] == [t.reward for t in trajs]
+    # deduplicating: a turn's result rides with the next intent, the last one alone
+    assert [bool(f.requested) for f in sink.flushes] == [True] * (3 * N) + [False]
+
+
+def test_a_recorded_agent_episode_is_served_back_and_a_crash_resumes_where_it_stopped(tmp_path):
+    dedupe = True  # its tool answers a key it ran from its ledger: a replay may run it
+    sink = Log()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=dedupe)
+    gen, plane = generator(task)
+    first = play(task, gen, recorder(gen, plane, sink, dedupe=dedupe))
+    # all of it recorded: another seed samples nothing and posts nothing
+    again_sink = Log()
+    rec = recorder(gen, plane, again_sink, sink.resume(plane), dedupe=dedupe, attempt=2)
+    again = play(task, gen, rec, seed=6)
+    assert rec.counts["generated"] == 0 and rec.counts["served"] == 3 * N
+    assert again_sink.flushes == []
+    assert [(t.input_ids, t.logprobs, t.reward) for t in again] == [
+        (t.input_ids, t.logprobs, t.reward) for t in first]
+    # a crash after 3 pauses: what they recorded is served, the rest sampled again
+    resumed_sink = Log()
+    rec = recorder(gen, plane, resumed_sink, sink.resume(plane, 3), dedupe=dedupe, attempt=2)
+    resumed = play(task, gen, rec, seed=5)
+    recorded = {(s.sample, s.turn) for f in sink.flushes[:3] for fl in f.segments
+                if fl.kind == "model" for s in fl.segments}
+    sampled = {(s.sample, s.turn) for f in resumed_sink.flushes for fl in f.segments
+               if fl.kind == "model" for s in fl.segments}
+    assert recorded and not recorded & sampled and rec.counts["served"] == len(recorded)
+    assert len(recorded | sampled) == 3 * N and len(resumed) == N
+    # run again, each key was answered from the tool's own record
+    keys = [k for k, _ in read_ledger(tmp_path / "ledger.txt")]
+    assert len(keys) == len(set(keys)) == 3 * N
+
+
+def test_an_agent_that_sends_back_other_messages_than_the_log_holds_fails_naming_the_turn(tmp_path):
+    sink = Log()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3)
+    gen, plane = generator(task)
+    play(task, gen, recorder(gen, plane, sink))
+    # another ledger, one line longer: every tool result differs from the recorded one
+    other = tmp_path / "other.txt"
+    other.write_text("x\t0\n")
+    moved = LedgerAgent(path=str(other), turns=3)
+    rec = recorder(gen, plane, Log(), sink.resume(plane), attempt=2)
+    with pytest.raises(AgentError, match=r"sample 0: .*turn run-1/g1/s0/t1: the replayed agent "
+                                         r"answered it otherwise than the recorded result"):
+        play(moved, gen, rec)
+
+
+AGENT = ("rollout.partial.enabled=true", "model.context_len=32", "sampling.max_new_tokens=4",
+         "run.steps=1", f'task.name="{LedgerAgent.name}"')
+
+
+def _agent_run(tmp_path: Path, dedupe: bool) -> Harness:
+    options = f'task.options={{path="{tmp_path / "ledger.txt"}", turns=2, dedupe={str(dedupe).lower()}}}'
+    # g000001 is forgotten once the log holds its turn-1 intent: the completion never
+    # reached the agent, whose tool did not run
+    h = Harness(make_config(*AGENT, options), tmp_path, generator=LosingGenerator,
+                lose=frozenset({"g000001"}))
+    assert h.run() == "completed"
+    h.check_log()
+    return h
+
+
+def test_a_deduplicating_agents_lost_turn_is_asked_again_under_its_key(tmp_path):
+    h = _agent_run(tmp_path, dedupe=True)
+    mine = _by_group(h.events(), "g000001")
+    assert not [e for e in mine if isinstance(e, ev.EpisodesRestarted)]
+    first = [e for e in mine if getattr(e, "attempt", 0) == 1]
+    second = [e for e in mine if getattr(e, "attempt", 0) == 2]
+    turn1 = {(s.sample, s.turn) for e in first if isinstance(e, ev.SegmentsRecorded) for s in e.segments}
+    again = {(s.sample, s.turn) for e in second if isinstance(e, ev.SegmentsRecorded)
+             and e.kind == "model" for s in e.segments}
+    assert turn1 and not turn1 & again, "a recorded completion was sampled again"
+    (asked,) = [e for e in first if isinstance(e, ev.EnvStepsRequested)]
+    reissued = [e for e in second if isinstance(e, ev.EnvStepsRequested)][0]
+    assert reissued.calls == asked.calls  # the same key and request
+    (commit,) = [e for e in mine if isinstance(e, ev.GroupCommitted)]
+    assert commit.attempt == 2
+    keys = [k for k, _ in read_ledger(tmp_path / "ledger.txt")]
+    assert len(keys) == len(set(keys)) and "loop-test/g000001/s0/t1" in keys
+
+
+def test_a_non_deduplicating_agents_intent_without_result_restarts_its_episode(tmp_path):
+    h = _agent_run(tmp_path, dedupe=False)
+    mine = _by_group(h.events(), "g000001")
+    (restart,) = [e for e in mine if isinstance(e, ev.EpisodesRestarted)]
+    assert restart.samples == [0] and "cannot deduplicate" in restart.reason
+    (commit,) = [e for e in mine if isinstance(e, ev.GroupCommitted)]
+    assert commit.attempt == 2
+    keys = [k for k, _ in read_ledger(tmp_path / "ledger.txt") if "/g000001/" in k]
+    # the lost turn's call never ran under its key; the episode ran again under new ones
+    assert "loop-test/g000001/s0/t1" not in keys and "loop-test/g000001/s0.r1/t1" in keys
+    assert len(keys) == len(set(keys))
