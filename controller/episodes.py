@@ -49,7 +49,7 @@ def flush_events(journal: Journal, req: GenerationRequest, flush: EpisodeFlush) 
         ev.EpisodeTurnsRecorded, event_id=ev.episode_turns_event_id(gid, attempt, seg, env),
         group_id=gid, attempt=attempt, segment_index=seg, env_index=env,
         results=list(flush.completed), flushes=list(flush.segments), env=flush.env,
-        dedupes_by_key=flush.dedupes_by_key, calls=list(flush.requested))]
+        dedupes_by_key=flush.dedupes_by_key, calls=list(flush.requested), agent=flush.agent)]
 
 
 def episode_resume(state: RunState, group_id: str) -> EpisodeResume | None:

@@ -174,6 +174,10 @@ class EnvStepsRequested(Event, frozen=True):
     #: the environment's declaration: a call re-issued with the same key runs once
     dedupes_by_key: bool
     calls: list[EnvCall]
+    #: the calls are an agent's (``workers.envs.agent``): its code runs again from the
+    #: start on a resume, so when it cannot deduplicate, each of its episodes with a
+    #: recorded call starts over (``EpisodesRestarted``), not only one left without a result
+    agent: bool = False
 
 
 class EnvStepsCompleted(Event, frozen=True):
@@ -209,6 +213,8 @@ class EpisodeTurnsRecorded(Event, frozen=True):
     env: str
     dedupes_by_key: bool
     calls: list[EnvCall]
+    #: as ``EnvStepsRequested.agent``
+    agent: bool = False
 
 
 class EpisodesRestarted(Event, frozen=True):
@@ -216,7 +222,8 @@ class EpisodesRestarted(Event, frozen=True):
 
     Each had a call whose outcome is unknown (intent, no result) to an environment that
     cannot deduplicate: making it again could repeat its side effect, so it is never
-    made again. The samples' recorded tokens and calls are dropped; their next calls
+    made again. For an agent that cannot deduplicate (``EnvStepsRequested.agent``), each
+    had any recorded call: its code runs every call again on a resume. The samples' recorded tokens and calls are dropped; their next calls
     carry ``restart + 1`` in their key."""
 
     group_id: GroupId

@@ -58,6 +58,8 @@ class EpisodeFlush(msgspec.Struct, frozen=True, kw_only=True):
     env: str
     dedupes_by_key: bool
     completed: list[EnvResult] = []
+    #: the calls are an agent's (``events.schema.EnvStepsRequested.agent``)
+    agent: bool = False
     segments: list[SegmentFlush] = []
     requested: list[EnvCall] = []
 

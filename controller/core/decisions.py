@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from controller.core.episodes import unresolved
+from controller.core.episodes import restartable
 from controller.core.failures import stop_reason
 from controller.core.state import GroupRecord, GroupStatus, RunState
 import events.schema as ev
@@ -79,11 +79,12 @@ def group_failed(group_id: str, attempt: int, reason: str, at: Stamp) -> ev.Grou
 def episodes_restarted(state: RunState, group_id: str, at: Stamp) -> ev.EpisodesRestarted | None:
     """Before a failed group is admitted again: restart its episodes whose last call has
     no result when the environment cannot deduplicate (a second call could repeat a side
-    effect, so it is never made; ``controller.core.episodes``). None when there are none."""
+    effect, so it is never made; ``controller.core.episodes``), or, for an agent that
+    cannot, every episode with a recorded call (``restartable``). None when there are none."""
     rec = state.episodes.get(group_id) if state.episodes else None
     if rec is None or rec.dedupes_by_key:
         return None
-    stuck = unresolved(rec)
+    stuck = restartable(rec)
     if not stuck:
         return None
     attempt = state.groups[group_id].attempt
@@ -91,8 +92,10 @@ def episodes_restarted(state: RunState, group_id: str, at: Stamp) -> ev.Episodes
     return ev.EpisodesRestarted(
         event_id=ev.episodes_restarted_id(group_id, attempt), epoch=at.epoch, ts=at.ts,
         group_id=group_id, attempt=attempt, samples=stuck,
-        reason=f"turn(s) {turns} of env {rec.env!r} have no result and it cannot deduplicate: "
-               "the calls are never made again; the episodes start over with new keys",
+        reason=(f"agent {rec.env!r} cannot deduplicate and runs its calls again on a resume: "
+                "its episodes with recorded calls start over with new keys") if rec.agent else
+               (f"turn(s) {turns} of env {rec.env!r} have no result and it cannot deduplicate: "
+                "the calls are never made again; the episodes start over with new keys"),
     )
 
 

@@ -83,10 +83,13 @@ class InflightEpisodes(msgspec.Struct, kw_only=True, gc=False):
     #: the attempt now admitted, and its env events so far (the next one's index)
     attempt: int
     attempt_events: int = 0
+    #: the calls are an agent's: it runs them all again on a resume (``restartable``)
+    agent: bool = False
 
     @classmethod
-    def empty(cls, n_samples: int, attempt: int, env: str, dedupes_by_key: bool) -> InflightEpisodes:
-        return cls(env=env, dedupes_by_key=dedupes_by_key, attempt=attempt,
+    def empty(cls, n_samples: int, attempt: int, env: str, dedupes_by_key: bool,
+              agent: bool = False) -> InflightEpisodes:
+        return cls(env=env, dedupes_by_key=dedupes_by_key, attempt=attempt, agent=agent,
                    samples=[SampleEpisode() for _ in range(n_samples)])
 
 
@@ -174,17 +177,17 @@ def _reissue_problem(rec: InflightEpisodes, pending: TurnRecord, call: EnvCall, 
     return ""
 
 
-def env_problem(rec: InflightEpisodes, env: str, dedupes_by_key: bool) -> str:
+def env_problem(rec: InflightEpisodes, env: str, dedupes_by_key: bool, agent: bool) -> str:
     """Why calls to ``env`` cannot follow the calls ``rec`` holds ("" when they can)."""
-    if (env, dedupes_by_key) != (rec.env, rec.dedupes_by_key):
-        return (f"env {env!r} (dedupes_by_key={dedupes_by_key}) after calls to "
-                f"{rec.env!r} (dedupes_by_key={rec.dedupes_by_key})")
+    if (env, dedupes_by_key, agent) != (rec.env, rec.dedupes_by_key, rec.agent):
+        return (f"env {env!r} (dedupes_by_key={dedupes_by_key}, agent={agent}) after calls to "
+                f"{rec.env!r} (dedupes_by_key={rec.dedupes_by_key}, agent={rec.agent})")
     return ""
 
 
 def requested_problem(rec: InflightEpisodes, ev: EnvStepsRequested) -> str:
     """Why ``ev`` cannot follow what ``rec`` holds ("" when it can)."""
-    return (env_problem(rec, ev.env, ev.dedupes_by_key)
+    return (env_problem(rec, ev.env, ev.dedupes_by_key, ev.agent)
             or env_items_problem(rec, ev.index, ev.attempt, ev.calls, completed=False))
 
 
@@ -219,15 +222,26 @@ def unresolved(rec: InflightEpisodes) -> list[int]:
     return [i for i, e in enumerate(rec.samples) if e.pending() is not None]
 
 
+def restartable(rec: InflightEpisodes) -> list[int]:
+    """Samples whose episodes must start over before the group's next attempt, when
+    their calls cannot be deduplicated: an environment's with a call left without a
+    result (made again, it could repeat its effect); an agent's with any recorded call,
+    since a resumed agent runs its code -- its tools included -- from the start."""
+    if rec.agent:
+        return [i for i, e in enumerate(rec.samples) if e.turns]
+    return unresolved(rec)
+
+
 def restart_problem(rec: InflightEpisodes | None, ev: EpisodesRestarted) -> str:
     if rec is None:
         return "no environment call was recorded"
     if not ev.samples or len(set(ev.samples)) != len(ev.samples):
         return f"samples {ev.samples} must be distinct and not empty"
-    stuck = set(unresolved(rec))
+    stuck = set(restartable(rec))
     extra = [i for i in ev.samples if i not in stuck]
     if extra:
-        return f"samples {extra} have no call without a result: nothing to restart"
+        what = "no recorded agent call" if rec.agent else "no call without a result"
+        return f"samples {extra} have {what}: nothing to restart"
     return ""
 
 

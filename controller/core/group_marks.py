@@ -28,7 +28,7 @@ Covered: applying any number of pause events of the group -- ``EpisodeTurnsRecor
   ``TurnRecord``'s ``result`` and ``attempt`` back.
 
 Nothing else of theirs changes under a pause (``attempt``, ``env``, ``dedupes_by_key``,
-the ``samples`` list, a sample's ``restart``). Every record object stays the one the
+``agent``, the ``samples`` list, a sample's ``restart``). Every record object stays the one the
 state held at the mark (a holder of a reference sees it restored); nothing is
 deep-copied. NOT covered: restarts, drops, admissions, commits, failures -- they
 replace records (``episodes.restart``, ``segments.without_samples``) or change fields

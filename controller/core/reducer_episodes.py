@@ -42,7 +42,8 @@ def _on_env_steps_requested(state: RunState, ev: EnvStepsRequested, pos: int) ->
     group = _admitted(state, ev, pos)
     rec = state.episodes.get(ev.group_id)
     if rec is None:
-        rec = InflightEpisodes.empty(group.n_samples, group.attempt, ev.env, ev.dedupes_by_key)
+        rec = InflightEpisodes.empty(group.n_samples, group.attempt, ev.env, ev.dedupes_by_key,
+                                     ev.agent)
     problem = requested_problem(rec, ev)
     if problem:
         violation(pos, ev, f"group {ev.group_id}: {problem}")

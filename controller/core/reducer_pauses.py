@@ -58,8 +58,9 @@ def fold_pause(state: RunState, ev: EpisodeTurnsRecorded, pos: int) -> None:
     if calls:
         rec = state.episodes.get(gid)
         if rec is None and admitted:
-            rec = InflightEpisodes.empty(group.n_samples, attempt, ev.env, ev.dedupes_by_key)  # type: ignore[union-attr]
-        if (not admitted or env_problem(rec, ev.env, ev.dedupes_by_key)  # type: ignore[arg-type]
+            rec = InflightEpisodes.empty(group.n_samples, attempt, ev.env, ev.dedupes_by_key,  # type: ignore[union-attr]
+                                         ev.agent)
+        if (not admitted or env_problem(rec, ev.env, ev.dedupes_by_key, ev.agent)  # type: ignore[arg-type]
                 or env_items_problem(rec, env_index, attempt, calls, False)):  # type: ignore[arg-type]
             _part_breaks_a_rule(state, ev, pos, EnvStepsRequested)
         record_requested(rec, attempt, calls)  # type: ignore[arg-type]

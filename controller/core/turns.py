@@ -51,7 +51,7 @@ def expand(e: EpisodeTurnsRecorded) -> list[AnyEvent]:
     if e.calls:
         out.append(EnvStepsRequested(
             event_id=env_steps_event_id(gid, "requested", attempt, env), index=env,
-            env=e.env, dedupes_by_key=e.dedupes_by_key, calls=e.calls, **common))
+            env=e.env, dedupes_by_key=e.dedupes_by_key, calls=e.calls, agent=e.agent, **common))
     return out
 
 

@@ -197,3 +197,28 @@ def test_a_non_deduplicating_agents_intent_without_result_restarts_its_episode(t
     # the lost turn's call never ran under its key; the episode ran again under new ones
     assert "loop-test/g000001/s0/t1" not in keys and "loop-test/g000001/s0.r1/t1" in keys
     assert len(keys) == len(set(keys))
+
+
+class LosingLater(LosingGenerator):
+    """Forgets the group once sample 0's first result is in the log as well."""
+
+    after = 4
+
+
+def test_a_non_deduplicating_agents_episode_with_recorded_results_restarts_too(tmp_path):
+    """A resumed agent runs its code from the start, tools included: for one that cannot
+    deduplicate, an episode whose calls all have results starts over too (new keys),
+    or its recorded turns' tools would run again under their keys."""
+    options = f'task.options={{path="{tmp_path / "ledger.txt"}", turns=2, dedupe=false}}'
+    h = Harness(make_config(*AGENT, options), tmp_path, generator=LosingLater,
+                lose=frozenset({"g000001"}))
+    assert h.run() == "completed"
+    h.check_log()
+    mine = _by_group(h.events(), "g000001")
+    first = [e for e in mine if isinstance(e, ev.EnvStepsCompleted) and e.attempt == 1]
+    assert first, "the group was lost before a result was recorded: not the case under test"
+    (restart,) = [e for e in mine if isinstance(e, ev.EpisodesRestarted)]
+    assert restart.samples == [0] and "runs its calls again on a resume" in restart.reason
+    keys = [k for k, _ in read_ledger(tmp_path / "ledger.txt") if "/g000001/" in k]
+    assert len(keys) == len(set(keys)), f"a tool ran twice under one key: {keys}"
+    assert "loop-test/g000001/s0.r1/t1" in keys

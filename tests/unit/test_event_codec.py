@@ -167,6 +167,7 @@ GOLDEN: dict[str, Event] = {
             EnvCall(sample=0, turn=1, request="3f2a9c0d1e4b5a67", restart=0),
             EnvCall(sample=2, turn=1, request="0b1c2d3e4f506172", restart=1),
         ],
+        agent=True,
     ),
     "EnvStepsCompleted": EnvStepsCompleted(
         event_id="group:g0042:env:completed:a2:k1", epoch=1, ts=_TS + 19, schema_version=1,
@@ -196,6 +197,7 @@ GOLDEN: dict[str, Event] = {
         ],
         env="calculator", dedupes_by_key=True,
         calls=[EnvCall(sample=0, turn=3, request="9a8b7c6d5e4f3021", restart=0)],
+        agent=True,
     ),
 }
 

@@ -32,7 +32,8 @@ episode), and the first unrecorded request is sampled. ``dedupes_by_key`` means 
 environment's does: ``True``, the agent's tools run a key's side effects at most once,
 so a turn whose result was lost is answered again under its key (and a turn's result
 rides with the next turn's intent, one pause per turn); ``False`` (the default), the
-controller restarts such an episode with new keys instead.
+controller restarts, with new keys, every interrupted episode of the agent that has a
+recorded call (its replay would run those calls' tools again; ``EnvStepsRequested.agent``).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class AgentTask(Task, Protocol):
 
     #: tools the model may call (their calls come back as ``tool_calls``); None: text only
     tool_format: ToolCallFormat | None
-    # ``dedupes_by_key: bool`` may be declared too (False when absent; not a protocol
-    # member, so agent tasks written without it stay agent tasks): :func:`dedupes_by_key`
+    # ``dedupes_by_key: bool`` may be declared too (False when absent; not a member
+    # here, so agent tasks written without it stay agent tasks): :class:`DedupingAgent`
 
     def run_agent(self, client: Any, model: str, example: Example) -> float:
         """Play one episode of ``example`` through ``client`` (an ``openai.OpenAI`` bound
@@ -88,9 +89,16 @@ def agent_server(gen: Any, sampling: SamplingSection, tools: ToolCallFormat | No
     return server
 
 
+@runtime_checkable
+class DedupingAgent(Protocol):
+    """An agent task that declares whether its tools deduplicate by ``step_key``."""
+
+    dedupes_by_key: bool
+
+
 def dedupes_by_key(task: AgentTask) -> bool:
     """Whether the task's tools declared they deduplicate by ``step_key``."""
-    return getattr(task, "dedupes_by_key", False) is True
+    return isinstance(task, DedupingAgent) and task.dedupes_by_key is True
 
 
 def run_agent_group(

@@ -191,9 +191,12 @@ class DurableTurnRecorder:
     def __init__(
         self, log: EpisodeLog, sink: FlushSink, writer: SegmentWriter, *, env: str,
         dedupes_by_key: bool, eos_id: int, on_generated: Callable[[StepKey, int], None] | None = None,
+        agent: bool = False,
     ) -> None:
         self.log, self.sink, self.writer = log, sink, writer
         self.env, self.dedupes_by_key, self.eos_id = env, dedupes_by_key, eos_id
+        #: the calls are an agent's (its code replays them on a resume)
+        self.agent = agent
         #: told of every model turn actually sampled (key, tokens): the chaos tests' ledger
         self.on_generated = on_generated
         #: model turns sampled / served from the log; calls made / served / made again
@@ -331,7 +334,8 @@ class DurableTurnRecorder:
                            tuple(rec.observation), dict(result.info))
 
     def _post(self, **records: Any) -> None:
-        self.sink.post(EpisodeFlush(env=self.env, dedupes_by_key=self.dedupes_by_key, **records))
+        self.sink.post(EpisodeFlush(env=self.env, dedupes_by_key=self.dedupes_by_key,
+                                    agent=self.agent, **records))
 
 
 def token_ledger(group_id: str, attempt: int) -> Callable[[StepKey, int], None] | None:

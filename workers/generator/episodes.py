@@ -184,7 +184,7 @@ class EpisodeGroups:
                                    list(log.recorded))
             recorder = DurableTurnRecorder(
                 log, channel, writer, env=self.task.name,
-                dedupes_by_key=self._dedupes(example),
+                dedupes_by_key=self._dedupes(example), agent=isinstance(self.task, AgentTask),
                 eos_id=gen.tokenizer.eos_id, on_generated=token_ledger(req.group_id, req.attempt),
             )
             keys = [row_key(gen.run_id, req.group_id, req.attempt, i) for i in range(n)]
