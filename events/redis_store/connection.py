@@ -18,7 +18,7 @@ try:  # redis-py's own packer when hiredis is installed (a dependency): C, one c
 except ImportError:  # pragma: no cover - then every command goes through redis-py's packer
     _pack_command = None
 
-from events.errors import StorePermissionError, StoreUnavailableError
+from events.errors import StoreDataError, StorePermissionError, StoreUnavailableError
 from events.redis_store.url import redact_url
 
 if TYPE_CHECKING:
@@ -149,8 +149,9 @@ def run_script(client: Any, script: Script, keys: Sequence[str], args: Sequence[
 
 
 @contextlib.contextmanager
-def translate_errors(safe_url: str) -> Iterator[None]:
-    """redis-py's connection, replica, permission and auth errors as the store's own."""
+def translate_errors(safe_url: str, key: str = "") -> Iterator[None]:
+    """redis-py's connection, replica, permission and auth errors as the store's own;
+    ``key``: the key the commands read, named when it holds another Redis type."""
     try:
         yield
     except (rex.ConnectionError, rex.TimeoutError) as err:
@@ -168,6 +169,14 @@ def translate_errors(safe_url: str) -> Iterator[None]:
     except rex.ResponseError as err:
         if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
             raise unavailable(safe_url, err) from err
+        # a key of another type, a counter that is not a number (HINCRBY); a pipeline's
+        # error names its key itself
+        if "WRONGTYPE" in str(err) or "hash value is not an integer" in str(err):
+            raise StoreDataError(
+                f"Redis at {safe_url}: {f'key {key}' if key else 'a key'} holds another kind of "
+                f"value than rl-controller writes there ({one_line(err)}); it was changed "
+                "outside rl-controller"
+            ) from err
         if "DB index is out of range" in str(err):  # SELECT of the URL's /DB at connect
             raise StoreUnavailableError(
                 f"Redis at {safe_url} is unavailable: it has no database with the number "
