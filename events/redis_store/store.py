@@ -26,7 +26,7 @@ from events.chain import ChainHead, ChainWriter, check_snapshot_link
 from events.codec import encode
 from events.errors import RunNotFoundError, StorePermissionError
 from events.redis_store.connection import (
-    PinnedConnection, Sequential, compiled_parser, redact_url, run_script,
+    PinnedConnection, Sequential, check_url_options, compiled_parser, redact_url, run_script,
     translate_errors, unavailable,
 )
 from events.redis_store.layout import (
@@ -96,6 +96,7 @@ class RedisEventStore:
                     socket_timeout=command_timeout_s,  # also bounds a TLS handshake
                     decode_responses=False,
                 )
+                check_url_options(client, self._safe_url)
                 self._hot: Any = PinnedConnection(client, retry_window_s=retry_window_s)
             elif pin_client:  # a real client set up elsewhere (Sentinel)
                 self._hot = PinnedConnection(client, retry_window_s=retry_window_s)
