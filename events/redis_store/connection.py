@@ -174,10 +174,10 @@ def translate_errors(safe_url: str, key: str = "") -> Iterator[None]:
         # a key of another type, a counter that is not a number (HINCRBY); a pipeline's
         # error names its key itself
         if "WRONGTYPE" in str(err) or "hash value is not an integer" in str(err):
-            raise StoreDataError(
-                f"Redis at {safe_url}: {f'key {key}' if key else 'a key'} holds another kind of "
-                f"value than rl-controller writes there ({one_line(err)}); it was changed "
-                "outside rl-controller"
+            raise StoreDataError(  # no address: the dashboard shows this line
+                f"{f'key {key}' if key else 'a key'} holds another kind of value than "
+                f"rl-controller writes there ({one_line(err)}); it was changed outside "
+                "rl-controller"
             ) from err
         if "DB index is out of range" in str(err):  # SELECT of the URL's /DB at connect
             raise StoreUnavailableError(

@@ -84,6 +84,7 @@ def test_a_key_changed_by_hand_is_one_line(capsys, url, edit, argv, named) -> No
     code, err = command(capsys, *argv, "--redis-url", url)
     assert code == 1, err
     assert named in err and "outside rl-controller" in err, err
+    assert "127.0.0.1" not in err  # the dashboard shows this line: no address
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
