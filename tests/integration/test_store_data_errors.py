@@ -4,7 +4,7 @@ The hash chain covers the entries; the keys around them (meta's epoch and chain 
 the snapshot's position, the stream itself) are plain Redis values someone with write
 access can overwrite with anything. A value rl-controller never writes there must stop
 the command with exit status 1 and one line naming the key, never a ValueError or a
-WRONGTYPE traceback.
+WRONGTYPE traceback. So must a run id the store cannot hold, given to a reader.
 """
 
 from __future__ import annotations
@@ -100,3 +100,14 @@ def test_claiming_an_epoch_that_is_not_a_number_names_the_key(url) -> None:
             store.current_epoch(RUN)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("argv", [
+    ["tail"], ["replay"], ["audit"], ["staleness"], ["simulate"], ["delete", "--yes"],
+])
+@pytest.mark.parametrize("run_id", ["bad id", "a{b}"])
+def test_a_run_id_the_store_cannot_hold_is_one_line(capsys, redis_url, argv, run_id) -> None:
+    code, err = command(capsys, *argv, "--run", run_id, "--redis-url", redis_url)
+    assert code == 2, err
+    assert err.strip() == (f"rl-controller: error: invalid run id {run_id!r}: 1-200 "
+                           "characters, no whitespace or braces")
