@@ -111,3 +111,30 @@ def test_a_run_id_the_store_cannot_hold_is_one_line(capsys, redis_url, argv, run
     assert code == 2, err
     assert err.strip() == (f"rl-controller: error: invalid run id {run_id!r}: 1-200 "
                            "characters, no whitespace or braces")
+
+
+def test_a_resume_over_a_hand_edited_chain_alg_or_store_table_is_one_line(
+        capsys, redis_url, tmp_path) -> None:
+    # run --resume reads the recorded [store] table and meta's chain_alg before anything
+    # starts; a table that is not one was an AttributeError traceback, an unknown
+    # algorithm a line telling the user to restore a key file they never had
+    log = LogBuilder(run_id=RUN, window=1, groups_per_step=1).start(config={"store": 5})
+    store = RedisEventStore(redis_url)
+    try:
+        epoch = store.claim_epoch(RUN)
+        store.append(RUN, [s.event for s in log.build()], expected_position=0, epoch=epoch)
+    finally:
+        store.close()
+    resume = ["run", "--resume", "--run-id", RUN, "--redis-url", redis_url,
+              "--data-dir", str(tmp_path), "--local-workers", "--no-progress"]
+    code, err = command(capsys, *resume)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().endswith("config (log): store: Expected `object`, got `int`"), err
+    client = redis.Redis.from_url(redis_url)
+    client.hset(meta_key(RUN), "chain_alg", "md5")
+    client.close()
+    code, err = command(capsys, *resume)
+    assert code == 2, err
+    assert err == (f"rl-controller: error: run '{RUN}': its meta names chain_alg 'md5', neither "
+                   "'sha256' nor 'hmac-sha256': it was changed outside rl-controller "
+                   "('rl-controller audit' checks the chain)\n")
