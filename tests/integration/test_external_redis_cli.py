@@ -55,3 +55,14 @@ def test_weaker_durability_is_a_single_plain_warning(everysec, tmp_path):
     assert "appendfsync everysec" in warnings[0] and "last second" in warnings[0]
     assert PASSWORD not in proc.stderr + proc.stdout
     assert _runs(everysec.url)["warned"]["finished"] is True
+
+
+def test_a_data_dir_that_cannot_hold_the_run_directory_is_one_line(redis_url, tmp_path):
+    # with --redis-url the log is elsewhere, but the run directory is still made under
+    # --data-dir: a file there was a NotADirectoryError traceback once the run opened
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = cli("run", "--run-id", "dd", "--redis-url", redis_url, "--data-dir", str(afile),
+               *QUICK, timeout_s=120)
+    assert_one_line_error(proc, f"--data-dir '{afile}'", "is a file, not a directory")
+    assert _runs(redis_url) == {}
