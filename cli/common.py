@@ -233,13 +233,13 @@ def run_command(func, args: argparse.Namespace) -> int:
     """Call a command; user errors become one line on stderr and a non-zero exit."""
     from controller.config import ConfigError
     from controller.core.errors import InvariantViolation
-    from events.errors import ChainError, EventDecodeError
+    from events.errors import ChainError, EventDecodeError, StoreDataError
 
     try:
         return int(func(args) or 0)
     except CliError as err:
         fail(str(err), err.code)
-    except (EventDecodeError, InvariantViolation, ChainError) as err:
+    except (EventDecodeError, InvariantViolation, ChainError, StoreDataError) as err:
         fail(str(err), 1)
     except (RunNotFoundError, ConfigError) as err:
         fail(str(err), 2)

@@ -345,8 +345,7 @@ def _register_audit(subparsers: Any) -> None:
     out.add_argument("--csv", metavar="FILE", help="write one row per trainer_version to FILE")
     p.add_argument("--last", type=int, default=50, metavar="N",
                    help="rows shown per table (0 = all; JSON/CSV have all)")
-    p.add_argument("--chain-key-file", metavar="FILE",
-                   default=os.environ.get("RLC_CHAIN_KEY_FILE", ""),
+    p.add_argument("--chain-key-file", metavar="FILE", default=None,
                    help="HMAC key of the run's hash chain (default: $RLC_CHAIN_KEY_FILE)")
     p.set_defaults(func=cmd_audit)
 
@@ -357,7 +356,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from replay.chain_audit import audit_log
 
     _check_last(args)
-    key = load_chain_key(args.chain_key_file, "--chain-key-file")
+    if args.chain_key_file is None:  # a bad key file is named as where it came from
+        key = load_chain_key(os.environ.get("RLC_CHAIN_KEY_FILE", ""), "RLC_CHAIN_KEY_FILE")
+    else:
+        key = load_chain_key(args.chain_key_file, "--chain-key-file")
     if args.csv:
         output_file("--csv", args.csv, create_parents=False)
     with open_store(args) as store:

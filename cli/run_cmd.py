@@ -29,6 +29,7 @@ from cli.common import (
     check_redis_url,
     open_store,
     require_run,
+    writable_dir,
 )
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, RunStoppedError, StallError, StepRetriesExhausted
@@ -154,6 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_id = (args.run_id if args.run_id is not None
               else datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S"))
     preflight.check_new_run_id(run_id)
+    writable_dir("--data-dir", args.data_dir)  # runs/RUN_ID goes there, --redis-url or not
     cfg = None if args.resume else _resolve_config(args)
     if cfg is not None:
         # (the buffer's capacity rule was checked by the config's own load)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from cli import quiet, ray_cluster
 from cli.common import CliError, last_controller, load_chain_key, open_store
 from controller.config import Config
-from events.chain import Chain
+from events.chain import HMAC_SHA256, SHA256, Chain
 
 if TYPE_CHECKING:
     from controller.prometheus import ControllerMetrics
@@ -81,8 +81,15 @@ def chain_key(args: argparse.Namespace, cfg: Config | None, run_id: str) -> byte
             return None  # resume_run says what is wrong
         first = store.read(run_id, 1, 1)[0].event
         logged = getattr(first, "config", {}) or {}
-        key = load_chain_key(str((logged.get("store") or {}).get("chain_key_file", "")))
+        table = logged.get("store") or {}  # not a table (tampered): the config load says so
+        key = load_chain_key(str(table.get("chain_key_file", ""))) if isinstance(table, dict) else None
         head = store.chain_head(run_id)
+    if head is not None and head.algorithm not in ("", SHA256, HMAC_SHA256):
+        raise CliError(
+            f"run {run_id!r}: its meta names chain_alg {head.algorithm!r}, neither {SHA256!r} "
+            f"nor {HMAC_SHA256!r}: it was changed outside rl-controller ('rl-controller audit' "
+            "checks the chain)"
+        )
     if head is not None and head.algorithm and head.algorithm != Chain(run_id, key).algorithm:
         raise CliError(
             f"run {run_id!r} has a {head.algorithm} hash chain but the key file gives "

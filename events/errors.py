@@ -63,6 +63,15 @@ class StorePermissionError(StoreUnavailableError):
     """The store refused a command this user may not run (a read-only Redis user, say)."""
 
 
+class RunIdError(EventStoreError, ValueError):
+    """A run id the store cannot hold (whitespace, braces, empty or too long)."""
+
+
+class StoreDataError(EventStoreError):
+    """A run's key holds what rl-controller never writes there (a meta or snapshot field
+    that is not a whole number, a key of another Redis type): it was changed by hand."""
+
+
 class EpochNotClaimedError(EventStoreError):
     """The writer's epoch is newer than any claimed for the run: it never called claim_epoch."""
 

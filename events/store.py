@@ -38,7 +38,7 @@ import msgspec
 
 from events.chain import ChainHead
 from events.codec import decode
-from events.errors import ConcurrencyError
+from events.errors import ConcurrencyError, RunIdError
 from events.schema import Event, StoredEvent
 from events.store_config import StoreConfig
 
@@ -227,7 +227,7 @@ class ServerEventStore(EventStore, Protocol):
 
 def check_run_id(run_id: str) -> None:
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
-        raise ValueError(
+        raise RunIdError(
             f"invalid run id {run_id!r}: 1-200 characters, no whitespace or braces"
         )
 

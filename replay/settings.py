@@ -86,11 +86,15 @@ def with_changes(cfg: Config, changes: Mapping[str, str] | Iterable[str]) -> Con
 def recorded_config(state: RunState) -> Config:
     """The run's config as RunStarted recorded it (see the module docstring)."""
     data: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in state.config.items()}
-    data.setdefault("staleness", {})["window_versions"] = state.window_versions
-    data.setdefault("train", {})["groups_per_step"] = state.groups_per_step
-    data.setdefault("rollout", {})["samples_per_group"] = state.samples_per_group
+    # A table that is not one (a tampered log) is left as it is: the loader names it.
+    for table, key, value in (("staleness", "window_versions", state.window_versions),
+                              ("train", "groups_per_step", state.groups_per_step),
+                              ("rollout", "samples_per_group", state.samples_per_group)):
+        if isinstance(section := data.setdefault(table, {}), dict):
+            section[key] = value
     # a run recorded before async checkpoints saved them in line: keep that
-    data.setdefault("checkpoint", {}).setdefault("async_save", False)
+    if isinstance(section := data.setdefault("checkpoint", {}), dict):
+        section.setdefault("async_save", False)
     try:
         return config_from_dict(data)
     except ConfigError as err:

@@ -18,7 +18,9 @@ try:  # redis-py's own packer when hiredis is installed (a dependency): C, one c
 except ImportError:  # pragma: no cover - then every command goes through redis-py's packer
     _pack_command = None
 
-from events.errors import StorePermissionError, StoreUnavailableError
+from events.errors import (
+    StoreDataError, StorePermissionError, StoreUnavailableError, StoreUrlError,
+)
 from events.redis_store.url import redact_url
 
 if TYPE_CHECKING:
@@ -149,8 +151,9 @@ def run_script(client: Any, script: Script, keys: Sequence[str], args: Sequence[
 
 
 @contextlib.contextmanager
-def translate_errors(safe_url: str) -> Iterator[None]:
-    """redis-py's connection, replica, permission and auth errors as the store's own."""
+def translate_errors(safe_url: str, key: str = "") -> Iterator[None]:
+    """redis-py's connection, replica, permission and auth errors as the store's own;
+    ``key``: the key the commands read, named when it holds another Redis type."""
     try:
         yield
     except (rex.ConnectionError, rex.TimeoutError) as err:
@@ -168,6 +171,14 @@ def translate_errors(safe_url: str) -> Iterator[None]:
     except rex.ResponseError as err:
         if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
             raise unavailable(safe_url, err) from err
+        # a key of another type, a counter that is not a number (HINCRBY); a pipeline's
+        # error names its key itself
+        if "WRONGTYPE" in str(err) or "hash value is not an integer" in str(err):
+            raise StoreDataError(  # no address: the dashboard shows this line
+                f"{f'key {key}' if key else 'a key'} holds another kind of value than "
+                f"rl-controller writes there ({one_line(err)}); it was changed outside "
+                "rl-controller"
+            ) from err
         if "DB index is out of range" in str(err):  # SELECT of the URL's /DB at connect
             raise StoreUnavailableError(
                 f"Redis at {safe_url} is unavailable: it has no database with the number "
@@ -194,6 +205,27 @@ def unavailable(safe_url: str, err: Exception) -> StoreUnavailableError:
     elif safe_url.startswith("rediss://"):
         reason = f"{reason} (TLS: does the server accept TLS on this port?)"
     return StoreUnavailableError(f"Redis at {safe_url} is unavailable: {reason}")
+
+
+def check_url_options(client: Any, safe_url: str) -> None:
+    """Refuse a URL parameter redis-py does not know for the URL's kind of connection.
+
+    redis-py hands every query parameter it does not parse itself to the connection's
+    constructor, so ``?ssl_ca_certs=...`` on a ``redis://`` URL (or a typo) would be a
+    TypeError traceback at the first command. Building one connection object here (it
+    opens no socket) asks the same constructor first.
+    """
+    pool = client.connection_pool
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except TypeError as err:
+        name = str(err).rpartition("argument ")[2].strip("'")
+        hint = " (TLS parameters need a rediss:// URL)" if name.startswith("ssl") else ""
+        scheme = safe_url.partition("://")[0]
+        raise StoreUrlError(
+            f"{safe_url!r}: redis-py knows no URL parameter {name!r} for a {scheme}:// "
+            f"connection{hint}"
+        ) from None
 
 
 def compiled_parser(client: Any) -> bool:

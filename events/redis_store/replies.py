@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from events.chain import HASH_FIELD
-from events.errors import EventDecodeError
+from events.errors import EventDecodeError, StoreDataError
 from events.store import ChainEntry, EncodedPage, RawEntry
 
 _entry_fields = itemgetter(1)
@@ -62,6 +62,18 @@ def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
         data=data.encode() if isinstance(data, str) else bytes(data),
         chain=as_text(fields.get(HASH_FIELD, b"")),
     )
+
+
+def stored_int(value: bytes | str | int, key: str, field: str) -> int:
+    """A whole number the store wrote into a hash field (epoch, chain length, snapshot
+    position); one line naming the key and field when something else is there."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise StoreDataError(
+            f"{key} field {field!r} holds {as_text(value)!r}, not a whole number: "  # type: ignore[arg-type]
+            "it was changed outside rl-controller"
+        ) from None
 
 
 def as_text(value: bytes | str) -> str:

@@ -136,6 +136,7 @@ def _check_some_sentinel_answers(
     sentinels stay up and keep the name through one). Waiting out the failover window
     for a primary would only delay the same error by a minute."""
     unreachable: list[str] = []
+    not_sentinels: list[str] = []
     monitored: set[str] = set()
     for host, port in addresses:
         probe = redis.Redis(host=host, port=port, socket_connect_timeout=connect_timeout_s,
@@ -145,14 +146,25 @@ def _check_some_sentinel_answers(
         except (rex.ConnectionError, rex.TimeoutError) as err:
             unreachable.append(f"{host}:{port}: {one_line(err)}")
             continue
+        except rex.ResponseError as err:
+            if "unknown command" not in str(err).lower():
+                return  # it answered (e.g. refused the password): the store's PING says how
+            not_sentinels.append(f"{host}:{port}")  # a Redis server, say
+            continue
         except rex.RedisError:
-            return  # it answered (e.g. refused the password): the store's PING says how
+            return
         finally:
             probe.close()
         if master in names:
             return
         monitored |= names
     where = f"Redis at {sentinel_url(addresses, master)} is unavailable"
+    if not_sentinels and len(unreachable) + len(not_sentinels) == len(addresses):
+        also = f"; no answer from {'; '.join(unreachable)}" if unreachable else ""
+        raise StoreUnavailableError(
+            f"{where}: {', '.join(not_sentinels)} does not know the SENTINEL command, so it "
+            "is not a sentinel (a Redis server? that takes --redis-url; --redis-sentinel "
+            f"takes the sentinels' addresses, port 26379 by default){also}")
     if len(unreachable) == len(addresses):
         raise StoreUnavailableError(f"{where}: no sentinel answers ({'; '.join(unreachable)})")
     raise StoreUnavailableError(

@@ -26,7 +26,7 @@ from events.chain import ChainHead, ChainWriter, check_snapshot_link
 from events.codec import encode
 from events.errors import RunNotFoundError, StorePermissionError
 from events.redis_store.connection import (
-    PinnedConnection, Sequential, compiled_parser, redact_url, run_script,
+    PinnedConnection, Sequential, check_url_options, compiled_parser, redact_url, run_script,
     translate_errors, unavailable,
 )
 from events.redis_store.layout import (
@@ -34,7 +34,7 @@ from events.redis_store.layout import (
     snapshot_key,
 )
 from events.redis_store.replies import (
-    as_text, raw_entry, scripted_page, trusted_page, xrange_chain_page,
+    as_text, raw_entry, scripted_page, stored_int, trusted_page, xrange_chain_page,
     xrange_page,
 )
 from events.redis_store.replication import (
@@ -98,6 +98,7 @@ class RedisEventStore:
                     socket_timeout=command_timeout_s,  # also bounds a TLS handshake
                     decode_responses=False,
                 )
+                check_url_options(client, self._safe_url)
                 self._hot: Any = PinnedConnection(client, retry_window_s=retry_window_s)
             elif pin_client:  # a real client set up elsewhere (Sentinel)
                 self._hot = PinnedConnection(client, retry_window_s=retry_window_s)
@@ -130,14 +131,14 @@ class RedisEventStore:
             raise RunNotFoundError(run_id, self._run_ids())
 
     def _run_ids(self) -> list[str]:
-        with translate_errors(self._safe_url):
-            return sorted(m.decode() for m in self._client.smembers(RUNS_KEY))
+        with translate_errors(self._safe_url, RUNS_KEY):
+            return sorted(as_text(m) for m in self._client.smembers(RUNS_KEY))
 
     # -- writes --------------------------------------------------------------------
 
     def claim_epoch(self, run_id: str) -> int:
         check_run_id(run_id)
-        with translate_errors(self._safe_url):
+        with translate_errors(self._safe_url, meta_key(run_id)):
             pipe = self._client.pipeline(transaction=False)
             pipe.hincrby(meta_key(run_id), "epoch", 1)
             pipe.sadd(RUNS_KEY, run_id)
@@ -184,13 +185,13 @@ class RedisEventStore:
     def chain_head(self, run_id: str) -> ChainHead | None:
         """The chain head in the run's meta; None for a run without a chain."""
         self._require_run(run_id)
-        with translate_errors(self._safe_url):
-            head, length, alg = self._client.hmget(
-                meta_key(run_id), ["chain_head", "chain_len", "chain_alg"]
-            )
+        key = meta_key(run_id)
+        with translate_errors(self._safe_url, key):
+            head, length, alg = self._client.hmget(key, ["chain_head", "chain_len", "chain_alg"])
         if head is None:
             return None
-        return ChainHead(as_text(head), int(length or 0), as_text(alg or b""))
+        return ChainHead(as_text(head), stored_int(length or 0, key, "chain_len"),
+                         as_text(alg or b""))
 
     def append_raw(
         self, run_id: str, data: bytes, *, event_type: str = "?", event_id: str = ""
@@ -217,7 +218,7 @@ class RedisEventStore:
         self._require_run(run_id)
         out: list[RawEntry] = []
         lo, hi = start, "+" if end is None else f"0-{end}"
-        with translate_errors(self._safe_url):
+        with translate_errors(self._safe_url, events_key(run_id)):
             while count is None or len(out) < count:
                 page = READ_PAGE_SIZE if count is None else min(READ_PAGE_SIZE, count - len(out))
                 if page == 0:
@@ -249,7 +250,7 @@ class RedisEventStore:
             return EncodedPage(start, [])
         if self._page_read is not None:
             try:
-                with translate_errors(self._safe_url):
+                with translate_errors(self._safe_url, events_key(run_id)):
                     page = trusted_page(self._page_read(events_key(run_id), start, count), start)
             except rex.ResponseError:  # scripts disabled, an ACL, an old server
                 self._page_read, page = None, None
@@ -272,28 +273,29 @@ class RedisEventStore:
     def read_chain_page(self, run_id: str, start: int, count: int) -> list[ChainEntry] | None:
         """Chained entries from ``start`` for ``audit``'s chain walk, picked out of one
         XRANGE in C; None for a page only ``read_raw`` can vouch for (it names why)."""
-        with translate_errors(self._safe_url):
+        with translate_errors(self._safe_url, events_key(run_id)):
             reply = self._client.execute_command(
                 b"XRANGE", events_key(run_id), f"0-{start}", "+", "COUNT", count)
         return xrange_chain_page(reply, start)
 
     def last_position(self, run_id: str) -> int:
         self._require_run(run_id)
-        with translate_errors(self._safe_url):
+        with translate_errors(self._safe_url, events_key(run_id)):
             return int(self._client.xlen(events_key(run_id)))
 
     def current_epoch(self, run_id: str) -> int:
         check_run_id(run_id)
-        with translate_errors(self._safe_url):  # the controller asks before side effects: one round trip
-            epoch = self._hot.execute_command("HGET", meta_key(run_id), "epoch")
+        key = meta_key(run_id)
+        with translate_errors(self._safe_url, key):  # asked before side effects: one round trip
+            epoch = self._hot.execute_command("HGET", key, "epoch")
         if epoch is None:
             self._require_run(run_id)
             return 0
-        return int(epoch)
+        return stored_int(epoch, key, "epoch")
 
     def run_exists(self, run_id: str) -> bool:
         check_run_id(run_id)
-        with translate_errors(self._safe_url):
+        with translate_errors(self._safe_url, RUNS_KEY):
             return bool(self._client.sismember(RUNS_KEY, run_id))
 
     def list_runs(self) -> list[RunInfo]:
@@ -312,8 +314,9 @@ class RedisEventStore:
                 RunInfo(
                     run_id=run_id,
                     last_position=int(length),
-                    epoch=int(epoch or 0),
-                    snapshot_position=None if snap is None else int(snap),
+                    epoch=stored_int(epoch or 0, meta_key(run_id), "epoch"),
+                    snapshot_position=None if snap is None
+                    else stored_int(snap, snapshot_key(run_id), "position"),
                 )
             )
         return infos
@@ -351,17 +354,15 @@ class RedisEventStore:
 
     def load_snapshot(self, run_id: str) -> tuple[int, bytes] | None:
         self._require_run(run_id)
-        with translate_errors(self._safe_url):
-            position, data, link = self._client.hmget(
-                snapshot_key(run_id), ["position", "data", "chain"]
-            )
+        key = snapshot_key(run_id)
+        with translate_errors(self._safe_url, key):
+            position, data, link = self._client.hmget(key, ["position", "data", "chain"])
         if position is None or data is None:
             return None
+        at = stored_int(position, key, "position")
         if link:  # the snapshot vouches for the log up to its position: check it still does
-            check_snapshot_link(
-                run_id, int(position), as_text(link), lambda p: self._hash_at(run_id, p)
-            )
-        return int(position), bytes(data)
+            check_snapshot_link(run_id, at, as_text(link), lambda p: self._hash_at(run_id, p))
+        return at, bytes(data)
 
     async def follow(
         self, run_id: str, from_position: int = 0, *, block_ms: int = 1000

@@ -66,3 +66,14 @@ def test_replicas_the_server_does_not_have_are_refused_before_any_write(everysec
     assert_one_line_error(proc, "store.replicas = 1", "has 0 connected replicas")
     assert PASSWORD not in proc.stderr + proc.stdout
     assert _runs(everysec.url) == {}
+
+
+def test_a_data_dir_that_cannot_hold_the_run_directory_is_one_line(redis_url, tmp_path):
+    # with --redis-url the log is elsewhere, but the run directory is still made under
+    # --data-dir: a file there was a NotADirectoryError traceback once the run opened
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = cli("run", "--run-id", "dd", "--redis-url", redis_url, "--data-dir", str(afile),
+               *QUICK, timeout_s=120)
+    assert_one_line_error(proc, f"--data-dir '{afile}'", "is a file, not a directory")
+    assert _runs(redis_url) == {}

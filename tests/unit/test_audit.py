@@ -144,3 +144,20 @@ def test_csv_has_one_row_per_version():
     assert rows[0][0] == "trainer_version"
     assert len(rows) == 1 + len(report.history)
     assert [int(r[0]) for r in rows[1:]] == [h.trainer_version for h in report.history]
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_bad_key_file_is_named_as_where_it_came_from(capsys, monkeypatch, tmp_path, flag):
+    # checked before the store is opened: no server is needed (port 1 answers nothing)
+    from cli.main import main
+
+    short = tmp_path / "short.key"
+    short.write_bytes(b"abc")
+    monkeypatch.setenv("RLC_CHAIN_KEY_FILE", str(short))
+    argv = ["audit", "--run", "r1", "--redis-url", "redis://127.0.0.1:1/0"]
+    with pytest.raises(SystemExit) as code:
+        main(argv + (["--chain-key-file", str(short)] if flag else []))
+    _, err = capsys.readouterr()
+    source = "--chain-key-file" if flag else "RLC_CHAIN_KEY_FILE"
+    assert code.value.code == 2
+    assert err == f"rl-controller: error: {source} '{short}': key has 3 bytes; need at least 16\n"

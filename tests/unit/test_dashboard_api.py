@@ -168,3 +168,39 @@ def test_the_event_table_shows_every_field_of_a_value_as_tail_does():
     assert b'"ended"' not in encode(event)
     details = event_row(7, event)["details"]
     assert '"ended":false' in details and '"restart":0' in details, details
+
+
+class _HandEditedStore(MemoryEventStore):
+    """A store whose run keys someone overwrote by hand: every read of them refuses, as
+    ``RedisEventStore`` does (``tests/integration/test_store_data_errors.py``)."""
+
+    def list_runs(self, *args, **kwargs):
+        from events.errors import StoreDataError
+
+        raise StoreDataError("rlc:{r1}:meta field 'epoch' holds 'abc', not a whole number")
+
+    read_page = read_raw = last_position = list_runs  # type: ignore[assignment]
+
+
+def test_a_malformed_or_hand_edited_log_is_one_message_not_a_500() -> None:
+    b = LogBuilder(run_id="r1", groups_per_step=1).start()
+    for g in ("g1", "g2"):
+        b.admit(g).commit(g).begin_step().microbatch([g]).finish_step()
+    finished = next(s.position for s in b.events if type(s.event).__name__ == "StepFinished")
+    client = TestClient(create_app(store_of(b, garbage_at=finished)), raise_server_exceptions=False)
+    trace = client.get("/api/runs/r1/trace", params={"steps": "0:1"})
+    assert trace.status_code == 422
+    assert trace.json() == {"error": f"cannot decode event at position {finished}: not a JSON "
+                                     "object: JSON is malformed: object keys must be strings "
+                                     "(byte 1)"}
+    edited = _HandEditedStore()
+    edited.claim_epoch("r1")
+    client = TestClient(create_app(edited), raise_server_exceptions=False)
+    for path in ("/api/runs", "/api/runs/r1/events", "/api/runs/r1/trace"):
+        answer = client.get(path)
+        assert answer.status_code == 422, path
+        assert "field 'epoch' holds 'abc'" in answer.json()["error"], path
+    with client.stream("GET", "/api/runs/r1/stream") as stream:
+        first = next(stream.iter_lines())
+    assert json.loads(first.removeprefix("data: "))["kind"] == "error"
+    assert "field 'epoch' holds 'abc'" in first

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from events.errors import StoreUrlError
@@ -37,3 +39,19 @@ def test_the_password_never_shows_even_in_a_malformed_url():
     assert "s3cret" not in str(err.value) and ":***@host" in str(err.value)
     assert redact_url("redis://u:s3cret@h:1/0") == "redis://u:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://127.0.0.1:1/0?ssl_ca_certs=/ca.pem",
+     "no URL parameter 'ssl_ca_certs' for a redis:// connection (TLS parameters need a rediss"),
+    ("redis://127.0.0.1:1/0?sockettimeout=2", "no URL parameter 'sockettimeout' for a redis://"),
+    ("rediss://127.0.0.1:1/0?ssl_ca_cert=/ca.pem", "no URL parameter 'ssl_ca_cert' for a rediss://"),
+])
+def test_a_url_parameter_redis_py_does_not_know_is_one_sentence(url, says):
+    # redis-py passes it to the connection's constructor: a TypeError at the first
+    # command. No server is needed: the store refuses it before it connects.
+    from events.redis_store import RedisEventStore
+
+    with pytest.raises(StoreUrlError, match=re.escape(says)) as err:
+        RedisEventStore(url)
+    assert "\n" not in str(err.value)

@@ -206,6 +206,19 @@ def test_bad_what_if_names_the_key(item, message):
         whatif.what_if_settings(state, [item])
 
 
+@pytest.mark.parametrize("table", ["train", "staleness", "rollout", "checkpoint"])
+def test_a_recorded_table_that_is_not_a_table_is_a_config_error(table):
+    # a tampered RunStarted: the loader's one line, not a TypeError from filling it in
+    from controller.config import ConfigError
+    from replay.settings import recorded_config
+
+    state = fold(LogBuilder(window=1, groups_per_step=4).start(config={table: 5}).events)
+    with pytest.raises(ConfigError) as err:
+        recorded_config(state)
+    assert str(err.value) == (f"run 'run-test': its recorded config does not load: config (log): "
+                              f"{table}: Expected `object`, got `int`")
+
+
 def test_what_if_stops_at_a_rewind():
     b = LogBuilder(window=1, groups_per_step=1).start().checkpoint()
     b.group("g1").train_step(["g1"]).publish().checkpoint().group("g2").train_step(["g2"]).rewind(1)

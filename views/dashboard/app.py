@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from events.errors import EventDecodeError
+from events.errors import EventStoreError, StoreUnavailableError
 from events.schema import EVENT_TYPES
 from events.store import EventStore
 from views import source
@@ -100,7 +101,7 @@ def create_app(store: EventStore, default_run: str | None = None) -> Starlette:
         return StreamingResponse(_stream(store, run_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
 
-    return Starlette(routes=[
+    return Starlette(exception_handlers={EventStoreError: _store_error}, routes=[
         Route("/", index),
         Route("/run/{run_id}", run_page),
         Route("/run/{run_id}/trace", trace_page),
@@ -113,6 +114,21 @@ def create_app(store: EventStore, default_run: str | None = None) -> Starlette:
     ])
 
 
+async def _store_error(request: Request, err: Exception) -> Response:
+    """A malformed or tampered log, a key changed by hand: the page shows the one line
+    (``{"error": ...}``) the commands print, not a bare 500. A store that cannot be
+    reached is said without its address (it may hold a password): that goes to stderr."""
+    status = 503 if isinstance(err, StoreUnavailableError) else 422
+    return JSONResponse({"error": _public(err)}, status_code=status)
+
+
+def _public(err: BaseException) -> str:
+    if isinstance(err, StoreUnavailableError):
+        print(f"rl-controller dashboard: {err}", file=sys.stderr)
+        return "the store is unavailable (the dashboard's terminal says why)"
+    return str(err)
+
+
 def _sse(message: dict[str, Any]) -> str:
     return f"data: {json.dumps(message, separators=(',', ':'))}\n\n"
 
@@ -121,7 +137,11 @@ async def _stream(store: EventStore, run_id: str) -> AsyncIterator[str]:
     """The run's snapshot, then one update per batch of new events, for as long as the
     page listens (Starlette cancels this when it goes away)."""
     view = RunView(run_id)
-    end = await asyncio.to_thread(_load, store, run_id, view)
+    try:
+        end = await asyncio.to_thread(_load, store, run_id, view)
+    except EventStoreError as err:  # the response has begun: the page shows it as stopped
+        yield _sse({"kind": "error", "text": _public(err)})
+        return
     yield _sse(view.snapshot())
     queue: asyncio.Queue[tuple[int, Any] | BaseException] = asyncio.Queue()
 
@@ -168,6 +188,6 @@ def _load(store: EventStore, run_id: str, view: RunView) -> int:
 
 
 def _describe(err: BaseException) -> str:
-    if isinstance(err, EventDecodeError):
-        return str(err)
+    if isinstance(err, EventStoreError):
+        return _public(err)
     return f"the live read stopped: {type(err).__name__}: {err}"

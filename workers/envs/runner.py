@@ -24,7 +24,7 @@ or whose observation the tokenizer cannot encode, fails the group with an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.envs.base import (
     Action,
@@ -44,6 +44,7 @@ from workers.envs.recorder import (
     digest,
 )
 from workers.envs.sampler import TurnSampler
+from workers.tasks.base import checked_reward
 from workers.envs.trajectory import Trajectory
 from workers.models.factory import Tokenizer
 from workers.tasks.dataset import PromptTooLongError
@@ -184,4 +185,10 @@ class EpisodeRunner:
                 f"{self.env_name} returned {type(result).__name__} at {args[-1]}; expected "
                 "an Observation from reset and an EnvStep from step"
             )
+        if isinstance(result, EnvStep):  # a reward of another type would go into the log
+            try:
+                reward = checked_reward(f"{self.env_name} step() at {args[-1]}", result.reward)
+            except (TypeError, ValueError) as err:
+                raise EnvError(str(err)) from None
+            result = replace(result, reward=reward)
         return result

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from workers.envs.base import Action, EnvStep, Environment, Observation, StepKey
-from workers.tasks.base import Example, Task
+from workers.tasks.base import Example, Task, checked_reward
 
 
 @runtime_checkable
@@ -52,7 +52,8 @@ class TaskEnv:
         return Observation(text=self.example.prompt)
 
     def step(self, action: Action, key: StepKey) -> EnvStep:
-        reward = float(self.task.reward(self.example, action.text, action.stopped))
+        reward = checked_reward(f"task {self.task.name!r}",
+                                self.task.reward(self.example, action.text, action.stopped))
         return EnvStep(Observation(text=""), reward, True, {})
 
 

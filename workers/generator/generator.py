@@ -18,7 +18,6 @@ With ``rollout.partial`` on, the worker drives groups through
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from workers.models.config import KvOnRefit, SamplingSection
 from workers.models.decoder import Decoder, RowPrefix, sample
 from workers.models.factory import Tokenizer, context_len
 from workers.models.sampling import Completion
-from workers.tasks.base import Example, SimulatesDecode, Task
+from workers.tasks.base import Example, SimulatesDecode, Task, checked_reward
 from workers.tasks.dataset import check_prompts_fit
 from workers.weight_sync import BucketReceiver, VersionedWeights, WeightsAck
 
@@ -239,13 +238,12 @@ class Generator:
     ) -> GroupResult:
         """Score the completions and write the group's final rows (``version`` stands
         for the tokens' version where a completion did not record it)."""
+        where = f"task {self.task.name!r}"
         rewards = [
-            float(self.task.reward(prompt, self.tokenizer.decode(c.tokens), c.stopped))
+            checked_reward(where, self.task.reward(prompt, self.tokenizer.decode(c.tokens),
+                                                   c.stopped))
             for c in completions
         ]
-        bad = [r for r in rewards if not math.isfinite(r)]
-        if bad:
-            raise ValueError(f"task {self.task.name!r} returned non-finite rewards {bad}")
         rows = [make_row(prompt_ids, c, r, version) for c, r in zip(completions, rewards)]
         runs = [version_runs(row["token_versions"][len(prompt_ids):].tolist()) for row in rows]
         seen = [v for run in runs for v in run[0::2] if v >= 0] or [version]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -153,6 +154,42 @@ def _load_plugin(spec: str) -> Callable[..., Any]:
         return getattr(module, attr)
     except AttributeError:
         raise UnknownTaskError(f"module {module_name!r} has no task class {attr!r}") from None
+
+
+def checked_reward(where: str, value: object) -> float:
+    """A task's or environment's reward as the run stores it: a finite number.
+
+    ``float()`` alone would read the text ``"0.5"`` as a number and fail on ``None`` with
+    a message that names neither the task nor the reward; ``where`` names who returned it
+    (``task 'mod:Cls'``, ``env step() at run/g1/s0/t1``).
+    """
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        raise TypeError(f"{where} returned a reward of {value!r} ({type(value).__name__}); "
+                        "expected a number")
+    reward = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(reward):
+        raise ValueError(f"{where} returned a reward of {reward}; expected a finite number")
+    return reward
+
+
+def checked_examples(task: Task, examples: object, count: int) -> list[Example]:
+    """What a task's ``examples(count, seed)`` returned, refused in one sentence unless
+    it is a non-empty list of :class:`Example` with text prompts and answers."""
+    where = f"task {task.name!r}: examples({count}, seed)"
+    if not isinstance(examples, list):
+        raise TypeError(f"{where} returned {type(examples).__name__}; expected a list of Example")
+    if not examples:
+        raise ValueError(f"{where} returned no examples")
+    for i, example in enumerate(examples):
+        if not isinstance(example, Example):
+            raise TypeError(f"{where}: item {i} is {type(example).__name__} {example!r:.60}; "
+                            "expected an Example(prompt, answer)")
+        for name in ("prompt", "answer"):
+            if not isinstance(getattr(example, name), str):
+                value = getattr(example, name)
+                raise TypeError(f"{where}: item {i} has a {name} of type "
+                                f"{type(value).__name__} ({value!r:.60}); expected str")
+    return examples
 
 
 def shaped_match_reward(completion: str, answer: str, stopped: bool) -> float:

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 
-from workers.tasks.base import Example, Task
+from workers.tasks.base import Example, Task, checked_examples
 
 
 class DatasetError(ValueError):
@@ -116,7 +116,7 @@ def prompt_set(
     """
     if path is not None:
         return load_jsonl(path, encode=encode, context_len=context_len, max_new_tokens=max_new_tokens)
-    examples = task.examples(count, seed)
+    examples = checked_examples(task, task.examples(count, seed), count)
     if encode is not None and context_len is not None:
         check_prompts_fit(examples, encode, context_len, max_new_tokens)
     return examples

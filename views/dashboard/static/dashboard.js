@@ -23,6 +23,7 @@ function iso(ts) {
 async function rlcIndex() {
   const body = document.querySelector("#runs tbody");
   const answer = await (await fetch("/api/runs")).json();
+  if (answer.error) { body.append(el("tr", {}, el("td", { colspan: "4" }, answer.error))); return; }
   if (answer.default) { location.replace("/run/" + encodeURIComponent(answer.default)); return; }
   for (const r of answer.runs) {
     const link = el("a", { href: "/run/" + encodeURIComponent(r.run_id) }, r.run_id);
@@ -160,7 +161,7 @@ function initFilters(runId) {
   const form = document.getElementById("filters");
   const select = form.elements.type;
   fetch("/api/runs").then((r) => r.json()).then((answer) => {
-    for (const t of answer.event_types) select.append(el("option", { value: t }, t));
+    for (const t of answer.event_types || []) select.append(el("option", { value: t }, t));
   });
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
