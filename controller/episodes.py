@@ -57,15 +57,12 @@ def episode_resume(state: RunState, group_id: str) -> EpisodeResume | None:
     rec = state.episodes.get(group_id) if state.episodes else None
     if rec is None:
         return None
-    rows = sorted(range(len(rec.call_sample)), key=rec.call_sample.__getitem__)  # stable
     return EpisodeResume(
-        restarts=list(rec.restarts),
+        restarts=[e.restart for e in rec.samples],
         calls=[
-            RecordedCall(call=ev.EnvCall(sample=rec.call_sample[j], turn=rec.call_turn[j],
-                                         request=rec.call_request[j],
-                                         restart=rec.restarts[rec.call_sample[j]]),
-                         result=rec.call_result[j])
-            for j in rows
+            RecordedCall(call=ev.EnvCall(sample=i, turn=t.turn, request=t.request,
+                                         restart=e.restart), result=t.result)
+            for i, e in enumerate(rec.samples) for t in e.turns
         ],
     )
 

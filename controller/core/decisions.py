@@ -87,7 +87,7 @@ def episodes_restarted(state: RunState, group_id: str, at: Stamp) -> ev.Episodes
     if not stuck:
         return None
     attempt = state.groups[group_id].attempt
-    turns = sorted({rec.call_turn[rec.last[i]] for i in stuck})
+    turns = sorted({rec.samples[i].turns[-1].turn for i in stuck})
     return ev.EpisodesRestarted(
         event_id=ev.episodes_restarted_id(group_id, attempt), epoch=at.epoch, ts=at.ts,
         group_id=group_id, attempt=attempt, samples=stuck,

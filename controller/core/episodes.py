@@ -5,9 +5,8 @@ A multi-turn sample is an episode (``docs/agents.md``): model turns, recorded as
 tool calls, recorded write-ahead -- ``EnvStepsRequested`` (the intent, with each call's
 idempotency key) before the calls run, ``EnvStepsCompleted`` (the results, with each
 turn's reward) after. The state keeps, per group that recorded any call and is not
-committed, an :class:`InflightEpisodes`: its calls as rows of flat columns (sample,
-turn, the request fingerprint, which attempt asked last, the result once it came), and
-per sample its restart count, its last call's row and whether its episode ended.
+committed, an :class:`InflightEpisodes`: per sample its turns (the request
+fingerprint, which attempt asked last, the result once it came) and its restart count.
 
 The rules the reducer enforces with it:
 
@@ -46,8 +45,7 @@ from events.schema import (
 
 
 class TurnRecord(msgspec.Struct, kw_only=True, gc=False):
-    """One call of one episode, as :attr:`InflightEpisodes.samples` shows it (a view
-    built on demand: the record keeps its calls in columns)."""
+    """One call of one episode: its intent, and its result once it came."""
 
     turn: int
     #: the request fingerprint the intent recorded (a replay must ask the same)
@@ -58,7 +56,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, gc=False):
 
 
 class SampleEpisode(msgspec.Struct, kw_only=True, gc=False):
-    """One sample's episode as the log has it (a view, as :class:`TurnRecord`)."""
+    """One sample's episode as the log has it."""
 
     #: times it was started again from the prompt (part of its calls' keys)
     restart: int = 0
@@ -76,32 +74,12 @@ class SampleEpisode(msgspec.Struct, kw_only=True, gc=False):
 
 
 class InflightEpisodes(msgspec.Struct, kw_only=True, gc=False):
-    """What an uncommitted group's environment calls recorded, over all its attempts.
-
-    Columnar: every call of the group is one row of five flat lists (``call_*``), in the
-    order the log recorded them, and each sample has an entry in three per-sample lists.
-    With ~1000 groups in flight a pause's first touch of its group's record is a cache
-    miss per object read; an object per turn (and a list of them per sample) made a
-    pause's check read ~4 cold objects per sample, where the columns are a few cache
-    lines per group (``docs/episode-cost.md``, "Eleventh pass")."""
+    """What an uncommitted group's environment calls recorded, over all its attempts."""
 
     #: the task that made the environment, and its declaration
     env: str
     dedupes_by_key: bool
-    #: per sample: times it was started again from the prompt (part of its calls' keys)
-    restarts: list[int]
-    #: per sample: the row of its last call (-1: none since its last restart)
-    last: list[int]
-    #: per sample: its last call's result ended the episode
-    ended: list[bool]
-    #: per call (one row each, log order): its sample, turn, request fingerprint (a
-    #: replay must ask the same), the attempt whose intent is the latest for it, and its
-    #: result once it came
-    call_sample: list[int] = []
-    call_turn: list[int] = []
-    call_request: list[str] = []
-    call_attempt: list[int] = []
-    call_result: list[EnvResult | None] = []
+    samples: list[SampleEpisode]
     #: the attempt now admitted, and its env events so far (the next one's index)
     attempt: int
     attempt_events: int = 0
@@ -109,23 +87,7 @@ class InflightEpisodes(msgspec.Struct, kw_only=True, gc=False):
     @classmethod
     def empty(cls, n_samples: int, attempt: int, env: str, dedupes_by_key: bool) -> InflightEpisodes:
         return cls(env=env, dedupes_by_key=dedupes_by_key, attempt=attempt,
-                   restarts=[0] * n_samples, last=[-1] * n_samples, ended=[False] * n_samples)
-
-    @property
-    def samples(self) -> list[SampleEpisode]:
-        """Per sample its episode (restart count and turns), built from the columns: for
-        readers off the fold's path (resume, tests), never for the fold itself."""
-        out = [SampleEpisode(restart=r, turns=[]) for r in self.restarts]
-        for i, turn, request, attempt, result in zip(
-                self.call_sample, self.call_turn, self.call_request, self.call_attempt,
-                self.call_result):
-            out[i].turns.append(TurnRecord(turn=turn, request=request, attempt=attempt, result=result))
-        return out
-
-    def pending(self, i: int) -> int:
-        """The row of sample ``i``'s call asked for whose result never came (-1: none)."""
-        j = self.last[i]
-        return j if j >= 0 and self.call_result[j] is None else -1
+                   samples=[SampleEpisode() for _ in range(n_samples)])
 
 
 class EpisodeSummary(msgspec.Struct, kw_only=True, gc=False):
@@ -152,17 +114,14 @@ def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
     This loop runs once per call of every env event and of every pause -- the bulk of an
     episode run's fold -- so each rule is inline (no call per item) and the messages are
     built only on failure. Both the separate events' handlers and a pause's one-pass fold
-    (``controller.core.reducer_pauses``) check with it: one copy of each rule. It reads
-    the record's columns only (a sample's last row, and whether its result came: an
-    identity test), never a recorded result or request, unless a call is re-issued."""
+    (``controller.core.reducer_pauses``) check with it: one copy of each rule."""
     if index != rec.attempt_events:
         return f"env event index {index}, expected {rec.attempt_events} for attempt {attempt}"
     if not items:
         kind = "EnvStepsCompleted" if completed else "EnvStepsRequested"
         return f"a {kind} with no calls"
-    restarts, last_row = rec.restarts, rec.last
-    c_result, c_turn, c_attempt = rec.call_result, rec.call_turn, rec.call_attempt
-    n = len(restarts)
+    samples, dedupes = rec.samples, rec.dedupes_by_key
+    n = len(samples)
     # a list of bools, not a bytearray: 3.11 specialises list[int] loads and stores and
     # tests a bool by identity, where a bytearray takes the generic paths (-5.5 % of the
     # fold's instructions, ``docs/episode-cost.md``, "Eighth pass")
@@ -172,12 +131,15 @@ def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
         if not 0 <= i < n or seen[i]:
             return f"sample {i} is outside the group of {n} or twice in one event"
         seen[i] = True
-        if item.restart != restarts[i]:
+        episode = samples[i]
+        if item.restart != episode.restart:
             return (f"sample {i}: restart {item.restart} in the key, but the episode is at "
-                    f"restart {restarts[i]}")
-        j = last_row[i]
+                    f"restart {episode.restart}")
+        turns = episode.turns  # the last turn once, inline
+        last = turns[-1] if turns else None
         if completed:
-            if j < 0 or c_result[j] is not None or c_turn[j] != item.turn or c_attempt[j] != attempt:
+            if (last is None or last.result is not None or last.turn != item.turn
+                    or last.attempt != attempt):
                 return f"sample {i} turn {item.turn}: a result for a call attempt {attempt} did not request"
             if not math.isfinite(item.reward):  # type: ignore[union-attr]
                 return f"sample {i} turn {item.turn}: reward {item.reward} is not finite"  # type: ignore[union-attr]
@@ -185,31 +147,30 @@ def env_items_problem(rec: InflightEpisodes, index: int, attempt: int,
             if obs < 0 or (ended and obs):
                 return (f"sample {i} turn {item.turn}: {obs} observation tokens"
                         + (" after the episode ended" if ended else ""))
-        elif j < 0 or c_result[j] is not None:  # no pending call: a new turn
-            if j >= 0 and rec.ended[i]:
+        elif last is None or last.result is not None:  # no pending call: a new turn
+            if last is not None and last.result.ended:  # type: ignore[union-attr]
                 return f"sample {i} turn {item.turn}: the episode already ended"
-            want = c_turn[j] + 1 if j >= 0 else 1
+            want = last.turn + 1 if last is not None else 1
             if item.turn != want:
                 return f"sample {i} turn {item.turn}: the next call of this episode is turn {want}"
-        elif (problem := _reissue_problem(rec, j, item, attempt)):  # type: ignore[arg-type]
+        elif (problem := _reissue_problem(rec, last, item, attempt, dedupes)):  # type: ignore[arg-type]
             return f"sample {i} turn {item.turn}: {problem}"
     return ""
 
 
-def _reissue_problem(rec: InflightEpisodes, j: int, call: EnvCall, attempt: int) -> str:
-    """Why ``call`` may not ask again for the pending call of row ``j`` (a resumed
-    attempt only)."""
-    turn, asked_by = rec.call_turn[j], rec.call_attempt[j]
-    if call.turn != turn:
-        return f"turn {turn} was requested and has no result yet"
-    if not rec.dedupes_by_key:
+def _reissue_problem(rec: InflightEpisodes, pending: TurnRecord, call: EnvCall, attempt: int,
+                     dedupes: bool) -> str:
+    """Why ``call`` may not ask again for the ``pending`` call (a resumed attempt only)."""
+    if call.turn != pending.turn:
+        return f"turn {pending.turn} was requested and has no result yet"
+    if not dedupes:
         return (f"asked again with the same key, but env {rec.env!r} cannot "
                 "deduplicate (a second call could repeat its side effect)")
-    if asked_by >= attempt:
-        return f"already requested by attempt {asked_by}"
-    if call.request != rec.call_request[j]:
+    if pending.attempt >= attempt:
+        return f"already requested by attempt {pending.attempt}"
+    if call.request != pending.request:
         return (f"re-issued with request {call.request}, but the log recorded "
-                f"{rec.call_request[j]} (a replayed agent must make the same call)")
+                f"{pending.request} (a replayed agent must make the same call)")
     return ""
 
 
@@ -230,20 +191,14 @@ def requested_problem(rec: InflightEpisodes, ev: EnvStepsRequested) -> str:
 def record_requested(rec: InflightEpisodes, attempt: int, calls: Sequence[EnvCall]) -> None:
     """Fold a checked intent (its ``attempt``'s ``calls``) into ``rec``."""
     rec.attempt_events += 1
-    last_row, c_result, c_attempt = rec.last, rec.call_result, rec.call_attempt
-    c_sample, c_turn, c_request = rec.call_sample, rec.call_turn, rec.call_request
+    samples = rec.samples
     for call in calls:
-        i = call.sample
-        j = last_row[i]
-        if j >= 0 and c_result[j] is None:  # re-issued with the same key
-            c_attempt[j] = attempt
+        turns = samples[call.sample].turns
+        last = turns[-1] if turns else None
+        if last is not None and last.result is None:  # re-issued with the same key
+            last.attempt = attempt
         else:
-            last_row[i] = len(c_sample)
-            c_sample.append(i)
-            c_turn.append(call.turn)
-            c_request.append(call.request)
-            c_attempt.append(attempt)
-            c_result.append(None)
+            turns.append(TurnRecord(turn=call.turn, request=call.request, attempt=attempt))
 
 
 def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
@@ -254,17 +209,14 @@ def completed_problem(rec: InflightEpisodes, ev: EnvStepsCompleted) -> str:
 def record_completed(rec: InflightEpisodes, results: Sequence[EnvResult]) -> None:
     """Fold checked results into ``rec``."""
     rec.attempt_events += 1
-    last_row, c_result, ended = rec.last, rec.call_result, rec.ended
+    samples = rec.samples
     for result in results:
-        i = result.sample
-        c_result[last_row[i]] = result  # its pending call: checked
-        ended[i] = result.ended
+        samples[result.sample].turns[-1].result = result  # its pending call: checked
 
 
 def unresolved(rec: InflightEpisodes) -> list[int]:
     """Samples with a call that was asked for and has no result."""
-    c_result = rec.call_result
-    return [i for i, j in enumerate(rec.last) if j >= 0 and c_result[j] is None]
+    return [i for i, e in enumerate(rec.samples) if e.pending() is not None]
 
 
 def restart_problem(rec: InflightEpisodes | None, ev: EpisodesRestarted) -> str:
@@ -286,15 +238,8 @@ def restart(
     count goes up. Returns the group's segment record without their segments (folded
     again from the flushes that are left, so every count and version sum is exact)."""
     drop = set(samples)
-    keep = [j for j, i in enumerate(rec.call_sample) if i not in drop]
-    for name in ("call_sample", "call_turn", "call_request", "call_attempt", "call_result"):
-        column = getattr(rec, name)
-        column[:] = [column[j] for j in keep]
-    rows = {j: k for k, j in enumerate(keep)}
-    rec.last[:] = [-1 if i in drop or j < 0 else rows[j] for i, j in enumerate(rec.last)]
     for i in drop:
-        rec.restarts[i] += 1
-        rec.ended[i] = False
+        rec.samples[i] = SampleEpisode(restart=rec.samples[i].restart + 1)
     if segments is None:
         return None
     kept = InflightSegments.empty(len(segments.recorded), segments.attempt)
@@ -306,29 +251,15 @@ def restart(
     return kept
 
 
-def _by_sample(rec: InflightEpisodes) -> tuple[list[list[int]], list[list[float]]]:
-    """Per sample, the turn and the reward of each call with a result, in the log's order
-    (a sample's calls come in turn order)."""
-    turns: list[list[int]] = [[] for _ in rec.restarts]
-    rewards: list[list[float]] = [[] for _ in rec.restarts]
-    for i, turn, result in zip(rec.call_sample, rec.call_turn, rec.call_result):
-        if result is not None:
-            turns[i].append(turn)
-            rewards[i].append(result.reward)
-    return turns, rewards
-
-
 def commit_problem(rec: InflightEpisodes, rewards: Sequence[float]) -> str:
     """Why a commit with these rewards disagrees with the recorded calls."""
-    if len(rewards) != len(rec.restarts):
-        return f"{len(rewards)} samples committed, {len(rec.restarts)} have episodes"
-    ended = rec.ended
-    for i, (reward, played) in enumerate(zip(rewards, _by_sample(rec)[1])):
-        if not ended[i]:
-            return (f"sample {i}: its episode has not ended "
-                    f"(turn {rec.call_sample.count(i)} recorded)")
+    if len(rewards) != len(rec.samples):
+        return f"{len(rewards)} samples committed, {len(rec.samples)} have episodes"
+    for i, (reward, episode) in enumerate(zip(rewards, rec.samples)):
+        if not episode.ended:
+            return f"sample {i}: its episode has not ended (turn {len(episode.turns)} recorded)"
         # ``sum`` as the workers add the turns up (compensated from Python 3.12 on)
-        total = sum(played)
+        total = sum([t.result.reward for t in episode.turns if t.result is not None])
         if total != reward:
             return f"sample {i}: reward {reward} committed, its turns' rewards sum to {total}"
     return ""
@@ -346,15 +277,21 @@ def summarize(rec: InflightEpisodes, segments: InflightSegments | None) -> Episo
         if flush.kind == "model":
             for seg in flush.segments:
                 setdefault((seg.sample, seg.turn), seg.start)
-    turns, rewards = _by_sample(rec)
-    get = first.get
     starts: list[tuple[int, ...]] = []
-    for i, sample_turns in enumerate(turns):
-        sample_starts = [get((i, turn)) for turn in sample_turns]
-        if None in sample_starts:
-            return None  # a turn without its tokens: no per-turn credit, the return stands
-        starts.append(tuple(sample_starts))  # type: ignore[arg-type]
-    return EpisodeSummary(starts=tuple(starts), rewards=tuple(map(tuple, rewards)))
+    rewards: list[tuple[float, ...]] = []
+    for i, episode in enumerate(rec.samples):
+        sample_starts, sample_rewards = [], []
+        for t in episode.turns:
+            if t.result is None:
+                continue
+            start = first.get((i, t.turn))
+            if start is None:
+                return None  # a turn without its tokens: no per-turn credit, the return stands
+            sample_starts.append(start)
+            sample_rewards.append(t.result.reward)
+        starts.append(tuple(sample_starts))
+        rewards.append(tuple(sample_rewards))
+    return EpisodeSummary(starts=tuple(starts), rewards=tuple(rewards))
 
 
 def turn_advantages(summary: EpisodeSummary, eps: float = 1e-6) -> tuple[list[list[float]], bool]:

@@ -18,20 +18,17 @@ Covered: applying any number of pause events of the group -- ``EpisodeTurnsRecor
 * on an ``InflightSegments`` (``segments.record_flush``): append to ``flushes``, add to
   ``attempt_flushes``, ``version_token_sum`` and ``model_tokens``, and write items of the
   four per-sample lists ``recorded``, ``stopped``, ``first_version``, ``last_version``:
-  restore truncates ``flushes``, sets the counters back, and folds the flushes left
-  again into the four lists (the same list objects: they are a fold of the flushes, so
-  the mark copies none);
+  restore truncates ``flushes``, sets the counters back, and writes the saved copies of
+  the four lists back into the same list objects;
 * on an ``InflightEpisodes`` (``episodes.record_completed`` / ``record_requested``): add
-  to ``attempt_events``, set a sample's last call's ``call_result`` (its pending call)
-  and its ``ended``, change its last call's ``call_attempt`` (a re-issued call), or
-  append a row to the five ``call_*`` columns and point the sample's ``last`` at it:
-  restore sets the counter back, truncates the columns to their marked length, sets
-  each marked last call's ``call_result`` and ``call_attempt`` back, and derives
-  ``last`` and ``ended`` from the rows again (into the same list objects: the mark
-  copies neither, a restore is rare).
+  to ``attempt_events``, set the last ``TurnRecord``'s ``result`` (its pending call),
+  change the last ``TurnRecord``'s ``attempt`` (a re-issued call) or append a
+  ``TurnRecord`` to a sample's ``turns``: restore sets the counter back, truncates each
+  ``turns`` list to its marked length, and sets each sample's marked last
+  ``TurnRecord``'s ``result`` and ``attempt`` back.
 
 Nothing else of theirs changes under a pause (``attempt``, ``env``, ``dedupes_by_key``,
-a sample's ``restarts`` entry, a row below the marked length but a last call's). Every record object stays the one the
+the ``samples`` list, a sample's ``restart``). Every record object stays the one the
 state held at the mark (a holder of a reference sees it restored); nothing is
 deep-copied. NOT covered: restarts, drops, admissions, commits, failures -- they
 replace records (``episodes.restart``, ``segments.without_samples``) or change fields
@@ -55,38 +52,37 @@ Pure: no I/O, no clock, no randomness, no logging.
 
 from __future__ import annotations
 
-from controller.core.episodes import InflightEpisodes
-from controller.core.segments import InflightSegments, record_flush
+from controller.core.episodes import InflightEpisodes, TurnRecord
+from controller.core.segments import InflightSegments
 from controller.core.state import RunState
 from events.schema import EnvResult, EpisodeTurnsRecorded, SegmentsRecorded
 
-#: each sample's last call at the mark: (its row, its result, its attempt)
-_LastMark = tuple[int, EnvResult | None, int]
-
-_COLUMNS = ("call_sample", "call_turn", "call_request", "call_attempt", "call_result")
+#: a sample's turns at the mark: (len(turns), last TurnRecord, its result, its attempt);
+#: None for a sample with no turn yet
+_TurnsMark = tuple[int, TurnRecord, EnvResult | None, int] | None
 
 
 class GroupMark:
     """What one group's in-flight records were at :func:`mark_group` (opaque)."""
 
-    __slots__ = ("group_id", "segments", "seg_counts", "episodes", "events", "rows",
-                 "turns", "pause", "reissued")
+    __slots__ = ("group_id", "segments", "seg_lists", "seg_counts", "episodes", "events", "turns",
+                 "pause", "reissued")
 
     def __init__(self, group_id: str) -> None:
         self.group_id = group_id
         #: the segment record at the mark (None: none existed)
         self.segments: InflightSegments | None = None
+        #: copies of recorded, stopped, first_version, last_version
+        self.seg_lists: tuple[list[int], list[bool], list[int], list[int]] | None = None
         #: len(flushes), attempt_flushes, version_token_sum, model_tokens
         self.seg_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
         #: the episode record at the mark (None: none existed)
         self.episodes: InflightEpisodes | None = None
-        #: its attempt_events and its rows
+        #: its attempt_events, and per sample what ``_TurnsMark`` says
         self.events = 0
-        self.rows = 0
-        #: :func:`mark_group`: each sample's last call, as ``_LastMark`` says
-        self.turns: list[_LastMark] = []
-        #: :func:`mark_pause`: the one pause marked for, and the old ``call_attempt`` of
-        #: each row whose call it would re-issue (None: a :func:`mark_group` mark)
+        self.turns: list[_TurnsMark] = []
+        #: :func:`mark_pause`: the one pause marked for, and the old ``attempt`` of each
+        #: sample whose call it would re-issue (None: a :func:`mark_group` mark)
         self.pause: EpisodeTurnsRecorded | SegmentsRecorded | None = None
         self.reissued: dict[int, int] = {}
 
@@ -95,38 +91,39 @@ def _mark_segments(state: RunState, mark: GroupMark) -> InflightEpisodes | None:
     seg = state.inflight.get(mark.group_id)
     if seg is not None:
         mark.segments = seg
+        mark.seg_lists = (seg.recorded[:], seg.stopped[:], seg.first_version[:], seg.last_version[:])
         mark.seg_counts = (len(seg.flushes), seg.attempt_flushes, seg.version_token_sum, seg.model_tokens)
     rec = state.episodes.get(mark.group_id)
     if rec is not None:
         mark.episodes = rec
-        mark.events, mark.rows = rec.attempt_events, len(rec.call_sample)
+        mark.events = rec.attempt_events
     return rec
 
 
 def mark_pause(state: RunState, pause: EpisodeTurnsRecorded | SegmentsRecorded) -> GroupMark:
     """:func:`mark_group` for exactly one pause of its group, reading only what that
-    pause can change. Its results and calls say which rows it touches: a result sets
-    its sample's pending call's ``call_result`` (undone by setting it back to None); a
-    call appends a row (undone by truncating the columns) unless its sample's last call
-    is pending, when it re-issues that call (``episodes.record_requested``) and only its
-    ``call_attempt`` is noted -- which can be the case only for a sample without a
-    result in the same pause. So the mark reads no row but those, where
-    :func:`mark_group` reads every sample's last call: in a live run those are cold in
-    the cache (~9 us a pause for 16 samples when they were objects)."""
+    pause can change. Its results and calls say which turns it touches: a result sets
+    its sample's pending call's ``result`` (undone by setting it back to None); a call
+    appends a turn (undone by removing it) unless its sample's last call is pending,
+    when it re-issues that call (``episodes.record_requested``) and only its
+    ``attempt`` is noted -- which can be the case only for a sample without a result in
+    the same pause. So the mark reads no sample's turns but those, where
+    :func:`mark_group` reads every sample's last turn: in a live run those are cold in
+    the cache, ~9 us a pause for 16 samples."""
     mark = GroupMark(pause.group_id)
     mark.pause = pause
     rec = _mark_segments(state, mark)
     if rec is None or type(pause) is not EpisodeTurnsRecorded or not pause.calls:
         return mark
     answered = {r.sample for r in pause.results}
-    last_row, c_result, c_attempt, n = rec.last, rec.call_result, rec.call_attempt, len(rec.last)
+    samples, n = rec.samples, len(rec.samples)
     for call in pause.calls:
         i = call.sample
         if i in answered or not 0 <= i < n:
             continue
-        j = last_row[i]
-        if j >= 0 and c_result[j] is None:
-            mark.reissued[j] = c_attempt[j]
+        turns = samples[i].turns
+        if turns and turns[-1].result is None:
+            mark.reissued[i] = turns[-1].attempt
     return mark
 
 
@@ -135,8 +132,16 @@ def mark_group(state: RunState, group_id: str) -> GroupMark:
     mark = GroupMark(group_id)
     rec = _mark_segments(state, mark)
     if rec is not None:
-        c_result, c_attempt = rec.call_result, rec.call_attempt
-        mark.turns = [(j, c_result[j], c_attempt[j]) for j in rec.last if j >= 0]
+        turns_marks: list[_TurnsMark] = []
+        append = turns_marks.append  # once per sample per pause: an inline loop, no calls
+        for episode in rec.samples:
+            turns = episode.turns
+            if turns:
+                last = turns[-1]
+                append((len(turns), last, last.result, last.attempt))
+            else:
+                append(None)
+        mark.turns = turns_marks
     return mark
 
 
@@ -147,17 +152,11 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
     if seg is None:
         state.inflight.pop(gid, None)  # a pause that made the record takes it with it
     else:
-        n_flushes, attempt_flushes = mark.seg_counts[:2]
-        if len(seg.flushes) > n_flushes:
-            # the per-sample lists and sums are a fold of the flushes: folded again from
-            # those left, into the same list objects (the mark copies none; rare)
-            del seg.flushes[n_flushes:]
-            again = InflightSegments.empty(len(seg.recorded), seg.attempt)
-            for flush in seg.flushes:
-                record_flush(again, flush)
-            seg.recorded[:], seg.stopped[:] = again.recorded, again.stopped
-            seg.first_version[:], seg.last_version[:] = again.first_version, again.last_version
-        seg.attempt_flushes, seg.version_token_sum, seg.model_tokens = mark.seg_counts[1:]
+        n_flushes, seg.attempt_flushes, seg.version_token_sum, seg.model_tokens = mark.seg_counts
+        del seg.flushes[n_flushes:]
+        recorded, stopped, first, last = mark.seg_lists  # type: ignore[misc]
+        seg.recorded[:], seg.stopped[:] = recorded, stopped  # the same list objects
+        seg.first_version[:], seg.last_version[:] = first, last
     rec = mark.episodes
     if rec is None:
         state.episodes.pop(gid, None)
@@ -166,28 +165,12 @@ def restore_group(state: RunState, mark: GroupMark) -> None:
         _restore_pause(rec, mark)
         return
     rec.attempt_events = mark.events
-    _truncate(rec, mark.rows)
-    c_result, c_attempt = rec.call_result, rec.call_attempt
-    for j, result, attempt in mark.turns:
-        c_result[j], c_attempt[j] = result, attempt
-    _relink(rec)
-
-
-def _truncate(rec: InflightEpisodes, rows: int) -> None:
-    """The call columns back to ``rows`` rows."""
-    if len(rec.call_sample) > rows:
-        for name in _COLUMNS:
-            del getattr(rec, name)[rows:]
-
-
-def _relink(rec: InflightEpisodes) -> None:
-    """Each sample's ``last`` and ``ended`` as its rows say (written into the same lists):
-    a restore's, so the marks copy neither."""
-    last, c_result = [-1] * len(rec.last), rec.call_result
-    for j, i in enumerate(rec.call_sample):
-        last[i] = j
-    rec.last[:] = last
-    rec.ended[:] = [j >= 0 and c_result[j] is not None and c_result[j].ended for j in last]  # type: ignore[union-attr]
+    for episode, turns_mark in zip(rec.samples, mark.turns):
+        if turns_mark is None:
+            episode.turns.clear()
+        else:
+            n, last, last.result, last.attempt = turns_mark
+            del episode.turns[n:]
 
 
 def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
@@ -198,14 +181,15 @@ def _restore_pause(rec: InflightEpisodes, mark: GroupMark) -> None:
     applied, rec.attempt_events = rec.attempt_events - mark.events, mark.events
     if type(pause) is not EpisodeTurnsRecorded or not applied:
         return
+    samples = rec.samples
     if pause.calls and applied == 1 + bool(pause.results):  # the calls went in: undo them first
-        c_attempt = rec.call_attempt
-        for j, attempt in mark.reissued.items():
-            c_attempt[j] = attempt
-        _truncate(rec, mark.rows)
-        _relink(rec)  # each sample's last row as marked
+        reissued = mark.reissued
+        for call in pause.calls:
+            turns = samples[call.sample].turns
+            if call.sample in reissued:
+                turns[-1].attempt = reissued[call.sample]
+            else:
+                turns.pop()
     if pause.results:  # recorded first: in whenever anything is
-        last_row, c_result = rec.last, rec.call_result
         for result in pause.results:
-            c_result[last_row[result.sample]] = None
-        _relink(rec)  # the answered samples had not ended
+            samples[result.sample].turns[-1].result = None

@@ -108,7 +108,7 @@ def _on_segments_dropped(state: RunState, ev: SegmentsDropped, pos: int) -> None
     if unknown:
         _violation(pos, ev, f"group {gid}: {unknown[0]} is not a segment the group recorded")
     played = state.episodes.get(gid) if state.episodes else None
-    if played is not None and (called := [i for i in sorted(samples) if played.last[i] >= 0]):
+    if played is not None and (called := [i for i in sorted(samples) if played.samples[i].turns]):
         restart(played, None, called)
     kept = without_samples(rec, samples)
     if kept is None:

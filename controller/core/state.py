@@ -27,8 +27,7 @@ from controller.core.segments import InflightSegments
 #: 3: the failure streaks (``failures``, ``controller.core.failures``).
 #: 4: segments (``RunState.inflight``, per-token version sums, the window's basis).
 #: 5: episodes (``RunState.episodes``, ``GroupRecord.episode``). 6: ``obs_tokens``.
-#: 7: an in-flight group's episode calls in columns (``episodes.InflightEpisodes``).
-STATE_FORMAT_VERSION: Final = 7
+STATE_FORMAT_VERSION: Final = 6
 
 class GroupStatus(enum.Enum):
     """Lifecycle of one prompt group (the reducer enforces every arrow)::

@@ -5,7 +5,7 @@ same record objects in the state (a holder of one sees it restored).
 
 The pauses are ``test_pause_fold``'s generated ones and its bends; the first pause of a
 group (which creates the records), a resumed attempt's re-issued calls (which change the
-last call's attempt), single ``SegmentsRecorded`` events, and several pauses under one
+last turn's attempt), single ``SegmentsRecorded`` events, and several pauses under one
 mark are each covered."""
 
 from __future__ import annotations
@@ -176,13 +176,11 @@ def test_a_resumed_attempts_reissue_is_undone(dedupes: bool):
     again = ev.EpisodeTurnsRecorded(
         event_id="again", epoch=1, ts=9.0, group_id="g1", attempt=2, segment_index=0, env_index=0,
         results=[], flushes=[], env="calc", dedupes_by_key=dedupes, calls=first[1].calls)
-    rec = state.episodes["g1"]
-    held = [rec.call_attempt[j] for j in rec.last if j >= 0]
-    assert held and all(a == 1 for a in held)
+    held = [e.turns[-1] for e in state.episodes["g1"].samples if e.turns]
+    assert held and all(t.attempt == 1 for t in held)
     raised, changed = _round_trip(state, again, "g1")
     assert (raised, changed) == ((False, True) if dedupes else (True, False))
-    # the re-issue set 2 in these very columns
-    assert rec is state.episodes["g1"] and [rec.call_attempt[j] for j in rec.last if j >= 0] == held
+    assert all(t.attempt == 1 for t in held)  # the re-issue set 2 on these very records
     for bend in BENDS.values():
         _round_trip(state, _replace(again, **bend(again)), "g1")
 
