@@ -35,10 +35,12 @@ def store_flags(args: argparse.Namespace) -> str:
     url = getattr(args, "redis_url", "") or ""
     if url and url != os.environ.get(ENV_REDIS_URL, ""):
         flags.append(f"--redis-url {shlex.quote(redact_url(url))}")
-    elif not url:
-        data_dir = getattr(args, "data_dir", DEFAULT_DATA_DIR)
-        if os.path.normpath(data_dir) != os.path.normpath(DEFAULT_DATA_DIR):
-            flags.append(f"--data-dir {shlex.quote(data_dir)}")
+    # With --redis-url too: the run directory (spill, checkpoints) is under --data-dir,
+    # and a resume that looked in the default one found no spill and evicted the
+    # buffered groups as "payload lost".
+    data_dir = getattr(args, "data_dir", DEFAULT_DATA_DIR)
+    if os.path.normpath(data_dir) != os.path.normpath(DEFAULT_DATA_DIR):
+        flags.append(f"--data-dir {shlex.quote(data_dir)}")
     return " ".join(flags)
 
 
