@@ -109,25 +109,36 @@ def _resume_config(logged: dict, args: argparse.Namespace) -> Config:
     return with_changes(cfg, extra) if extra else cfg
 
 
-def _check_resume_steps(run_id: str, state, steps: int) -> None:
+def _check_resume_steps(run_id: str, state, steps: int, *, given: bool) -> None:
     """A target below where the run is cannot be trained to. An unfinished run was
     marked finished by it (the loop saw its target reached) without a word: a typo in
-    --steps ended a run meant to go on."""
+    --steps ended a run meant to go on. Without --steps the target is the logged
+    run.steps, which a run taken further by an earlier resume's --steps has passed (that
+    --steps is not in the log): a finished one has nothing to do, an unfinished one
+    needs --steps, and neither is blamed on a --steps never given."""
     version = state.trainer_version
-    if steps >= version:
+    if steps >= version or (state.finished and not given):
         return
+    if not given:
+        raise CliError(f"run {run_id} is at trainer_version {version}, past its logged "
+                       f"run.steps {steps} (an earlier resume's --steps is not in the log); "
+                       f"pass --steps N >= {version}")
     if state.finished:
         where, fix = "finished at", f"N > {version} to train further"
     else:
         target = config_from_dict(state.config).run.steps
-        where, fix = "at", f"N >= {version}, or leave --steps out to go on to its {target}"
+        where, fix = "at", f"N >= {version}" + (
+            f", or leave --steps out to go on to its {target}" if target >= version else "")
     raise CliError(f"--steps {steps} is below where run {run_id} is: {where} "
                    f"trainer_version {version}; pass --steps {fix}")
 
 
 def checkpoint_dir(run_dir: Path) -> str:
-    """Where a run's checkpoints go (under its run directory)."""
-    return str(run_dir / "checkpoints")
+    """Where a run's checkpoints go (under its run directory), as an absolute path: the
+    path is recorded in ``CheckpointSaved``, and one relative to this command's working
+    directory (a relative ``--data-dir``) names nothing to a resume started elsewhere,
+    which rejected the checkpoint for good and could not rebuild the weights."""
+    return str((run_dir / "checkpoints").absolute())
 
 
 def _code_version() -> str:
@@ -173,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             state = Projector(store, fork_readers=False).get(run_id).require()
             cfg = _resume_config(state.config, args)
             preflight.check_config(cfg)
-            _check_resume_steps(run_id, state, cfg.run.steps)
+            _check_resume_steps(run_id, state, cfg.run.steps, given=args.steps is not None)
             if state.finished and state.trainer_version >= cfg.run.steps:
                 return run_summary.nothing_to_do(run_id, state.trainer_version)
             run_open.check_not_held(args, store, run_id)
@@ -305,7 +316,10 @@ def _interrupted(args: argparse.Namespace, run_id: str) -> CliError:
 
 
 def _resume_command(args: argparse.Namespace, run_id: str) -> str:
-    return followup.command(args, "run", "--resume", "--run-id", run_id,
+    # A resume's --steps is not in the log: without it the command would go back to the
+    # logged run.steps, which such a run has passed, and be refused.
+    steps = ["--steps", str(args.steps)] if args.steps is not None else []
+    return followup.command(args, "run", "--resume", "--run-id", run_id, *steps,
                             *followup.worker_flags(args))
 
 
