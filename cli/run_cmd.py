@@ -33,7 +33,7 @@ from cli.common import (
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, RunStoppedError, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
-from controller.recovery import RecoveryError, reconcile_workers
+from controller.recovery import PayloadsLostError, RecoveryError, reconcile_workers
 from controller.projector import Projector
 from controller.startup import RunExistsError, create_run, resume_run
 from events import schema as ev
@@ -296,6 +296,9 @@ def _train(args, cfg: Config, writer, exporter) -> int:
                        f"with: {_resume_command(args, writer.run_id)}", 4) from None
     except (StallError, StepRetriesExhausted) as err:
         raise CliError(f"stopped: {err}", 4) from None
+    except PayloadsLostError as err:  # the command to rewind, with this run's flags
+        raise CliError(f"recovery stopped: {err}: {_resume_command(args, writer.run_id)} "
+                       "--rewind-to-checkpoint", 5) from None
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
     except KeyboardInterrupt:

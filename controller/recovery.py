@@ -158,8 +158,8 @@ def payloads_lost(state: RunState, lost_groups: list[str]) -> PayloadsLostError:
         f"{state.trainer_version} cannot be rebuilt and checked against the log. The run "
         "stops rather than continue from weights the log does not describe. To continue "
         f"from {where} and discard the steps "
-        "after it -- recorded as RunRewound, shown by 'rl-controller audit' -- run "
-        f"'rl-controller run --resume --run-id {state.run_id} --rewind-to-checkpoint'."
+        "after it -- recorded as RunRewound, shown by 'rl-controller audit' -- resume "
+        f"run {state.run_id} with --rewind-to-checkpoint"
     )
 
 

@@ -12,6 +12,7 @@ holds (``rl-controller audit`` exits 0), every committed group is accounted for,
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,14 @@ def test_lost_payloads_stop_then_rewind(chaos: Chaos) -> None:
     rc, out = _resume_output(chaos)
     assert rc == 5, out
     assert "--rewind-to-checkpoint" in out and "RunRewound" in out
+    # the command to paste carries this run's store, data directory and workers (it
+    # said 'rl-controller run --resume --run-id r --rewind-to-checkpoint': the default
+    # store and data directory, where the run is not)
+    (line,) = [x for x in out.splitlines() if x.startswith("rl-controller: error: recovery stopped")]
+    said = shlex.split(line.rsplit("--rewind-to-checkpoint: ", 1)[-1])
+    assert said[said.index("run"):] == ["run", "--resume", "--run-id", "r", "--steps", str(N), "--local-workers",
+                        "--redis-url", chaos.redis_url, "--data-dir", str(chaos.root / "data"),
+                        "--rewind-to-checkpoint"], line
     chaos.run("r", steps=N, resume=True, args=["--rewind-to-checkpoint"],
               crash="after_run_rewound", expect=EXIT_CRASH)
     chaos.run("r", steps=N, resume=True, expect=0)
