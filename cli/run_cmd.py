@@ -188,6 +188,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if state.finished and state.trainer_version >= cfg.run.steps:
                 return run_summary.nothing_to_do(run_id, state.trainer_version)
             run_open.check_not_held(args, store, run_id)
+            run_open.check_run_dir(args, run_id)
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
             ray_cluster.check_address(cfg.ray.address)

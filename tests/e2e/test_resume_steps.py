@@ -95,3 +95,24 @@ def test_steps_below_a_passed_target_offers_no_way_back_to_it(capsys, redis_url:
                          "--steps", "4", "--local-workers", "--no-progress")
     assert code == 2 and "pass --steps N >= 6" in err, (out, err)
     assert "leave --steps out" not in err, err
+
+
+def test_resume_with_a_data_dir_where_the_run_never_ran_is_refused(capsys, redis_url: str,
+                                                                   tmp_path) -> None:
+    """With --redis-url the log is found whatever --data-dir says; a resume given the
+    wrong one found no spill there and evicted every buffered group as "payload lost",
+    on the log for good (seen pasting a resume command that had dropped --data-dir)."""
+    b = random_run(7, 6)
+    b.events = b.events[:-1]  # unfinished
+    write_log(redis_url, b)
+    before = _last_position(redis_url, b.run_id)
+    elsewhere = tmp_path / "other-data"
+    code, out, err = cli(capsys, redis_url, "run", "--resume", "--run-id", b.run_id,
+                         "--data-dir", str(elsewhere), "--local-workers", "--no-progress")
+    assert code == 2, (out, err)
+    assert err == (f"rl-controller: error: run {b.run_id} has no run directory "
+                   f"{str(elsewhere / 'runs' / b.run_id)!r} (its payload spill and checkpoints): "
+                   "pass the --data-dir it was started with, or create the directory to resume "
+                   "without them\n"), err
+    assert _last_position(redis_url, b.run_id) == before  # no epoch claimed, nothing appended
+    assert not (elsewhere / "runs" / b.run_id).exists()
