@@ -37,7 +37,7 @@ from controller.recovery import PayloadsLostError, RecoveryError, reconcile_work
 from controller.projector import Projector
 from controller.startup import RunExistsError, create_run, resume_run
 from events import schema as ev
-from events.errors import FencedError
+from events.errors import FencedError, StoreUnavailableError
 from replay.settings import with_changes
 from workers.loss.metrics import mismatch_warning
 from workers.tasks.config import task_defaults_in_effect
@@ -297,6 +297,10 @@ def _train(args, cfg: Config, writer, exporter) -> int:
                        f"with: {_resume_command(args, writer.run_id)}", 4) from None
     except (StallError, StepRetriesExhausted) as err:
         raise CliError(f"stopped: {err}", 4) from None
+    except StoreUnavailableError as err:  # past the append budget: an outage, not bad input
+        raise CliError(f"stopped: {err}; the log holds every event the store acknowledged: "
+                       f"once the store is back, continue with: "
+                       f"{_resume_command(args, writer.run_id)}", 4) from None
     except PayloadsLostError as err:  # the command to rewind, with this run's flags
         raise CliError(f"recovery stopped: {err}: {_resume_command(args, writer.run_id)} "
                        "--rewind-to-checkpoint", 5) from None
@@ -308,7 +312,10 @@ def _train(args, cfg: Config, writer, exporter) -> int:
         sink.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
-            writer.snapshot()
+            # a store that is gone must not replace the error that says so (the next
+            # controller folds the tail a snapshot would have saved)
+            with contextlib.suppress(StoreUnavailableError):
+                writer.snapshot()
     run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
                               startup_s=run_open.PHASES.get("reconciled"), train_s=train_s)
     return 0
