@@ -56,3 +56,19 @@ def test_data_dir_is_repeated_beside_a_redis_url(monkeypatch):
     monkeypatch.setenv("RLC_REDIS_URL", "redis://db:6380/1")
     out = followup.command(_args(redis_url="redis://db:6380/1", data_dir="/data/x"), "runs")
     assert out == "rl-controller runs --data-dir /data/x"
+
+
+def test_sentinels_are_repeated(monkeypatch):
+    """Seen after a failover stopped a run: the printed resume command had no
+    --redis-sentinel/--redis-master and answered "no run 's2' in this store"."""
+    monkeypatch.setattr(sys, "argv", ["rl-controller"])
+    for name in ("RLC_REDIS_URL", "RLC_REDIS_SENTINEL", "RLC_REDIS_MASTER"):
+        monkeypatch.delenv(name, raising=False)
+    args = _args(redis_sentinel="127.0.0.1:26379,127.0.0.1:26380", redis_master="rlc",
+                 data_dir="/data/x")
+    assert followup.command(args, "runs") == (
+        "rl-controller runs --redis-sentinel 127.0.0.1:26379,127.0.0.1:26380 "
+        "--redis-master rlc --data-dir /data/x")
+    monkeypatch.setenv("RLC_REDIS_SENTINEL", "127.0.0.1:26379,127.0.0.1:26380")
+    monkeypatch.setenv("RLC_REDIS_MASTER", "rlc")
+    assert followup.command(args, "runs") == "rl-controller runs --data-dir /data/x"
