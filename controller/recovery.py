@@ -184,9 +184,12 @@ async def rewind_to_checkpoint(
         await effects.save_checkpoint(journal, trainer, checkpoint_dir, 0)
         to = 0
     reason = f"--rewind-to-checkpoint: payloads of {len(lost_groups)} consumed groups lost"
-    rewound = decisions.run_rewound(state, to, reason, journal.stamp())
-    await journal.append(rewound)
-    log.warning("run_rewound", to_trainer_version=to, lost_steps=rewound.lost_steps)
+    at = journal.stamp()
+    rewound = decisions.run_rewound(state, to, reason, at)
+    evicted = decisions.rewound_evictions(state, to, at)
+    await journal.append(rewound, *evicted)
+    log.warning("run_rewound", to_trainer_version=to, lost_steps=rewound.lost_steps,
+                evicted=[e.group_id for e in evicted])
 
 
 # -- data plane --------------------------------------------------------------------------
