@@ -286,6 +286,7 @@ def _train(args, cfg: Config, writer, exporter) -> int:
                 writer, cfg, workers.trainer, workers.generators, workers.publisher,
                 workers.payloads, checkpoint_dir=checkpoint_dir(run_dir), on_step=on_step,
                 restarter=workers, on_failure=progress.failure,
+                on_trainer_replaced=progress.notice,
             )
             reason = asyncio.run(controller.run())
             train_s = time.monotonic() - started

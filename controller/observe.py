@@ -139,6 +139,11 @@ class Progress:
         if self._live is not None:
             self._live.update(self._render())
 
+    def notice(self, text: str) -> None:
+        """A line above the table (or among the plain lines): something the run
+        recovered from, said once, with its cause."""
+        self.console.print(text, markup=False, highlight=False)
+
     def _render(self) -> Table:
         failed = f"  failed groups: {self.failed_groups}" if self.failed_groups else ""
         table = Table(title=f"rl-controller  {self._status}{failed}", expand=False)
