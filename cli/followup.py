@@ -3,7 +3,8 @@
 The executable is the one that is running (``.venv/bin/rl-controller`` when started
 that way, ``rl-controller`` when found on PATH); ``--data-dir`` is repeated when it is
 not the default; ``--redis-url`` when it was given on the command line (the password
-replaced by ``***``: paste yours in, or export ``RLC_REDIS_URL`` instead); a command
+replaced by ``***``: paste yours in, or export ``RLC_REDIS_URL`` instead), and so are
+``--redis-sentinel`` / ``--redis-master``; a command
 that resumes a run repeats ``--ray-address`` / ``--local-workers`` (``worker_flags``).
 """
 
@@ -15,7 +16,7 @@ import shlex
 import shutil
 import sys
 
-from cli.common import DEFAULT_DATA_DIR, ENV_REDIS_URL
+from cli.common import DEFAULT_DATA_DIR, ENV_MASTER, ENV_REDIS_URL, ENV_SENTINEL
 from events.redis_store import redact_url
 
 
@@ -35,10 +36,19 @@ def store_flags(args: argparse.Namespace) -> str:
     url = getattr(args, "redis_url", "") or ""
     if url and url != os.environ.get(ENV_REDIS_URL, ""):
         flags.append(f"--redis-url {shlex.quote(redact_url(url))}")
-    elif not url:
-        data_dir = getattr(args, "data_dir", DEFAULT_DATA_DIR)
-        if os.path.normpath(data_dir) != os.path.normpath(DEFAULT_DATA_DIR):
-            flags.append(f"--data-dir {shlex.quote(data_dir)}")
+    # Sentinels too (passwords come from the environment only): without them the
+    # command looked for the run in the embedded default store, "no run ... in this store"
+    for flag, attr, env in (("--redis-sentinel", "redis_sentinel", ENV_SENTINEL),
+                            ("--redis-master", "redis_master", ENV_MASTER)):
+        value = getattr(args, attr, "") or ""
+        if value and value != os.environ.get(env, ""):
+            flags.append(f"{flag} {shlex.quote(value)}")
+    # With --redis-url too: the run directory (spill, checkpoints) is under --data-dir,
+    # and a resume that looked in the default one found no spill and evicted the
+    # buffered groups as "payload lost".
+    data_dir = getattr(args, "data_dir", DEFAULT_DATA_DIR)
+    if os.path.normpath(data_dir) != os.path.normpath(DEFAULT_DATA_DIR):
+        flags.append(f"--data-dir {shlex.quote(data_dir)}")
     return " ".join(flags)
 
 

@@ -109,9 +109,36 @@ def _delete_orphan_dir(args: argparse.Namespace, run_id: str, run_dir: Path) -> 
     return 0
 
 
+def _runs_held_here(data_dir: str) -> list[str]:
+    """The embedded server's runs whose controller is alive on this host (none when no
+    server runs: nothing is started to ask)."""
+    from events.embedded import running_embedded_url
+    from events.errors import EventStoreError
+
+    url = running_embedded_url(data_dir)
+    if url is None:
+        return []
+    plain = argparse.Namespace(redis_url=url, redis_sentinel="", redis_master="", data_dir=data_dir)
+    try:
+        with open_store(plain) as store:
+            return [
+                f"{info.run_id} (pid {holder.pid})" for info in store.list_runs()
+                if (holder := last_controller(store, info.run_id, info.last_position)).running_here()
+            ]
+    except (CliError, EventStoreError):
+        return []
+
+
 def cmd_stop_server(args: argparse.Namespace) -> int:
     from events.embedded import stop_embedded_redis
 
+    # A running controller's appends would fail: its run stops (exit status 4), seen
+    # when stop-server was run beside a run that used the same --data-dir.
+    held = _runs_held_here(args.data_dir)
+    if held:
+        raise CliError(f"the embedded redis-server of {args.data_dir} holds the log of a run "
+                       f"whose controller is running on this host: {', '.join(held)}; stop "
+                       "it first (Ctrl-C in its terminal)")
     if stop_embedded_redis(Path(args.data_dir)):
         print(f"stopped the embedded redis-server of {args.data_dir}")
     else:

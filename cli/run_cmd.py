@@ -34,11 +34,11 @@ from cli.common import (
 from controller.config import Config, config_from_dict, config_to_dict, load_config
 from controller.loop import Controller, RunStoppedError, StallError, StepRetriesExhausted
 from controller.observe import MetricsSink, Progress, configure_logging
-from controller.recovery import RecoveryError, reconcile_workers
+from controller.recovery import PayloadsLostError, RecoveryError, reconcile_workers
 from controller.projector import Projector
 from controller.startup import RunExistsError, create_run, resume_run
 from events import schema as ev
-from events.errors import FencedError
+from events.errors import FencedError, StoreUnavailableError
 from replay.settings import with_changes
 from workers.loss.metrics import mismatch_warning
 from workers.tasks.config import task_defaults_in_effect
@@ -110,25 +110,36 @@ def _resume_config(logged: dict, args: argparse.Namespace) -> Config:
     return with_changes(cfg, extra) if extra else cfg
 
 
-def _check_resume_steps(run_id: str, state, steps: int) -> None:
+def _check_resume_steps(run_id: str, state, steps: int, *, given: bool) -> None:
     """A target below where the run is cannot be trained to. An unfinished run was
     marked finished by it (the loop saw its target reached) without a word: a typo in
-    --steps ended a run meant to go on."""
+    --steps ended a run meant to go on. Without --steps the target is the logged
+    run.steps, which a run taken further by an earlier resume's --steps has passed (that
+    --steps is not in the log): a finished one has nothing to do, an unfinished one
+    needs --steps, and neither is blamed on a --steps never given."""
     version = state.trainer_version
-    if steps >= version:
+    if steps >= version or (state.finished and not given):
         return
+    if not given:
+        raise CliError(f"run {run_id} is at trainer_version {version}, past its logged "
+                       f"run.steps {steps} (an earlier resume's --steps is not in the log); "
+                       f"pass --steps N >= {version}")
     if state.finished:
         where, fix = "finished at", f"N > {version} to train further"
     else:
         target = config_from_dict(state.config).run.steps
-        where, fix = "at", f"N >= {version}, or leave --steps out to go on to its {target}"
+        where, fix = "at", f"N >= {version}" + (
+            f", or leave --steps out to go on to its {target}" if target >= version else "")
     raise CliError(f"--steps {steps} is below where run {run_id} is: {where} "
                    f"trainer_version {version}; pass --steps {fix}")
 
 
 def checkpoint_dir(run_dir: Path) -> str:
-    """Where a run's checkpoints go (under its run directory)."""
-    return str(run_dir / "checkpoints")
+    """Where a run's checkpoints go (under its run directory), as an absolute path: the
+    path is recorded in ``CheckpointSaved``, and one relative to this command's working
+    directory (a relative ``--data-dir``) names nothing to a resume started elsewhere,
+    which rejected the checkpoint for good and could not rebuild the weights."""
+    return str((run_dir / "checkpoints").absolute())
 
 
 def _code_version() -> str:
@@ -175,10 +186,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             state = Projector(store, fork_readers=False).get(run_id).require()
             cfg = _resume_config(state.config, args)
             preflight.check_config(cfg)
-            _check_resume_steps(run_id, state, cfg.run.steps)
+            _check_resume_steps(run_id, state, cfg.run.steps, given=args.steps is not None)
             if state.finished and state.trainer_version >= cfg.run.steps:
                 return run_summary.nothing_to_do(run_id, state.trainer_version)
             run_open.check_not_held(args, store, run_id)
+            run_open.check_run_dir(args, run_id)
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
             ray_cluster.check_address(cfg.ray.address)
@@ -279,6 +291,7 @@ def _train(args, cfg: Config, writer, exporter) -> int:
                 writer, cfg, workers.trainer, workers.generators, workers.publisher,
                 workers.payloads, checkpoint_dir=checkpoint_dir(run_dir), on_step=on_step,
                 restarter=workers, on_failure=progress.failure,
+                on_trainer_replaced=progress.notice,
             )
             reason = asyncio.run(controller.run())
             train_s = time.monotonic() - started
@@ -290,6 +303,13 @@ def _train(args, cfg: Config, writer, exporter) -> int:
                        f"with: {_resume_command(args, writer.run_id)}", 4) from None
     except (StallError, StepRetriesExhausted) as err:
         raise CliError(f"stopped: {err}", 4) from None
+    except StoreUnavailableError as err:  # past the append budget: an outage, not bad input
+        raise CliError(f"stopped: {err}; the log holds every event the store acknowledged: "
+                       f"once the store is back, continue with: "
+                       f"{_resume_command(args, writer.run_id)}", 4) from None
+    except PayloadsLostError as err:  # the command to rewind, with this run's flags
+        raise CliError(f"recovery stopped: {err}: {_resume_command(args, writer.run_id)} "
+                       "--rewind-to-checkpoint", 5) from None
     except RecoveryError as err:
         raise CliError(f"recovery stopped: {err}", 5) from None
     except KeyboardInterrupt:
@@ -298,7 +318,10 @@ def _train(args, cfg: Config, writer, exporter) -> int:
         sink.close()
         workers.close()
         if writer.fenced is None:  # a fenced controller leaves the store alone
-            writer.snapshot()
+            # a store that is gone must not replace the error that says so (the next
+            # controller folds the tail a snapshot would have saved)
+            with contextlib.suppress(StoreUnavailableError):
+                writer.snapshot()
     run_summary.print_summary(args, progress.console, writer.run_id, writer.state, run_dir,
                               startup_s=run_open.PHASES.get("reconciled"), train_s=train_s)
     return 0
@@ -310,7 +333,10 @@ def _interrupted(args: argparse.Namespace, run_id: str) -> CliError:
 
 
 def _resume_command(args: argparse.Namespace, run_id: str) -> str:
-    return followup.command(args, "run", "--resume", "--run-id", run_id,
+    # A resume's --steps is not in the log: without it the command would go back to the
+    # logged run.steps, which such a run has passed, and be refused.
+    steps = ["--steps", str(args.steps)] if args.steps is not None else []
+    return followup.command(args, "run", "--resume", "--run-id", run_id, *steps,
                             *followup.worker_flags(args))
 
 

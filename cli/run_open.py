@@ -67,6 +67,20 @@ def check_not_held(args: argparse.Namespace, store, run_id: str) -> None:
         )
 
 
+def check_run_dir(args: argparse.Namespace, run_id: str) -> None:
+    """A resume reads the run's spill and checkpoints from ``--data-dir``; one pointed at
+    a directory where the run never ran found no spill and evicted every buffered group
+    as "payload lost" -- for good, on the log -- or stopped for lost payloads (seen with
+    ``--redis-url``, where the log is found whatever ``--data-dir`` says)."""
+    run_dir = Path(args.data_dir) / "runs" / run_id
+    if not run_dir.is_dir():
+        raise CliError(
+            f"run {run_id} has no run directory {str(run_dir)!r} (its payload spill and "
+            "checkpoints): pass the --data-dir it was started with, or create the directory "
+            "to resume without them"
+        )
+
+
 def chain_key(args: argparse.Namespace, cfg: Config | None, run_id: str) -> bytes | None:
     """The hash chain's key: from the config of a new run, from the logged one on resume.
 

@@ -132,12 +132,16 @@ class _TailPrinter:
 
         while True:
             try:
-                async for stored in store.follow(run_id, last):
-                    self.emit(stored.position, stored.event)
-                    sys.stdout.flush()
-                    last = stored.position
-                    if self.finished:
-                        return
+                # closed here, in this task: a reader left to the garbage collector had
+                # its close scheduled on a loop about to stop, and asyncio printed "Task
+                # was destroyed but it is pending!" after the run's last line
+                async with contextlib.aclosing(store.follow(run_id, last)) as events:
+                    async for stored in events:
+                        self.emit(stored.position, stored.event)
+                        sys.stdout.flush()
+                        last = stored.position
+                        if self.finished:
+                            return
                 return
             except EventDecodeError as err:
                 # Report it and go on after it (follow decodes a batch at a time).

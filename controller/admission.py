@@ -56,8 +56,8 @@ def sample_seed(run_seed: int, prompt_index: int, attempt: int) -> int:
     return (run_seed * 1_000_003 + prompt_index * 7_919 + attempt * 104_729) % (2**31 - 1)
 
 
-#: told of every failed generator call: (worker, first group id, the worker's error)
-OnFailure = Callable[[str, str, str], None]
+#: told of every failed generator call: (worker, the call's group ids, the worker's error)
+OnFailure = Callable[[str, list[str], str], None]
 
 
 class RunStoppedError(RuntimeError):
@@ -351,7 +351,7 @@ class AdmissionSide:
             j.timers.failed += 1
             self._retry_later(req)
         if self.on_failure is not None:
-            self.on_failure(gen.name, reqs[0].group_id, cause)
+            self.on_failure(gen.name, [req.group_id for req in reqs], cause)
         stop = decisions.run_stopped(j.state, self.failure_budget, j.stamp())
         if stop is not None:
             await j.append(stop)

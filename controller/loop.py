@@ -99,12 +99,13 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         restarter: WorkerRestarter | None = None,
         on_failure: OnFailure | None = None,
+        on_trainer_replaced: Callable[[str], None] | None = None,
     ) -> None:
         self.journal = Journal(writer, clock)
         self.stall_timeout_s = cfg.controller.stall_timeout_s
         self.loss = WorkerLossHandling(
             self.journal, trainer=trainer, generators=generators, publisher=publisher,
-            payloads=payloads, restarter=restarter,
+            payloads=payloads, restarter=restarter, on_trainer_replaced=on_trainer_replaced,
         )
         self.closing = StepClosing(
             self.journal, trainer=trainer, publisher=publisher, payloads=payloads,

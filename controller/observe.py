@@ -82,8 +82,9 @@ class Progress:
         self._rows: list[tuple[str, ...]] = []
         self._live: Live | None = None
         self._status = ""
-        #: failed generator calls so far, and the errors already printed in full
-        self.failed_calls = 0
+        #: groups whose attempt failed so far (one GroupFailed each, the failure budget's
+        #: unit; a call carries rollout.groups_per_call), and the errors printed in full
+        self.failed_groups = 0
         self._causes: set[str] = set()
 
     def __enter__(self) -> "Progress":
@@ -111,7 +112,7 @@ class Progress:
             f"{m.get('perf/groups_per_s', 0):.2f}",
             str(buffer),
             str(in_flight),
-            str(self.failed_calls),
+            str(self.failed_groups),
         )
         self._rows.append(row)
         if self._live is not None:
@@ -123,21 +124,28 @@ class Progress:
         """A line above the table (or among the plain lines) that a person should see."""
         self.console.print(f"warning: {text}", markup=False, highlight=False)
 
-    def failure(self, worker: str, group_id: str, cause: str) -> None:
-        """A generator call failed: counted (the table's ``failed``), and printed in full
-        the first time its error is seen (a new error gets its own line)."""
-        self.failed_calls += 1
+    def failure(self, worker: str, group_ids: list[str], cause: str) -> None:
+        """A generator call failed: its groups counted (the table's ``failed``, as many as
+        the log's ``GroupFailed``), and printed in full the first time its error is seen
+        (a new error gets its own line), naming every group the call carried."""
+        self.failed_groups += len(group_ids)
         if cause not in self._causes:
             self._causes.add(cause)
+            which = f"group {group_ids[0]}" if len(group_ids) == 1 else f"groups {', '.join(group_ids)}"
             self.console.print(
-                f"generation failed on {worker} (group {group_id}): {cause} -- counted "
-                "under 'failed' from now on", markup=False, highlight=False,
+                f"generation failed on {worker} ({which}): {cause} -- counted "
+                "under 'failed' (groups) from now on", markup=False, highlight=False,
             )
         if self._live is not None:
             self._live.update(self._render())
 
+    def notice(self, text: str) -> None:
+        """A line above the table (or among the plain lines): something the run
+        recovered from, said once, with its cause."""
+        self.console.print(text, markup=False, highlight=False)
+
     def _render(self) -> Table:
-        failed = f"  failed calls: {self.failed_calls}" if self.failed_calls else ""
+        failed = f"  failed groups: {self.failed_groups}" if self.failed_groups else ""
         table = Table(title=f"rl-controller  {self._status}{failed}", expand=False)
         for col in self.COLUMNS:
             table.add_column(col, justify="right")

@@ -158,8 +158,8 @@ def payloads_lost(state: RunState, lost_groups: list[str]) -> PayloadsLostError:
         f"{state.trainer_version} cannot be rebuilt and checked against the log. The run "
         "stops rather than continue from weights the log does not describe. To continue "
         f"from {where} and discard the steps "
-        "after it -- recorded as RunRewound, shown by 'rl-controller audit' -- run "
-        f"'rl-controller run --resume --run-id {state.run_id} --rewind-to-checkpoint'."
+        "after it -- recorded as RunRewound, shown by 'rl-controller audit' -- resume "
+        f"run {state.run_id} with --rewind-to-checkpoint"
     )
 
 
@@ -184,9 +184,12 @@ async def rewind_to_checkpoint(
         await effects.save_checkpoint(journal, trainer, checkpoint_dir, 0)
         to = 0
     reason = f"--rewind-to-checkpoint: payloads of {len(lost_groups)} consumed groups lost"
-    rewound = decisions.run_rewound(state, to, reason, journal.stamp())
-    await journal.append(rewound)
-    log.warning("run_rewound", to_trainer_version=to, lost_steps=rewound.lost_steps)
+    at = journal.stamp()
+    rewound = decisions.run_rewound(state, to, reason, at)
+    evicted = decisions.rewound_evictions(state, to, at)
+    await journal.append(rewound, *evicted)
+    log.warning("run_rewound", to_trainer_version=to, lost_steps=rewound.lost_steps,
+                evicted=[e.group_id for e in evicted])
 
 
 # -- data plane --------------------------------------------------------------------------

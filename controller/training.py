@@ -35,7 +35,7 @@ from controller.journal import Journal
 from controller.step_close import StepClosing
 from controller.worker_loss import WorkerLossHandling
 from events import schema as ev
-from events.errors import ConcurrencyError, FencedError
+from events.errors import ConcurrencyError, FencedError, StoreUnavailableError
 from workers.api import MicrobatchRef, StepOutcome, TrainerClient, WorkerLostError, error_line
 
 log = structlog.get_logger("rl_controller.loop")
@@ -98,8 +98,12 @@ class TrainSide:
             try:
                 await self._train_one_step()
                 self._aborts_in_row = 0
-            except (FencedError, ConcurrencyError, StallError, asyncio.CancelledError):
-                raise  # the log is another controller's, or it lost what we appended: final
+            except (FencedError, ConcurrencyError, StoreUnavailableError, StallError,
+                    asyncio.CancelledError):
+                # the log is another controller's, it lost what we appended, or the store
+                # stayed away past the journal's retries (whose last batch may have
+                # landed: an abort appended after it would be refused): final
+                raise
             except _StepLost:
                 continue  # already aborted and recorded by the trainer's replacement
             except WorkerLostError as err:

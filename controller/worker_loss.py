@@ -11,6 +11,7 @@ replacement; every other caller waits for it.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import structlog
 
@@ -43,8 +44,12 @@ class WorkerLossHandling:
         publisher: WeightPublisher,
         payloads: PayloadStore,
         restarter: WorkerRestarter | None,
+        on_trainer_replaced: Callable[[str], None] | None = None,
     ) -> None:
         self.journal = journal
+        #: told, in one line, of each trainer death once its replacement holds the
+        #: log's weights (a generator's shows as its failed call)
+        self.on_trainer_replaced = on_trainer_replaced
         self.trainer = trainer
         self.generators = generators
         self.publisher = publisher
@@ -123,3 +128,10 @@ class WorkerLossHandling:
         await recovery.bring_trainer_to_log(j, self.trainer, self.payloads)
         if j.state.weight_version < j.state.trainer_version:
             await effects.publish_current(j, self.publisher)
+        if self.on_trainer_replaced is not None:
+            cause = err.reason.strip().splitlines()[0] if err.reason.strip() else "no reason given"
+            self.on_trainer_replaced(
+                f"trainer lost ({cause}): replaced, its weights rebuilt from the log to "
+                f"trainer_version {j.state.trainer_version}"
+                + (f"; step {aborted.step} aborted, its groups back in the buffer" if aborted else "")
+            )

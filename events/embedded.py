@@ -327,6 +327,17 @@ def _terminate(pid: int, timeout_s: float) -> bool:
     return False
 
 
+def running_embedded_url(data_dir: Path | str) -> str | None:
+    """The URL of the embedded server of ``data_dir`` if one is running (none is started)."""
+    files = _Files(Path(data_dir).resolve())
+    if not files.data_dir.is_dir():
+        return None
+    recorded = _recorded_server(files)
+    if recorded is None or recorded[1] is None:
+        return None
+    return f"redis://{HOST}:{recorded[1]}/0"
+
+
 def stop_embedded_redis(data_dir: Path | str, *, timeout_s: float = 30.0) -> bool:
     """Shut down the embedded server of ``data_dir``; False when none was running."""
     files = _Files(Path(data_dir).resolve())

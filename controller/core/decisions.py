@@ -160,6 +160,20 @@ def run_rewound(state: RunState, to: int, reason: str, at: Stamp) -> ev.RunRewou
     )
 
 
+def rewound_evictions(state: RunState, to: int, at: Stamp) -> list[ev.GroupEvicted]:
+    """Buffered groups sampled (in part) by a version after ``to``: weights a rewind to
+    ``to`` discards. Trained after it they would have a negative lag -- the fold refuses
+    such a step -- so they go with the rewind, in its batch."""
+    return [
+        group_evicted(
+            g.group_id, lag=state.lag_of(g, to) or 0, at=at,
+            reason=f"rewound: sampled by v{g.weight_version_end}, discarded by the rewind to v{to}",
+        )
+        for g in state.iter_buffer()
+        if g.weight_version_end is not None and g.weight_version_end > to
+    ]
+
+
 def run_stopped(state: RunState, budget: int, at: Stamp) -> ev.RunStopped | None:
     """Stop the run when ``budget`` groups failed in a row (``controller.core.failures``);
     None while the budget lasts or once the run is stopped."""

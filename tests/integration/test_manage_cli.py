@@ -113,6 +113,16 @@ def test_stop_server_stops_the_embedded_server(data_dir):
     assert set(runs(data_dir)) == {"keep"}  # the log survives a restart (AOF)
 
 
+def test_stop_server_refuses_while_a_live_controller_uses_it(data_dir):
+    """Seen beside a real run on the same --data-dir: stop-server stopped its server and
+    the run stopped (its appends failed), as delete of that run would not have."""
+    _make_run(data_dir, "keep", finished=True)
+    _make_run(data_dir, "live", finished=False)  # its ControllerStarted names this process
+    proc = cli("stop-server", "--data-dir", str(data_dir))
+    assert_one_line_error(proc, "live (pid", "running on this host")
+    assert set(runs(data_dir)) == {"keep", "live"}  # still answering: not stopped
+
+
 @pytest.mark.parametrize("command", ["run", "runs", "audit", "delete"])
 def test_a_typo_in_a_flag_shows_that_subcommands_usage(command):
     required = ["--run", "r1"] if command in ("audit", "delete") else []

@@ -37,10 +37,10 @@ def _new_run(redis_url: str, cfg):
     )
 
 
-def _train(cfg, writer, run_dir: Path):
+def _train(cfg, writer, run_dir: Path, **kw):
     run = start_local(cfg, RUN, run_dir)
     reconcile(run, writer)
-    asyncio.run(controller_for(run, writer).run())
+    asyncio.run(controller_for(run, writer, **kw).run())
     return run
 
 
@@ -55,7 +55,8 @@ def test_workers_die_mid_run_and_the_run_continues(redis_url: str, tmp_path, dis
     cfg = tiny_config(tmp_path, "run.steps=4")
     store, writer = _new_run(redis_url, cfg)
     crashpoints.rearm("after_microbatch_trained:2@trainer,after_rollout_admitted:g000006@generator-0")
-    run = _train(cfg, writer, tmp_path)
+    said: list[str] = []
+    run = _train(cfg, writer, tmp_path, on_trainer_replaced=said.append)
     run.workers.close()
     result = Projector(store).get(RUN)
     assert result.problem is None, result.problem
@@ -66,6 +67,14 @@ def test_workers_die_mid_run_and_the_run_continues(redis_url: str, tmp_path, dis
     ]
     aborted = [s for s in state.steps.values() if s.abort_reason]
     assert len(aborted) == 1 and "worker lost" in aborted[0].abort_reason
+    # the console's one line for it (under Ray the only line was Ray's, which guesses
+    # at an OOM kill): the cause, the version rebuilt, the step aborted
+    (lost,) = [w for w in state.workers_lost if w.role == "trainer"]
+    assert said == [
+        f"trainer lost ({lost.reason.splitlines()[0]}): replaced, its weights rebuilt from "
+        f"the log to trainer_version 2; step {aborted[0].step} aborted, its groups back in "
+        "the buffer"
+    ], said
     assert state.groups["g000006"].attempt == 2  # failed with its generator, re-admitted
     # the restarted trainer was rebuilt from the log: a replay of the log agrees
     report = run_retrain(state, tmp_path, from_version=None, stop_on_mismatch=True)

@@ -45,3 +45,26 @@ def test_the_summary_counts_finished_steps_whole_time_and_repeats_the_worker_fla
     assert lines["continue"] == (
         "rl-controller run --resume --run-id r --steps 6 --ray-address head:6379"
     )
+
+
+def test_the_summary_names_the_steps_a_rewind_discarded(monkeypatch):
+    """Seen after a rewind that discarded steps 3 and 4 of a run then trained to v10:
+    "trainer_version 10, 12 steps", nothing saying why the version is two short."""
+    monkeypatch.setattr(sys, "argv", ["rl-controller"])
+    b = LogBuilder(run_id="r").start()
+    for k in range(3):
+        b.admit(f"g{k}").commit(f"g{k}")
+        b.train_step([f"g{k}"]).publish()
+        if k == 0:
+            b.checkpoint()
+    b.restart().rewind(1)
+    b.admit("g3").commit("g3")
+    b.train_step(["g3"]).publish().finish_run()
+    state = b.fold()
+    assert state.trainer_version == 2 and len(state.steps) == 4
+    out = io.StringIO()
+    args = argparse.Namespace(redis_url="", data_dir="./rlc-data", ray_address=None,
+                              local_workers=True)
+    print_summary(args, Console(file=out, width=300), "r", state, Path("runs/r"),
+                  startup_s=1.0, train_s=2.0)
+    assert "trainer_version 2, 4 steps (2 discarded by a rewind)," in out.getvalue()
