@@ -12,7 +12,7 @@ import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, SupportsFloat, TypeVar, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def checked_reward(where: str, value: object) -> float:
     a message that names neither the task nor the reward; ``where`` names who returned it
     (``task 'mod:Cls'``, ``env step() at run/g1/s0/t1``).
     """
-    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+    if isinstance(value, (str, bytes)) or not isinstance(value, SupportsFloat):
         raise TypeError(f"{where} returned a reward of {value!r} ({type(value).__name__}); "
                         "expected a number")
     reward = float(value)  # type: ignore[arg-type]
