@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-from events.errors import EventStoreError, RunNotFoundError
+from events.errors import EventStoreError, RunNotFoundError, StorePermissionError
 from events.store import EventStore, ServerEventStore
 from events.store_config import DEFAULT_DATA_DIR, StoreAddress, StoreConfig
 
@@ -229,6 +229,21 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+#: what a command needs of its Redis user when the server refused one of its commands
+#: (the roles of events/redis_store/acl.py); a command not named here only reads
+_USER_NEEDED = {
+    "run": "the controller user",
+    "delete": "a user that may delete the rlc:* keys (neither role may: an admin user)",
+}
+_READER_NEEDED = "a user that may read the rlc:* keys (the reader or the controller user)"
+
+
+def user_needed(command: str) -> str:
+    """The hint for a refused command: what ``command`` needs, where it is written."""
+    need = _USER_NEEDED.get(command, _READER_NEEDED)
+    return f"'{command}' needs {need}, see docs/security.md"
+
+
 def run_command(func, args: argparse.Namespace) -> int:
     """Call a command; user errors become one line on stderr and a non-zero exit."""
     from controller.config import ConfigError
@@ -243,6 +258,8 @@ def run_command(func, args: argparse.Namespace) -> int:
         fail(str(err), 1)
     except (RunNotFoundError, ConfigError) as err:
         fail(str(err), 2)
+    except StorePermissionError as err:
+        fail(str(err.with_hint(user_needed(args.command))), 2)
     except EventStoreError as err:
         fail(str(err), 2)
     except KeyboardInterrupt:

@@ -194,14 +194,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             if not args.local_workers:
                 ray_cluster.check_local_capacity(cfg)
             ray_cluster.check_address(cfg.ray.address)
-            store.require_replicas(cfg.store.replicas)  # the run's own, from its log
+            # the run's own [store], from its log, before its first write (the epoch
+            # claim): the store was opened before the log could be read
+            store.replication = cfg.store
+            store.require_replicas(cfg.store.replicas)
             if args.redis_url:
                 preflight.check_durability(store, cfg, args.redis_url)
             exporter = serving.enter_context(run_open.metrics_served(cfg))
             run_open.start_ray(args, cfg, run_id)
             run_open.mark("ray_ready")
             writer = resume_run(store, run_id)
-            store.replication = cfg.store  # the run's own setting, from its log
         else:
             if store.run_exists(run_id) and store.last_position(run_id) > 0:
                 raise CliError(f"run {run_id!r} already exists; pass --resume to continue it, "

@@ -46,6 +46,7 @@ from controller.retraining import (
     DigestMismatchError,
     PayloadsLostError,
     RecoveryError,
+    checkpoints_on_disk,
     digest_mismatch,
     expected_digest,
     missing_payloads,
@@ -147,20 +148,34 @@ async def _retrain(journal: Journal, trainer: TrainerClient, base: int) -> None:
 
 
 def payloads_lost(state: RunState, lost_groups: list[str]) -> PayloadsLostError:
-    newest = state.latest_checkpoint()
-    where = ("the initial weights (no usable checkpoint)" if newest is None
-             else f"the newest usable checkpoint (trainer_version {newest.trainer_version})")
+    usable, gone = checkpoints_on_disk(state)
+    where = ("the initial weights (no usable checkpoint)" if not usable
+             else f"the newest usable checkpoint (trainer_version {usable[-1].trainer_version})")
     steps = sorted({state.groups[g].consumed_step for g in lost_groups})
     return PayloadsLostError(
         f"the payload rows of {len(lost_groups)} consumed groups ({', '.join(lost_groups[:5])}"
         f"{', ...' if len(lost_groups) > 5 else ''}; steps {steps}) are gone from the data "
         f"plane and the spill directory, so the weights of trainer_version "
         f"{state.trainer_version} cannot be rebuilt and checked against the log. The run "
-        "stops rather than continue from weights the log does not describe. To continue "
+        f"stops rather than continue from weights the log does not describe.{_gone(gone)} "
+        "To continue "
         f"from {where} and discard the steps "
         "after it -- recorded as RunRewound, shown by 'rl-controller audit' -- resume "
         f"run {state.run_id} with --rewind-to-checkpoint"
     )
+
+
+def _gone(gone: list[CheckpointRecord]) -> str:
+    """A sentence naming the log's checkpoints whose files are gone ("" when none is)."""
+    if not gone:
+        return ""
+    versions = sorted({ck.trainer_version for ck in gone})
+    uris = ", ".join(dict.fromkeys(ck.uri for ck in gone))
+    if len(versions) == 1:
+        return (f" The checkpoint of trainer_version {versions[0]} is missing (its files are "
+                f"gone: {uris}).")
+    return (f" The checkpoints of trainer_version {', '.join(map(str, versions))} are missing "
+            f"(their files are gone: {uris}).")
 
 
 async def rewind_to_checkpoint(

@@ -11,10 +11,11 @@ one its ``StepFinished`` recorded.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from controller.core import policies
-from controller.core.state import RunState, StepRecord
-from workers.api import MicrobatchRef, TrainerClient
+from controller.core.state import CheckpointRecord, RunState, StepRecord
+from workers.api import CHECKPOINT_MANIFEST, MicrobatchRef, TrainerClient
 
 
 class RecoveryError(RuntimeError):
@@ -27,6 +28,22 @@ class DigestMismatchError(RecoveryError):
 
 class PayloadsLostError(RecoveryError):
     """Payload rows that re-training needs are gone from the data plane and the spill."""
+
+
+def checkpoint_on_disk(ck: CheckpointRecord) -> bool:
+    """Whether ``ck``'s files are still there (its manifest): the log says a checkpoint
+    was saved, only the disk says it still exists."""
+    return (Path(ck.uri) / CHECKPOINT_MANIFEST).is_file()
+
+
+def checkpoints_on_disk(
+    state: RunState,
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
+    """The log's usable checkpoints (neither rejected nor rewound past), oldest first:
+    (those whose files exist, those whose files are gone)."""
+    usable = [ck for ck in state.checkpoints if not ck.rejected and not ck.lost]
+    present = [ck for ck in usable if checkpoint_on_disk(ck)]
+    return present, [ck for ck in usable if ck not in present]
 
 
 def expected_digest(state: RunState, version: int) -> str | None:

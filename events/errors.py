@@ -60,7 +60,23 @@ class StoreUrlError(EventStoreError):
 
 
 class StorePermissionError(StoreUnavailableError):
-    """The store refused a command this user may not run (a read-only Redis user, say)."""
+    """The store refused a command this user may not run (a read-only Redis user, say).
+
+    ``refused`` says what the server refused; ``hint`` what to do about it. The store
+    cannot know which command of rl-controller it serves, so its hint is general; the
+    command line names what that command needs (``with_hint``)."""
+
+    def __init__(self, refused: str,
+                 hint: str = "docs/security.md says which user each command needs") -> None:
+        super().__init__(refused, hint)  # both in args: the error pickles as it is
+        self.refused = refused
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.refused} (this Redis user may not do that; {self.hint})"
+
+    def with_hint(self, hint: str) -> StorePermissionError:
+        return StorePermissionError(self.refused, hint)
 
 
 class RunIdError(EventStoreError, ValueError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from controller.retraining import missing_payloads, retrain_step
+from controller.retraining import checkpoints_on_disk, missing_payloads, retrain_step
 from controller.core.state import CheckpointRecord, RunState
 from replay.settings import recorded_config
 
@@ -81,16 +81,20 @@ def pick_checkpoint(state: RunState, version: int | None) -> CheckpointRecord | 
     """The checkpoint to start from: None = initial weights (version None or 0 w/o one)."""
     if version is None:
         return None
-    usable = [c for c in state.checkpoints if not c.rejected and not c.lost]
+    usable, gone = checkpoints_on_disk(state)
     for ck in reversed(usable):
         if ck.trainer_version == version:
             return ck
     if version == 0:
         return None
     have = sorted({c.trainer_version for c in usable})
+    missing = "" if not gone else (
+        f"; missing, their files gone: {sorted({c.trainer_version for c in gone})} "
+        f"({', '.join(dict.fromkeys(c.uri for c in gone))})"
+    )
     raise RetrainError(
         f"no usable checkpoint of trainer_version {version} in run {state.run_id!r} "
-        f"(usable: {have or 'none'}; 0 = the initial weights)"
+        f"(usable: {have or 'none'}{missing}; 0 = the initial weights)"
     )
 
 

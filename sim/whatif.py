@@ -27,7 +27,9 @@ from controller.config import Config, ConfigError
 from controller.projector import Projector
 from events.memory_store import MemoryEventStore
 from events.store import EventStore
-from replay.settings import parse_changes, recorded_config, what_if_error, with_changes
+from replay.settings import (
+    WhatIfError, parse_changes, recorded_config, what_if_error, with_changes,
+)
 from sim.harness import SimOutcome, SimSpec, simulate
 from sim.timeline import Timeline, TimelineObserver, timeline_of
 
@@ -51,13 +53,39 @@ ASSUMPTIONS = (
 WALL_TOLERANCE = 0.05
 
 
+#: the config keys a scenario may change: those the simulated controller, its generators
+#: and trainer act on (``sim.harness``). Every other key (the task, model, sampling,
+#: learning rate, store...) would simulate exactly the recorded run: durations, rewards
+#: and lengths are replayed as recorded.
+SIMULATED_KEYS = (
+    "staleness.window_versions", "staleness.window_basis", "staleness.selection",
+    "staleness.buffer_groups", "staleness.budget_basis",
+    "rollout.num_generators", "rollout.groups_per_call", "rollout.backend",
+    "rollout.vllm.chunk_tokens", "rollout.partial.enabled", "rollout.partial.segment_tokens",
+    "rollout.partial.flush_on_refit",
+    "train.groups_per_step", "train.groups_per_microbatch",
+    "checkpoint.every_steps", "checkpoint.async_save",
+    "controller.publish", "controller.snapshot_every_events",
+    "controller.snapshot_events_per_mib",
+)
+
+
 class SimulateError(ValueError):
     """A log that cannot be simulated; the message says why."""
 
 
 def parse_scenario(text: str) -> dict[str, str]:
-    """``"window=2,generators=16"`` -> {config key: value} (``replay.settings`` keys)."""
-    return parse_changes([text])
+    """``"window=2,generators=16"`` -> {config key: value} (``replay.settings`` keys);
+    a key outside :data:`SIMULATED_KEYS` is refused, naming the keys it may be."""
+    changes = parse_changes([text])
+    for key, value in changes.items():
+        if key not in SIMULATED_KEYS:
+            raise WhatIfError(
+                f"--what-if {key}={value}: the simulator does not model {key} (it replays "
+                f"the recorded durations, rewards and lengths); it models "
+                + ", ".join(SIMULATED_KEYS)
+            )
+    return changes
 
 
 def scenario_config(recorded: Config, changes: dict[str, str], steps: int) -> Config:

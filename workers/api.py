@@ -151,6 +151,11 @@ class StepOutcome(msgspec.Struct, frozen=True, kw_only=True):
     weights_digest: str
 
 
+#: the file a checkpoint's directory is vouched for by, and the first one a load reads
+#: (``workers.trainer.checkpoint``): where it is gone, so is the checkpoint
+CHECKPOINT_MANIFEST = "manifest.json"
+
+
 class CheckpointOutcome(msgspec.Struct, frozen=True, kw_only=True):
     trainer_version: int
     uri: str

@@ -165,8 +165,7 @@ def translate_errors(safe_url: str, key: str = "") -> Iterator[None]:
         ) from err
     except rex.NoPermissionError as err:
         raise StorePermissionError(
-            f"Redis at {safe_url} refused a command: {one_line(err)} (this Redis "
-            "user may not do that; 'run' needs the controller user, see docs/security.md)"
+            f"Redis at {safe_url} refused a command: {one_line(err)}"
         ) from err
     except rex.ResponseError as err:
         if str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):

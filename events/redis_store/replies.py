@@ -64,6 +64,20 @@ def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
     )
 
 
+def raw_entries(batch: Sequence[Any], before: int) -> list[RawEntry]:
+    """An XRANGE reply as RawEntry values; ``before``: the position of the entry the
+    reply follows. An entry whose stream id is not ``0-N`` (added by hand) is named by
+    its id and the position it stands at: the one after the entry before it."""
+    out: list[RawEntry] = []
+    for entry_id, fields in batch:
+        try:
+            out.append(raw_entry(entry_id, fields))
+        except EventDecodeError as err:
+            raise EventDecodeError(out[-1].position + 1 if out else before + 1,
+                                   err.reason) from None
+    return out
+
+
 def stored_int(value: bytes | str | int, key: str, field: str) -> int:
     """A whole number the store wrote into a hash field (epoch, chain length, snapshot
     position); one line naming the key and field when something else is there."""

@@ -34,7 +34,7 @@ from events.redis_store.layout import (
     snapshot_key,
 )
 from events.redis_store.replies import (
-    as_text, raw_entry, scripted_page, stored_int, trusted_page, xrange_chain_page,
+    as_text, raw_entries, scripted_page, stored_int, trusted_page, xrange_chain_page,
     xrange_page,
 )
 from events.redis_store.replication import (
@@ -224,7 +224,7 @@ class RedisEventStore:
                 if page == 0:
                     break
                 batch = self._client.xrange(events_key(run_id), f"0-{lo}", hi, count=page)
-                out += (raw_entry(entry_id, fields) for entry_id, fields in batch)
+                out += raw_entries(batch, out[-1].position if out else lo - 1)
                 if len(batch) < page:
                     break
                 lo = out[-1].position + 1
@@ -383,7 +383,7 @@ class RedisEventStore:
                 except (rex.ConnectionError, rex.TimeoutError) as err:
                     raise unavailable(self._safe_url, err) from err
                 for _stream, entries in reply or ():
-                    for stored in decode_entries([raw_entry(i, f) for i, f in entries]):
+                    for stored in decode_entries(raw_entries(entries, last)):
                         last = stored.position
                         yield stored
         finally:

@@ -53,6 +53,10 @@ def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer
         for user, role in (("rlc-controller", "controller"), ("rlc-reader", "reader")):
             reply = srv.command("ACL", "SETUSER", user, "on", f">{user}-pw", *acl_rules(role))
             assert reply == b"+OK", reply
+        # the reader's commands, but no key at all (an ACL written without ~rlc:*)
+        rules = [r for r in acl_rules("reader") if not r.startswith("~")]
+        reply = srv.command("ACL", "SETUSER", "no-keys", "on", ">no-keys-pw", *rules)
+        assert reply == b"+OK", reply
         yield srv
 
 
@@ -146,6 +150,30 @@ def test_run_under_the_reader_fails_in_one_line_and_writes_nothing(capsys, acl_s
     assert "refused a command" in err and "controller user" in err
     assert {k: admin.dump(k) for k in admin.keys("*")} == before
     admin.close()
+
+
+READER_NEEDS = "needs a user that may read the rlc:* keys (the reader or the controller user"
+
+
+@pytest.mark.parametrize(("user", "argv", "needs"), [
+    ("no-keys", ["runs"], f"'runs' {READER_NEEDS}"),
+    ("no-keys", ["tail", "--run", RUN], f"'tail' {READER_NEEDS}"),
+    ("no-keys", ["audit", "--run", RUN], f"'audit' {READER_NEEDS}"),
+    ("no-keys", ["replay", "--run", RUN], f"'replay' {READER_NEEDS}"),
+    ("no-keys", ["run", "--run-id", "by-no-keys", "--steps", "1", *TINY],
+     "'run' needs the controller user"),
+    ("rlc-reader", ["delete", "--run", RUN, "--yes"],
+     "'delete' needs a user that may delete the rlc:* keys (neither role may: an admin"),
+], ids=["runs", "tail", "audit", "replay", "run", "delete"])
+def test_a_refused_command_names_what_that_command_needs(capsys, acl_server, trained,
+                                                         user, argv, needs) -> None:
+    # every refusal said "'run' needs the controller user", also to a reader's command
+    # run by a user that may read no key, and to 'delete' under the reader
+    code, _, err = cli(capsys, *argv, "--redis-url", url_for(acl_server, user))
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "refused a command" in err and needs in err, err
+    assert "'run' needs" not in err or argv[0] == "run", err
 
 
 # -- TLS ------------------------------------------------------------------------------

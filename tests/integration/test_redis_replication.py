@@ -234,3 +234,41 @@ def test_once_an_append_gave_up_in_doubt_every_later_append_fails_with_its_line(
     assert str(second.value) == str(first.value)
     assert store.last_position(RUN) == at + 1 and writer.position == at
     store.close()
+
+
+def test_a_resume_waits_for_the_runs_replicas_from_its_first_write(
+    pair: SentinelCluster, tmp_path: Path
+) -> None:
+    """``run --resume`` opened the store with the default [store] (no replicas) and set
+    the run's own only after ``resume_run``: the epoch claim, the new ControllerStarted
+    and the log repair were written without waiting for a replica. With the replica
+    frozen, the claim must be what fails -- nothing appended behind it."""
+    from controller.config import config_to_dict, load_config
+    from controller.startup import create_run
+    from tests.integration.test_run_cli import _command
+
+    run = "resumed-replicated"
+    cfg = load_config(None, ["run.steps=1", "store.replicas=1", "store.wait_timeout_s=0.3",
+                             "dataplane.kind=memory"])
+    store = RedisEventStore(pair.primary.url, replication=cfg.store)
+    create_run(store, run, config=config_to_dict(cfg), seed=cfg.run.seed, code_version="t",
+               window_versions=cfg.staleness.window_versions,
+               groups_per_step=cfg.train.groups_per_step,
+               samples_per_group=cfg.rollout.samples_per_group)
+    held = store.last_position(run)
+    store.close()
+    env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
+    pair.pause(pair.replica)  # connected, so require_replicas passes; it confirms nothing
+    try:
+        proc = subprocess.run(
+            [*_command(), "run", "--resume", "--run-id", run, "--redis-url", pair.primary.url,
+             "--data-dir", str(tmp_path / "data"), "--local-workers", "--no-progress",
+             "--takeover"],  # this process wrote its ControllerStarted
+            env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        pair.resume(pair.replica)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("rl-controller: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "only 0 of 1 replicas confirmed" in errors[0], errors[0]
+    primary = pair.client(pair.primary)
+    assert primary.xlen(events_key(run)) == held  # no ControllerStarted written unconfirmed

@@ -138,3 +138,23 @@ def test_a_resume_over_a_hand_edited_chain_alg_or_store_table_is_one_line(
     assert err == (f"rl-controller: error: run '{RUN}': its meta names chain_alg 'md5', neither "
                    "'sha256' nor 'hmac-sha256': it was changed outside rl-controller "
                    "('rl-controller audit' checks the chain)\n")
+
+
+@pytest.mark.parametrize(("argv", "what"), [
+    (["replay"], "malformed entry"), (["staleness"], "malformed entry"),
+    (["audit"], "cannot decode event"), (["tail"], "cannot decode event"),
+])
+def test_an_entry_added_by_hand_with_another_stream_id_is_named_where_it_is(
+        capsys, url, argv, what) -> None:
+    # XADD with an id like 5-124 puts an entry after every 0-N one: it was reported at
+    # position 1 (where the fold stood when the page read failed), not where it is
+    client = redis.Redis.from_url(url)
+    try:
+        last = client.xlen(events_key(RUN))
+        client.xadd(events_key(RUN), {"type": "X", "id": "i", "data": "{}"}, id="5-124")
+    finally:
+        client.close()
+    code, err = command(capsys, *argv, "--run", RUN, "--redis-url", url)
+    assert code == 1, err
+    assert err == (f"rl-controller: error: {what} at position {last + 1}: stream entry id "
+                   "'5-124' is not a log position (0-N)\n"), err

@@ -22,7 +22,9 @@ from tests.unit.test_envs_runner import KEYS, runner
 
 BAD = [("0.5", TypeError, "returned a reward of '0.5' (str); expected a number"),
        (None, TypeError, "returned a reward of None (NoneType); expected a number"),
-       (float("nan"), ValueError, "returned a reward of nan; expected a finite number")]
+       (float("nan"), ValueError, "returned a reward of nan; expected a finite number"),
+       # a bool was taken as 1.0/0.0 here while the agent and TextArena paths refuse it
+       (True, TypeError, "returned a reward of True (bool); expected a number")]
 
 
 class Returns(ReverseTask):

@@ -154,3 +154,20 @@ def test_a_per_version_budget_is_a_what_if_of_its_own():
     assert (cfg.staleness.budget_basis, cfg.buffer_capacity) == ("per_version", 9)
     with pytest.raises(WhatIfError, match="staleness.window_basis: Invalid enum value 'per_version'"):
         scenario_config(recorded, parse_scenario("basis=per_version,buffer=9"), 5)
+
+
+@pytest.mark.parametrize("text", ["task.name=x", "train.lr=0.5", "window=1,model.d_model=8"])
+def test_a_key_the_simulator_does_not_model_is_refused_naming_the_keys_it_does(text):
+    """``task.name=x`` was a scenario identical to the recorded run: the simulator replays
+    recorded durations, rewards and lengths, whatever the task, model or learning rate."""
+    from replay.settings import WhatIfError
+    from sim.whatif import SIMULATED_KEYS, parse_scenario
+
+    key = text.split(",")[-1].split("=")[0]
+    with pytest.raises(WhatIfError) as err:
+        parse_scenario(text)
+    message = str(err.value)
+    assert message.startswith(f"--what-if {text.split(',')[-1]}: the simulator does not model "
+                              f"{key}"), message
+    assert message.endswith("it models " + ", ".join(SIMULATED_KEYS)), message
+    assert "\n" not in message

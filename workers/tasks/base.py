@@ -161,9 +161,11 @@ def checked_reward(where: str, value: object) -> float:
 
     ``float()`` alone would read the text ``"0.5"`` as a number and fail on ``None`` with
     a message that names neither the task nor the reward; ``where`` names who returned it
-    (``task 'mod:Cls'``, ``env step() at run/g1/s0/t1``).
+    (``task 'mod:Cls'``, ``env step() at run/g1/s0/t1``). A bool is refused as the
+    agent and TextArena paths refuse it: ``True`` is more likely a check's result
+    returned by mistake than a reward of 1.0 (``float(done)`` says it is meant).
     """
-    if isinstance(value, (str, bytes)) or not isinstance(value, SupportsFloat):
+    if isinstance(value, (str, bytes, bool)) or not isinstance(value, SupportsFloat):
         raise TypeError(f"{where} returned a reward of {value!r} ({type(value).__name__}); "
                         "expected a number")
     reward = float(value)  # type: ignore[arg-type]

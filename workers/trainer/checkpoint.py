@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
+from workers.api import CHECKPOINT_MANIFEST
 from workers.trainer import distributed as dd
 from workers.trainer.parallel import CheckpointParts, Restored
 
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = CHECKPOINT_MANIFEST
 FORMAT_VERSION = 1
 
 
