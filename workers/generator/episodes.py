@@ -135,7 +135,9 @@ class EpisodeGroups:
         if kind == "flushed":
             held.pending = value.events
             return _outcome(status="flushed", episode=value)
-        self.held.pop(req.group_id)
+        # closed: a request its agent gave up on may still wait at a pause (or reach
+        # one), and no call will ever ack it
+        self.held.pop(req.group_id).channel.close()
         if kind == "error":
             raise value
         return GenerationOutcome(

@@ -28,7 +28,8 @@ caller, who keeps or drops it). A request to an ended session is a 404 naming it
 a fresh session that nobody would end. A server that opens sessions on request keeps
 the ids it ended (the ids only) to tell them apart from new ones; the generator's
 server (``open_on_request=False``, ``workers.envs.agent``) opens none on request and
-keeps nothing. A resend of the request the session's last reply answered (the client retries
+keeps nothing. A request still waiting when its session ends is refused, keeping nothing.
+A resend of the request the session's last reply answered (the client retries
 one whose reply it lost) gets that reply again, without sampling.
 The server is a ``ThreadingHTTPServer`` bound to loopback by default. Each session's
 requests are served in turn and the model samples for one request at a time; sessions
@@ -234,9 +235,14 @@ class OpenAIServer:
         message, turn = serve_turn(session, recorder, _Serialized(sampler, self._model_lock),
                                    body["messages"], max_tokens)
         prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
-        reply = self._replies[session_id] = _response(
-            session_id, body.get("model", "policy"), message, turn, prompt_ids,
-            self.template.tokenizer.decode, prompt_len)
+        reply = _response(session_id, body.get("model", "policy"), message, turn, prompt_ids,
+                          self.template.tokenizer.decode, prompt_len)
+        with self._lock:  # ended while the request waited (at a pause): keep nothing of it
+            if self.sessions.get(session_id) is not session:
+                raise SessionNotOpenError(
+                    f"session {session_id!r} ended while its request waited; nobody is left "
+                    "to answer")
+            self._replies[session_id] = reply
         # the turn's idempotency key: the agent's tools deduplicate their effects by it
         reply["step_key"] = str(session.key.at(len(session.trajectory.turns)))
         if session.tool_call_error:
