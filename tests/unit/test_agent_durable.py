@@ -318,3 +318,34 @@ def test_a_group_that_failed_while_a_request_waits_at_a_pause_lets_the_request_g
     # the request went on to its next pause, which is nobody's now: it is refused
     late = task.late.exception(timeout=60)
     assert getattr(late, "status_code", None) == 500, late
+
+
+def test_a_reply_to_a_client_that_left_while_its_request_waited_prints_no_traceback(tmp_path, capsys):
+    """An agent's client that timed out at a pause has closed its connection when the
+    reply comes: nobody is left to answer, which is no fault to print (the run's output
+    got a raw BrokenPipeError traceback from the HTTP server)."""
+    import json
+    import socket
+    import struct
+
+    from workers.envs.sampler import HoldingWeights, generator_sampler
+    from workers.generator.openai_server import OpenAIServer
+
+    sink = HeldLog()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=False)
+    gen, plane = generator(task)
+    server = OpenAIServer.for_generator(gen, SAMPLING, task.tool_format, open_on_request=False).start()
+    sampler = HoldingWeights(generator_sampler(gen, SAMPLING, 5), gen.weights)
+    server.open_session("s0", StepKey("run-1", "g1", 0, 0),
+                        recorder=recorder(gen, plane, sink, dedupe=False), sampler=sampler)
+    body = json.dumps({"messages": [{"role": "user", "content": "go3:"}]}).encode()
+    host, port = server._http.server_address[:2]
+    client = socket.create_connection((host, port))
+    client.sendall(b"POST /sessions/s0/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    sink.waiting.wait()  # the completion's intent waits for the log; the client gives up
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+    client.close()
+    sink.go.set()
+    server.close()  # waits for the request's thread
+    assert "Traceback" not in capsys.readouterr().err

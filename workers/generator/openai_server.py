@@ -369,23 +369,26 @@ def _handler(handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
                 status, out = 400, _error(f"invalid JSON body: {err}", "invalid_request_error")
             else:
                 status, out = handle(self.path, body)
-            data = json.dumps(out).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self._send(status, out)
 
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
             # JSON, and not a 5xx the OpenAI client would retry (e.g. models.list())
-            data = json.dumps(_error(
+            self._send(404, _error(
                 f"unknown path {self.path!r}: only POST .../v1/chat/completions is served",
-                "not_found")).encode()
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                "not_found"))
+
+        def _send(self, status: int, out: dict[str, Any]) -> None:
+            data = json.dumps(out).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except ConnectionError:
+                # the client left (its timeout ran out while the request waited at a
+                # pause): nobody to answer, and no fault of the server's to print
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # the run's logs record episodes, not HTTP lines
