@@ -350,3 +350,44 @@ def test_a_reply_to_a_client_that_left_while_its_request_waited_prints_no_traceb
     sink.go.set()
     server.close()  # waits for the request's thread
     assert "Traceback" not in capsys.readouterr().err
+
+
+class FailsSecond:
+    """A sampler whose second call fails (a model fault mid-request), then samples."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler, self.calls = sampler, 0
+
+    def generate(self, requests: Any) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("device lost")
+        return self.sampler.generate(requests)
+
+
+def test_a_request_retried_after_a_server_fault_records_its_turns_result_once(tmp_path):
+    """The second request brings turn 1's result, which is recorded, then the sampler
+    fails (500). The corrected resend brings the same result: it is the recorded one,
+    not a second result of turn 1 (which the log refuses, failing the group)."""
+    import openai
+
+    from workers.envs.sampler import HoldingWeights, generator_sampler
+    from workers.generator.openai_server import OpenAIServer
+
+    sink = Log()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=False)
+    gen, plane = generator(task)
+    server = OpenAIServer.for_generator(gen, SAMPLING, task.tool_format, open_on_request=False).start()
+    sampler = FailsSecond(HoldingWeights(generator_sampler(gen, SAMPLING, 5), gen.weights))
+    server.open_session("s0", StepKey("run-1", "g1", 0, 0),
+                        recorder=recorder(gen, plane, sink, dedupe=False), sampler=sampler)
+    client = openai.OpenAI(base_url=server.session_url("s0"), api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "go3:"}]
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "1"}]
+    with pytest.raises(openai.InternalServerError, match="device lost"):
+        client.chat.completions.create(model="policy", messages=messages)
+    client.chat.completions.create(model="policy", messages=messages)
+    server.close()
+    results = [(r.sample, r.turn) for f in sink.flushes for r in f.completed]
+    assert results == [(0, 1)]
