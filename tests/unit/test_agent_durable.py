@@ -10,6 +10,8 @@ again: recorded completions are served, recorded results checked, the rest sampl
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from tests.unit.test_loop_inprocess import Harness, make_config
 from workers.api import EpisodeFlush, EpisodeResume, RecordedCall
 from workers.dataplane import MemoryDataPlane
 from workers.envs.agent import AgentError, run_agent_group
+from workers.envs.base import StepKey
 from workers.envs.durable import DurableTurnRecorder, SegmentWriter, read_episode_log
 from workers.envs.ledger import read_ledger
 from workers.generator import Generator
@@ -222,3 +225,169 @@ def test_a_non_deduplicating_agents_episode_with_recorded_results_restarts_too(t
     keys = [k for k, _ in read_ledger(tmp_path / "ledger.txt") if "/g000001/" in k]
     assert len(keys) == len(set(keys)), f"a tool ran twice under one key: {keys}"
     assert "loop-test/g000001/s0.r1/t1" in keys
+
+
+class HeldLog(Log):
+    """A log whose appends wait until the test lets them go (a pause the controller is
+    slow to take), telling the test when one is waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting, self.go = threading.Event(), threading.Event()
+
+    def post(self, flush: EpisodeFlush) -> None:
+        super().post(flush)
+        self.waiting.set()
+        self.go.wait()
+
+
+def test_a_session_ended_while_its_request_waits_at_a_pause_keeps_nothing_of_it(tmp_path):
+    """The agent gave up on a request that waits for the log (its client timed out) and
+    its session was ended: the request, once the pause is taken, is refused by name and
+    the server holds nothing of the ended session (no reply kept for a retry)."""
+    from workers.envs.chat import ChatSession
+    from workers.envs.recorder import ModelTurn
+    from workers.envs.sampler import HoldingWeights, generator_sampler
+    from workers.envs.trajectory import Trajectory
+    from workers.generator.openai_server import OpenAIServer
+    from tests.unit.test_agent_task import held_by
+
+    sink = HeldLog()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=False)
+    gen, plane = generator(task)
+    server = OpenAIServer.for_generator(gen, SAMPLING, task.tool_format, open_on_request=False)
+    sampler = HoldingWeights(generator_sampler(gen, SAMPLING, 5), gen.weights)
+    server.open_session("g1/a1/s0", StepKey("run-1", "g1", 0, 0),
+                        recorder=recorder(gen, plane, sink, dedupe=False), sampler=sampler)
+    answer: list[tuple[int, dict[str, Any]]] = []
+    request = threading.Thread(target=lambda: answer.append(server.handle(
+        "/sessions/g1%2Fa1%2Fs0/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "go3:"}]})))
+    request.start()
+    sink.waiting.wait()  # the completion's intent waits for the log
+    server.end_session("g1/a1/s0")
+    sink.go.set()
+    request.join()
+    ((status, body),) = answer
+    assert status == 404 and "'g1/a1/s0' ended while its request waited" in body["error"]["message"]
+    assert server.sessions == {} and server._replies == {}
+    assert held_by(server, (ChatSession, ModelTurn, Trajectory)) == []
+
+
+class GivesUp(LedgerAgent):
+    """Sends its second request and stops waiting for it while it waits at a pause (a
+    client timeout), failing the episode."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.give_up, self.late = threading.Event(), concurrent.futures.Future()
+
+    def run_agent(self, client: Any, model: str, example: Example) -> float:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": example.prompt}]
+        message = client.chat.completions.create(model=model, messages=messages).choices[0].message
+        messages += [message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+        self.late = concurrent.futures.ThreadPoolExecutor(1).submit(
+            client.chat.completions.create, model=model, messages=messages)
+        self.give_up.wait()
+        raise TimeoutError("the agent stopped waiting")
+
+
+def test_a_group_that_failed_while_a_request_waits_at_a_pause_lets_the_request_go(tmp_path):
+    """The agent's request waits at a pause (its previous turn's result) and the agent,
+    tired of waiting, fails the group. The generator reports the failure; the request,
+    let go on once the pause is recorded, must not wait for a log nobody appends to."""
+    from workers.api import GenerationRequest
+    from workers.generator.episodes import EpisodeGroups
+
+    task = GivesUp(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=False)
+    gen, _ = generator(task)
+    groups, example = EpisodeGroups(gen), Example(prompt="go3:", answer="")
+    recorded = 0
+    for _ in range(2):  # the first completion's intent; the result the second request brings
+        (out,) = groups.advance([GenerationRequest(group_id="g1", attempt=1, prompt_index=0,
+                                                   n_samples=1, seed=5, flushes=recorded)],
+                                [example], SAMPLING)
+        assert out.status == "flushed"
+        recorded += out.episode.events
+    assert out.episode.completed and not out.episode.requested
+    task.give_up.set()
+    groups.held["g1"].thread.join()
+    with pytest.raises(AgentError, match="the agent raised TimeoutError: the agent stopped waiting"):
+        groups.advance([GenerationRequest(group_id="g1", attempt=1, prompt_index=0, n_samples=1,
+                                          seed=5, flushes=recorded)], [example], SAMPLING)
+    # the request went on to its next pause, which is nobody's now: it is refused
+    late = task.late.exception(timeout=60)
+    assert getattr(late, "status_code", None) == 500, late
+    assert "the generator dropped this group's attempt" in str(late)
+
+
+def test_a_reply_to_a_client_that_left_while_its_request_waited_prints_no_traceback(tmp_path, capsys):
+    """An agent's client that timed out at a pause has closed its connection when the
+    reply comes: nobody is left to answer, which is no fault to print (the run's output
+    got a raw BrokenPipeError traceback from the HTTP server)."""
+    import json
+    import socket
+    import struct
+
+    from workers.envs.sampler import HoldingWeights, generator_sampler
+    from workers.generator.openai_server import OpenAIServer
+
+    sink = HeldLog()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=False)
+    gen, plane = generator(task)
+    server = OpenAIServer.for_generator(gen, SAMPLING, task.tool_format, open_on_request=False).start()
+    sampler = HoldingWeights(generator_sampler(gen, SAMPLING, 5), gen.weights)
+    server.open_session("s0", StepKey("run-1", "g1", 0, 0),
+                        recorder=recorder(gen, plane, sink, dedupe=False), sampler=sampler)
+    body = json.dumps({"messages": [{"role": "user", "content": "go3:"}]}).encode()
+    host, port = server._http.server_address[:2]
+    client = socket.create_connection((host, port))
+    client.sendall(b"POST /sessions/s0/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    sink.waiting.wait()  # the completion's intent waits for the log; the client gives up
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+    client.close()
+    sink.go.set()
+    server.close()  # waits for the request's thread
+    assert "Traceback" not in capsys.readouterr().err
+
+
+class FailsSecond:
+    """A sampler whose second call fails (a model fault mid-request), then samples."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler, self.calls = sampler, 0
+
+    def generate(self, requests: Any) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("device lost")
+        return self.sampler.generate(requests)
+
+
+def test_a_request_retried_after_a_server_fault_records_its_turns_result_once(tmp_path):
+    """The second request brings turn 1's result, which is recorded, then the sampler
+    fails (500). The corrected resend brings the same result: it is the recorded one,
+    not a second result of turn 1 (which the log refuses, failing the group)."""
+    import openai
+
+    from workers.envs.sampler import HoldingWeights, generator_sampler
+    from workers.generator.openai_server import OpenAIServer
+
+    sink = Log()
+    task = LedgerAgent(path=str(tmp_path / "ledger.txt"), turns=3, dedupe=False)
+    gen, plane = generator(task)
+    server = OpenAIServer.for_generator(gen, SAMPLING, task.tool_format, open_on_request=False).start()
+    sampler = FailsSecond(HoldingWeights(generator_sampler(gen, SAMPLING, 5), gen.weights))
+    server.open_session("s0", StepKey("run-1", "g1", 0, 0),
+                        recorder=recorder(gen, plane, sink, dedupe=False), sampler=sampler)
+    client = openai.OpenAI(base_url=server.session_url("s0"), api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "go3:"}]
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "1"}]
+    with pytest.raises(openai.InternalServerError, match="device lost"):
+        client.chat.completions.create(model="policy", messages=messages)
+    client.chat.completions.create(model="policy", messages=messages)
+    server.close()
+    results = [(r.sample, r.turn) for f in sink.flushes for r in f.completed]
+    assert results == [(0, 1)]

@@ -298,6 +298,10 @@ class DurableTurnRecorder:
                 sample=key.sample, turn=key.turn, reward=outcome.reward, ended=outcome.ended,
                 end_reason=outcome.end_reason, observation_tokens=len(outcome.observation),
                 info=_short(outcome.info), restart=key.restart))
+            # kept as the log's: an agent's request retried after a fault brings the same
+            # result again, which is checked against this one, not recorded twice
+            rec = self.log.turns.setdefault((key.sample, key.turn), RecordedTurn())
+            rec.result, rec.observation = results[-1], list(outcome.observation)
             if outcome.observation:
                 observations[(key.sample, key.turn)] = (outcome.observation, [0.0] * len(outcome.observation))
         if results:

@@ -40,6 +40,10 @@ from workers.tasks.base import Example
 class _Abandoned(Exception):
     """The worker dropped the group while its thread waited at a pause."""
 
+    def __init__(self) -> None:
+        super().__init__("the generator dropped this group's attempt (it failed, or the "
+                         "controller moved on): nothing waits for its pauses")
+
 
 class _Channel:
     """Hands one group's pauses from its episode thread to the generator calls."""
@@ -135,7 +139,9 @@ class EpisodeGroups:
         if kind == "flushed":
             held.pending = value.events
             return _outcome(status="flushed", episode=value)
-        self.held.pop(req.group_id)
+        # closed: a request its agent gave up on may still wait at a pause (or reach
+        # one), and no call will ever ack it
+        self.held.pop(req.group_id).channel.close()
         if kind == "error":
             raise value
         return GenerationOutcome(

@@ -28,7 +28,8 @@ caller, who keeps or drops it). A request to an ended session is a 404 naming it
 a fresh session that nobody would end. A server that opens sessions on request keeps
 the ids it ended (the ids only) to tell them apart from new ones; the generator's
 server (``open_on_request=False``, ``workers.envs.agent``) opens none on request and
-keeps nothing. A resend of the request the session's last reply answered (the client retries
+keeps nothing. A request still waiting when its session ends is refused, keeping nothing.
+A resend of the request the session's last reply answered (the client retries
 one whose reply it lost) gets that reply again, without sampling.
 The server is a ``ThreadingHTTPServer`` bound to loopback by default. Each session's
 requests are served in turn and the model samples for one request at a time; sessions
@@ -234,9 +235,14 @@ class OpenAIServer:
         message, turn = serve_turn(session, recorder, _Serialized(sampler, self._model_lock),
                                    body["messages"], max_tokens)
         prompt_ids = session.trajectory.input_ids[: session.trajectory.turns[-1].start]
-        reply = self._replies[session_id] = _response(
-            session_id, body.get("model", "policy"), message, turn, prompt_ids,
-            self.template.tokenizer.decode, prompt_len)
+        reply = _response(session_id, body.get("model", "policy"), message, turn, prompt_ids,
+                          self.template.tokenizer.decode, prompt_len)
+        with self._lock:  # ended while the request waited (at a pause): keep nothing of it
+            if self.sessions.get(session_id) is not session:
+                raise SessionNotOpenError(
+                    f"session {session_id!r} ended while its request waited; nobody is left "
+                    "to answer")
+            self._replies[session_id] = reply
         # the turn's idempotency key: the agent's tools deduplicate their effects by it
         reply["step_key"] = str(session.key.at(len(session.trajectory.turns)))
         if session.tool_call_error:
@@ -363,23 +369,26 @@ def _handler(handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
                 status, out = 400, _error(f"invalid JSON body: {err}", "invalid_request_error")
             else:
                 status, out = handle(self.path, body)
-            data = json.dumps(out).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self._send(status, out)
 
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
             # JSON, and not a 5xx the OpenAI client would retry (e.g. models.list())
-            data = json.dumps(_error(
+            self._send(404, _error(
                 f"unknown path {self.path!r}: only POST .../v1/chat/completions is served",
-                "not_found")).encode()
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                "not_found"))
+
+        def _send(self, status: int, out: dict[str, Any]) -> None:
+            data = json.dumps(out).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except ConnectionError:
+                # the client left (its timeout ran out while the request waited at a
+                # pause): nobody to answer, and no fault of the server's to print
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # the run's logs record episodes, not HTTP lines
