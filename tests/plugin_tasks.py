@@ -163,20 +163,9 @@ class LedgerAgent:
         return (len(completion) % 3) / (2 * self.turns)
 
     def tool(self, key: str) -> str:
-        from workers.envs.ledger import KILL_ENV, read_ledger
+        from workers.envs.ledger import ledger_call
 
-        lines = read_ledger(self.path)
-        result = dict(lines).get(key) if self.dedupes_by_key else None
-        if result is None:  # the side effect: one line, appended in one write
-            result = str(len(lines) % 1000)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, f"{key}\t{result}\n".encode())
-            finally:
-                os.close(fd)
-            if key in os.environ.get(KILL_ENV, "").split(","):
-                os.kill(os.getpid(), 9)
-        return result
+        return ledger_call(self.path, key, self.dedupes_by_key)
 
     def run_agent(self, client: Any, model: str, example: Example) -> float:
         messages: list[dict[str, Any]] = [{"role": "user", "content": example.prompt}]

@@ -20,7 +20,6 @@ ledger against the log).
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -31,11 +30,10 @@ from tests.chaos.test_episode_crashes import (
     MID_TURN,
     TURNS,
     _events,
-    _one_kill,
     check_exactly_once,
     check_replay_episode,
+    random_kills,
 )
-from tests.chaos.test_random_kills import _run_exists
 from tests.plugin_tasks import LedgerAgent
 from workers.envs.ledger import KILL_ENV
 
@@ -57,19 +55,7 @@ def agent(chaos: Chaos, tmp_path: Path) -> Chaos:
 
 
 def test_random_kills_repeat_no_tool_effect_and_regenerate_no_completion(agent: Chaos, tmp_path: Path) -> None:
-    rng = random.Random(int(os.environ.get("RLC_AGENT_SEED", "31")))
-    processes, generators, resume = 0, 0, False
-    while processes + generators < KILLS:
-        done = agent.fold("r").state.trainer_version if resume else 0
-        processes += _one_kill(agent, rng, steps=done + 3, resume=resume)
-        resume = _run_exists(agent)
-        generators = sum(f.read_text().count(": killing generator-") for f in tmp_path.glob("[0-9]*-*.txt"))
-    final = agent.fold("r").state.trainer_version + 1
-    agent.env.pop(KILL_ENV, None)  # the last kill may have armed the tool: disarm it
-    agent.run("r", steps=final, resume=True, expect=0)
-    agent.check("r", final)
-    counted = check_exactly_once(agent, tmp_path)
-    print(f"kills: {processes} processes, {generators} generators; {counted}")
+    counted = random_kills(agent, tmp_path, int(os.environ.get("RLC_AGENT_SEED", "31")), KILLS)
     assert counted["served"] > 0, "some recorded turns must have been served to a resumed attempt"
 
 

@@ -144,20 +144,27 @@ def _one_kill(chaos: Chaos, rng: random.Random, steps: int, resume: bool) -> int
     return int(rc == EXIT_CRASH)
 
 
-def test_random_kills_repeat_no_side_effect_and_regenerate_no_turn(ledger: Chaos, tmp_path: Path) -> None:
-    rng = random.Random(int(os.environ.get("RLC_EPISODE_SEED", "31")))
+def random_kills(chaos: Chaos, tmp_path: Path, seed: int, kills: int) -> dict[str, int]:
+    """``kills`` random kills (processes and generators) of run ``r``, three steps on
+    per life; then one clean resume to the end, checked; the exactly-once counts."""
+    rng = random.Random(seed)
     processes, generators, resume = 0, 0, False
-    while processes + generators < KILLS:
-        done = ledger.fold("r").state.trainer_version if resume else 0
-        processes += _one_kill(ledger, rng, steps=done + 3, resume=resume)
-        resume = _run_exists(ledger)
+    while processes + generators < kills:
+        done = chaos.fold("r").state.trainer_version if resume else 0
+        processes += _one_kill(chaos, rng, steps=done + 3, resume=resume)
+        resume = _run_exists(chaos)
         generators = sum(f.read_text().count(": killing generator-") for f in tmp_path.glob("[0-9]*-*.txt"))
-    final = ledger.fold("r").state.trainer_version + 1
-    ledger.env.pop(KILL_ENV, None)  # the last kill may have armed the env: disarm it
-    ledger.run("r", steps=final, resume=True, expect=0)
-    ledger.check("r", final)
-    counted = check_exactly_once(ledger, tmp_path)
+    final = chaos.fold("r").state.trainer_version + 1
+    chaos.env.pop(KILL_ENV, None)  # the last kill may have armed the env or tool: disarm it
+    chaos.run("r", steps=final, resume=True, expect=0)
+    chaos.check("r", final)
+    counted = check_exactly_once(chaos, tmp_path)
     print(f"kills: {processes} processes, {generators} generators; {counted}")
+    return counted
+
+
+def test_random_kills_repeat_no_side_effect_and_regenerate_no_turn(ledger: Chaos, tmp_path: Path) -> None:
+    counted = random_kills(ledger, tmp_path, int(os.environ.get("RLC_EPISODE_SEED", "31")), KILLS)
     assert counted["reissued"] > 0, "some calls must have been re-issued after a kill"
     assert counted["served"] > 0, "some recorded turns must have been served to a resumed attempt"
 

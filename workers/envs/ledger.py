@@ -44,6 +44,25 @@ def read_ledger(path: str | Path) -> list[tuple[str, str]]:
     return [tuple(line.split("\t", 1)) for line in lines if "\t" in line]  # type: ignore[misc]
 
 
+def ledger_call(path: str | Path, key: str, dedupe: bool) -> str:
+    """Run the side effect of the call keyed ``key``: one line appended to the ledger at
+    ``path`` (in one write). With ``dedupe`` a key the ledger holds is answered from it
+    and nothing happens. A key named in ``KILL_ENV`` kills the process right after its
+    effect, before the result can be recorded."""
+    lines = read_ledger(path)
+    result = dict(lines).get(key) if dedupe else None
+    if result is None:
+        result = str(len(lines) % 1000)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{key}\t{result}\n".encode())
+        finally:
+            os.close(fd)
+        if key in os.environ.get(KILL_ENV, "").split(","):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+
 def turn_reward(action: Action, turns: int) -> float:
     return (len(action.token_ids) % 3) / (2 * turns)
 
@@ -60,19 +79,8 @@ class LedgerEnv:
         return Observation(text=f"go{key.sample % 10}:")
 
     def step(self, action: Action, key: StepKey) -> EnvStep:
-        name = str(key)
         done = key.turn >= self.turns
-        lines = read_ledger(self.path)
-        result = dict(lines).get(name) if self.dedupes_by_key else None
-        if result is None:  # the side effect: one line, appended in one write
-            result = str(len(lines) % 1000)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, f"{name}\t{result}\n".encode())
-            finally:
-                os.close(fd)
-            if name in os.environ.get(KILL_ENV, "").split(","):
-                os.kill(os.getpid(), signal.SIGKILL)
+        result = ledger_call(self.path, str(key), self.dedupes_by_key)
         return EnvStep(Observation(text=f">{result}"), turn_reward(action, self.turns), done,
                        {"ledger": result})
 
