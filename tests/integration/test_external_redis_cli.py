@@ -38,10 +38,18 @@ def _runs(url: str) -> dict:
     return {row["run_id"]: row for row in json.loads(proc.stdout)}
 
 
-def test_require_fsync_always_refuses_before_any_write(everysec, tmp_path):
-    proc = cli("run", "--run-id", "strict", "--redis-url", everysec.url, "--data-dir",
-               str(tmp_path), *QUICK, "--set", "store.require_fsync_always=true", timeout_s=120)
-    assert_one_line_error(proc, "appendfsync everysec", "store.require_fsync_always")
+@pytest.mark.parametrize("setting, words", [
+    # the server's fsync policy is weaker than the run asks for
+    ("store.require_fsync_always=true", ("appendfsync everysec", "store.require_fsync_always")),
+    # every append would wait for a replica's confirmation that cannot come: the line
+    # names the key, the number wanted and the number the server has
+    ("store.replicas=1", ("store.replicas = 1", "has 0 connected replicas")),
+])
+def test_a_store_that_cannot_give_what_the_run_asks_is_refused_before_any_write(
+        everysec, tmp_path, setting, words):
+    proc = cli("run", "--run-id", "refused", "--redis-url", everysec.url, "--data-dir",
+               str(tmp_path), *QUICK, "--set", setting, timeout_s=120)
+    assert_one_line_error(proc, *words)
     assert PASSWORD not in proc.stderr + proc.stdout
     assert _runs(everysec.url) == {}
 
@@ -55,17 +63,6 @@ def test_weaker_durability_is_a_single_plain_warning(everysec, tmp_path):
     assert "appendfsync everysec" in warnings[0] and "last second" in warnings[0]
     assert PASSWORD not in proc.stderr + proc.stdout
     assert _runs(everysec.url)["warned"]["finished"] is True
-
-
-def test_replicas_the_server_does_not_have_are_refused_before_any_write(everysec, tmp_path):
-    """``store.replicas = 1`` against a redis-server with no replica: every append would
-    wait for a confirmation that cannot come. Refused in one line naming the key, the
-    number wanted and the number the server has, and no run is left behind."""
-    proc = cli("run", "--run-id", "waits", "--redis-url", everysec.url, "--data-dir",
-               str(tmp_path), *QUICK, "--set", "store.replicas=1", timeout_s=120)
-    assert_one_line_error(proc, "store.replicas = 1", "has 0 connected replicas")
-    assert PASSWORD not in proc.stderr + proc.stdout
-    assert _runs(everysec.url) == {}
 
 
 def test_a_data_dir_that_cannot_hold_the_run_directory_is_one_line(redis_url, tmp_path):

@@ -12,29 +12,18 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.chaos.harness import TINY
 from tests.integration.test_run_cli import ROOT, _command, cli
+from tests.integration.test_run_interrupt import _wait_for_first_step
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT = "once the store is back, continue with: "
-
-
-def _wait_for_first_step(proc: subprocess.Popen, log_file: Path, limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended ({proc.returncode}) before its first step was logged")
-        if log_file.exists() and '"event": "step_finished"' in log_file.read_text():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"no step_finished in {log_file} after {limit_s:g} s")
 
 
 def test_a_store_gone_past_the_budget_stops_the_run_with_the_way_on(tmp_path, redis_server: RedisServer):
