@@ -382,10 +382,11 @@ class RedisEventStore:
                     )
                 except (rex.ConnectionError, rex.TimeoutError) as err:
                     raise unavailable(self._safe_url, err) from err
-                for _stream, entries in reply or ():
-                    for stored in decode_entries(raw_entries(entries, last)):
-                        last = stored.position
-                        yield stored
+                for entry in (e for _stream, entries in reply or () for e in entries):
+                    # one at a time: the events before a malformed entry are yielded first
+                    (stored,) = decode_entries(raw_entries([entry], last))
+                    last = stored.position
+                    yield stored
         finally:
             await client.aclose()
 
