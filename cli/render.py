@@ -16,6 +16,7 @@ from rich.text import Text
 
 from events.codec import full_form
 from events.schema import AnyEvent
+from workers.api import CHECKPOINT_MANIFEST
 
 _COMMON = {"type", "event_id", "epoch", "ts", "schema_version"}
 
@@ -158,6 +159,10 @@ def point_tables(p: dict[str, Any]) -> list[Table]:
         head.add_row(key, "-" if value is None else str(value))
     ckpt = p["latest_checkpoint"]
     head.add_row("latest_checkpoint", "-" if ckpt is None else f"v{ckpt['trainer_version']} {ckpt['uri']}")
+    missing = p.get("missing_checkpoints") or []
+    if missing:
+        head.add_row("missing_checkpoints", ", ".join(
+            f"v{ck['trainer_version']} {ck['uri']} (no {CHECKPOINT_MANIFEST})" for ck in missing))
     tables = [head]
     if p["open_step"] is not None:
         o = p["open_step"]

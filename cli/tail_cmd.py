@@ -128,7 +128,7 @@ class _TailPrinter:
         return last
 
     async def follow(self, store: Any, run_id: str, last: int) -> None:
-        from events.errors import EventDecodeError
+        from events.errors import EventDecodeError, StreamIdError
 
         while True:
             try:
@@ -144,8 +144,11 @@ class _TailPrinter:
                             return
                 return
             except EventDecodeError as err:
-                # Report it and go on after it (follow decodes a batch at a time).
+                # Report it and go on after it (the store yields every event before it).
                 position = err.position if err.position is not None else last + 1
-                last = self.print_existing(store, run_id, last + 1) if position > last + 1 else last
+                if isinstance(err, StreamIdError):  # re-read from any position: stop
+                    self.bad(position, f"{err.reason}; nothing can be appended after it: "
+                                       "following stopped")
+                    return
                 self.bad(position, err.reason)
                 last = max(last, position)

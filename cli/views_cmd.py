@@ -61,6 +61,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
+    if not args.host.strip():
+        # "" is every interface to the socket API: refused, not taken as loopback, so that
+        # neither reading serves the unauthenticated page somewhere the user did not say
+        raise CliError(f"--host {args.host!r} names no address: pass 127.0.0.1 (the default, "
+                       "this machine only) or 0.0.0.0 (every interface, no authentication)")
     with open_store(args) as store:
         if args.run:
             require_run(store, args.run)

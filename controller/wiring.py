@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from controller import crashpoints
 from controller.config import Config
+from workers.api import worker_label
 from workers.dataplane import DataPlane, DataPlaneRuntime, make_dataplane
 from workers.fencing import EpochToken
 from workers.handles import (
@@ -267,11 +268,6 @@ def _start_ray(cfg: Config, spec: WorkerSpec) -> Workers:
     workers = _assemble(cfg, spec, plane, first_start)
     workers.factory = factory
     return workers
-
-
-def worker_label(role: str, name: str) -> str:
-    """How an error names a worker: ``trainer``, ``generator-1`` (never "trainer trainer")."""
-    return name if name.startswith(role) else f"{role} {name}"
 
 
 def _on_node(resource: str) -> dict[str, Any]:

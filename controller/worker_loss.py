@@ -120,7 +120,7 @@ class WorkerLossHandling:
             raise err
         j = self.journal
         at = j.stamp()
-        aborted = decisions.step_aborted(j.state, f"worker lost: {err}", at)
+        aborted = decisions.step_aborted(j.state, str(err), at)  # "trainer lost: <cause>"
         await j.append(*([aborted] if aborted else []), self._worker_lost(err))
         log.warning("worker_lost", worker=err.worker, role=err.role, reason=err.reason)
         await self.restarter.restart_trainer()

@@ -17,6 +17,14 @@ class EventDecodeError(EventStoreError):
         super().__init__(f"cannot decode {where}: {reason}")
 
 
+class StreamIdError(EventDecodeError):
+    """A stream entry whose id is not ``0-N`` (added by hand, e.g. ``XADD ... 5-124``).
+
+    Its id sorts after every position, so the store can append nothing after it (XADD's
+    ids only grow), and a read from any position returns it again: a follower stops.
+    """
+
+
 class FencedError(EventStoreError):
     """The writer's epoch is older than the run's current epoch: a newer controller owns the run."""
 

@@ -3,13 +3,18 @@
 Ages are measured in the log's own time: ``at_ts`` (the ts of the event at that point)
 minus the group's commit (buffer) or admission (in flight) ts. Lag is what the group
 would have if trained now: trainer_version - weight_version_start.
+
+The latest usable checkpoint is read from the log and the disk, as recovery reads it
+(``controller.retraining.checkpoints_on_disk``): a checkpoint whose files are gone is
+named apart, never offered as the one to resume or rewind to.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from controller.core.state import RunState
+from controller.core.state import CheckpointRecord, RunState
+from controller.retraining import checkpoints_on_disk
 
 
 def state_at(state: RunState, at_ts: float, *, log_end: int | None = None) -> dict[str, Any]:
@@ -56,7 +61,7 @@ def state_at(state: RunState, at_ts: float, *, log_end: int | None = None) -> di
                 for mb in o.microbatches
             ],
         }
-    ckpt = state.latest_checkpoint()
+    present, gone = checkpoints_on_disk(state)
     return {
         "run_id": state.run_id,
         "position": state.position,
@@ -72,7 +77,9 @@ def state_at(state: RunState, at_ts: float, *, log_end: int | None = None) -> di
         "open_step": open_step,
         "buffer": buffer,
         "in_flight": in_flight,
-        "latest_checkpoint": None if ckpt is None else {"trainer_version": ckpt.trainer_version, "uri": ckpt.uri},
+        "latest_checkpoint": _checkpoint(present[-1]) if present else None,
+        #: usable by the log, but their files (manifest) are gone
+        "missing_checkpoints": [_checkpoint(ck) for ck in gone],
         "finished": state.finished,
         #: RunStopped's reason (the failure budget ran out), until a controller resumes it
         "stopped": state.failures.stopped,
@@ -84,3 +91,7 @@ def state_at(state: RunState, at_ts: float, *, log_end: int | None = None) -> di
             "released_groups": state.released_groups,
         },
     }
+
+
+def _checkpoint(ck: CheckpointRecord) -> dict[str, Any]:
+    return {"trainer_version": ck.trainer_version, "uri": ck.uri}

@@ -313,7 +313,10 @@ def _summary(
     waits_sorted = sorted(waits)
     aborted = sum(1 for s in state.steps.values() if s.status is StepStatus.ABORTED)
     return {
-        "steps_finished": len(rows),
+        # as audit counts them: a step a rewind discarded (RunRewound) is listed, marked
+        # lost, but its weights are not the run's any more
+        "steps_finished": sum(1 for r in rows if not r.lost),
+        "steps_lost": sum(1 for r in rows if r.lost),
         "steps_aborted": aborted,
         "groups_consumed": len(lags),
         "lag_mean": sum(lags) / len(lags) if lags else 0.0,

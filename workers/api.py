@@ -22,6 +22,11 @@ from events.schema import EnvCall, EnvResult, Segment, SegmentFlush, SegmentKind
 from workers.fencing import EpochToken
 
 
+def worker_label(role: str, name: str) -> str:
+    """How an error names a worker: ``trainer``, ``generator-1`` (never "trainer trainer")."""
+    return name if name.startswith(role) else f"{role} {name}"
+
+
 class WorkerLostError(RuntimeError):
     """A worker process died (or its actor is gone) during a call; raised by the handles."""
 
@@ -31,7 +36,7 @@ class WorkerLostError(RuntimeError):
         self.reason = reason
         #: the handle whose call failed (set by the handles; a restart swaps handles)
         self.handle: object | None = None
-        super().__init__(f"{role} {worker} lost: {reason}")
+        super().__init__(f"{worker_label(role, worker)} lost: {reason}")
 
 
 #: terminal colour codes (Ray colours the tracebacks it forwards)

@@ -4,6 +4,7 @@ script calls, and the translation of redis-py's errors into the store's own."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -150,6 +151,30 @@ def run_script(client: Any, script: Script, keys: Sequence[str], args: Sequence[
         return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
 
 
+class HandshakeBoundedSSLConnection(redis.SSLConnection):
+    """A ``rediss://`` connection whose TLS handshake is bounded by the connect timeout.
+
+    redis-py runs the handshake under the command timeout (30 s in the CLI). A plain
+    Redis port reads the ClientHello as the start of an inline command and waits for
+    the rest, so a rediss:// URL naming it waited that long before its one line.
+    """
+
+    def _wrap_socket_with_ssl(self, sock: socket.socket) -> Any:
+        sock.settimeout(self.socket_connect_timeout)
+        try:
+            tls = super()._wrap_socket_with_ssl(sock)
+        except socket.timeout:
+            raise rex.TimeoutError(f"no TLS handshake within {self.socket_connect_timeout} s "
+                                   "(the connect timeout)") from None
+        tls.settimeout(self.socket_timeout)
+        return tls
+
+
+def tls_bounded(url: str) -> dict[str, Any]:
+    """redis-py's keyword for a URL's connections: rediss:// bounds its TLS handshake."""
+    return {"connection_class": HandshakeBoundedSSLConnection} if url.startswith("rediss://") else {}
+
+
 @contextlib.contextmanager
 def translate_errors(safe_url: str, key: str = "") -> Iterator[None]:
     """redis-py's connection, replica, permission and auth errors as the store's own;
@@ -201,6 +226,10 @@ def unavailable(safe_url: str, err: Exception) -> StoreUnavailableError:
             "TLS certificate verification failed: the server's certificate is not signed "
             "by the CA given (ssl_ca_certs in the URL) or does not name this host"
         )
+    elif reason.startswith("no TLS handshake") or "WRONG_VERSION_NUMBER" in reason:
+        # no answer, or one that is not TLS (a plain port that answered the ClientHello)
+        reason = (f"{reason.split(' (_ssl', 1)[0]}: is this a plain Redis port? "
+                  "Then the URL is redis://")
     elif safe_url.startswith("rediss://"):
         reason = f"{reason} (TLS: does the server accept TLS on this port?)"
     return StoreUnavailableError(f"Redis at {safe_url} is unavailable: {reason}")

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from events.chain import HASH_FIELD
-from events.errors import EventDecodeError, StoreDataError
+from events.errors import StoreDataError, StreamIdError
 from events.store import ChainEntry, EncodedPage, RawEntry
 
 _entry_fields = itemgetter(1)
@@ -52,7 +52,7 @@ def raw_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> RawEntry:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     if ms != "0" or not seq.isdigit():
-        raise EventDecodeError(None, f"stream entry id {text!r} is not a log position (0-N)")
+        raise StreamIdError(None, f"stream entry id {text!r} is not a log position (0-N)")
     fields = {as_text(k): v for k, v in fields.items()}
     data = fields.get("data", b"")
     return RawEntry(
@@ -72,9 +72,8 @@ def raw_entries(batch: Sequence[Any], before: int) -> list[RawEntry]:
     for entry_id, fields in batch:
         try:
             out.append(raw_entry(entry_id, fields))
-        except EventDecodeError as err:
-            raise EventDecodeError(out[-1].position + 1 if out else before + 1,
-                                   err.reason) from None
+        except StreamIdError as err:
+            raise StreamIdError(out[-1].position + 1 if out else before + 1, err.reason) from None
     return out
 
 

@@ -27,7 +27,7 @@ from events.codec import encode
 from events.errors import RunNotFoundError, StorePermissionError
 from events.redis_store.connection import (
     PinnedConnection, Sequential, check_url_options, compiled_parser, redact_url, run_script,
-    translate_errors, unavailable,
+    tls_bounded, translate_errors, unavailable,
 )
 from events.redis_store.layout import (
     APPEND, PAGE, RAW_APPEND, RUNS_KEY, SNAPSHOT, append_error, events_key, meta_key,
@@ -94,9 +94,9 @@ class RedisEventStore:
             if client is None:
                 client = redis.Redis.from_url(
                     url,
-                    socket_connect_timeout=connect_timeout_s,
-                    socket_timeout=command_timeout_s,  # also bounds a TLS handshake
-                    decode_responses=False,
+                    socket_connect_timeout=connect_timeout_s,  # and a TLS handshake
+                    socket_timeout=command_timeout_s,
+                    decode_responses=False, **tls_bounded(url),
                 )
                 check_url_options(client, self._safe_url)
                 self._hot: Any = PinnedConnection(client, retry_window_s=retry_window_s)
@@ -382,10 +382,11 @@ class RedisEventStore:
                     )
                 except (rex.ConnectionError, rex.TimeoutError) as err:
                     raise unavailable(self._safe_url, err) from err
-                for _stream, entries in reply or ():
-                    for stored in decode_entries(raw_entries(entries, last)):
-                        last = stored.position
-                        yield stored
+                for entry in (e for _stream, entries in reply or () for e in entries):
+                    # one at a time: the events before a malformed entry are yielded first
+                    (stored,) = decode_entries(raw_entries([entry], last))
+                    last = stored.position
+                    yield stored
         finally:
             await client.aclose()
 

@@ -307,6 +307,55 @@ def test_tail_follow_ends_with_the_run(capsys, redis_url):
     assert code == 0 and out.strip().splitlines()[-1].split()[0] == "3"
 
 
+def _append_by_hand(redis_url: str, b: LogBuilder, *entries: tuple[str, bytes]) -> None:
+    """XADD ``(stream id, data)`` entries in one transaction (the follow reads them in one
+    batch); data None: the builder's last event, as the store writes it."""
+    import redis
+
+    from events.redis_store import events_key
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pipe = client.pipeline()
+        for entry_id, data in entries:
+            event = b.events[-1].event
+            pipe.xadd(events_key(b.run_id), {"type": type(event).__name__, "id": event.event_id,
+                                             "data": encode(event) if data is None else data},
+                      id=entry_id)
+        pipe.execute()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("entries", "printed", "says"), [
+    # a malformed entry at the next position: named, and the follow goes on to the next
+    # (the run's end: the follow ends there)
+    ([("0-3", b"{"), ("0-4", None)], ["4"],
+     "at position 3: not a JSON object: Input data was truncated"),
+    # an entry XADDed by hand with an id after every 0-N one: the follow's XREAD from any
+    # position returns it again, and the store can append nothing after it (XADD ids
+    # only grow). It was named at position 3, 4, 5, ... hundreds of times a second.
+    ([("5-124", b"{}")], [],
+     "at position 3: stream entry id '5-124' is not a log position (0-N); nothing can be "
+     "appended after it: following stopped"),
+    ([("0-3", None), ("5-124", b"{}")], ["3"],
+     "at position 4: stream entry id '5-124' is not a log position (0-N); nothing can be "
+     "appended after it: following stopped"),
+], ids=["bad-data", "bad-id", "event-then-bad-id"])
+def test_tail_follow_names_a_malformed_entry_once_where_it_is(redis_url, entries, printed, says):
+    b, proc = _following(redis_url, f"malformed-{len(entries)}-{entries[-1][0]}")
+    try:
+        # the event appended whole (data None): the run's end when it is the last entry
+        b.finish_run() if entries[-1][1] is None else b.admit("g1")
+        _append_by_hand(redis_url, b, *entries)
+        out, err = proc.communicate(timeout=60)  # it stops by itself, with one line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [line.split()[0] for line in out.splitlines()] == printed, (out, err)
+    assert proc.returncode == 1 and err == f"rl-controller: malformed entry {says}\n", err
+
+
 @pytest.mark.parametrize("command", [["audit", "--json"], ["staleness", "--json"],
                                      ["replay", "--json"]])
 def test_long_folds_report_progress_on_stderr_only(capsys, redis_url, run, monkeypatch, command):

@@ -25,6 +25,7 @@ import redis
 from cli.main import main
 from events.redis_store.acl import acl_rules
 from events.redis_store import RedisEventStore, events_key
+from events.errors import StoreUnavailableError
 from events.schema import GroupFailed
 from tests.chaos.harness import TINY
 from tests.conftest import _require_redis_server
@@ -277,3 +278,17 @@ def test_a_wrong_ca_is_one_clear_line(capsys, tls_server) -> None:
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "TLS certificate verification failed" in err
     assert os.fspath(info["other_ca"]) not in err or "ssl_ca_certs" in err
+
+
+def test_rediss_to_a_plain_port_fails_on_the_connect_timeout_naming_the_cause(tls_server):
+    # A plain Redis port reads the TLS ClientHello as the start of an inline command and
+    # never answers, so the handshake waited for the command timeout (30 s in the CLI)
+    # before its line; it is now bounded by the connect timeout and says so.
+    srv, info = tls_server
+    url = f"rediss://127.0.0.1:{srv.port}/0?ssl_ca_certs={info['ca']}"
+    with pytest.raises(StoreUnavailableError) as err:
+        RedisEventStore(url, connect_timeout_s=0.5, command_timeout_s=10.0)
+    assert str(err.value) == (
+        f"Redis at rediss://127.0.0.1:{srv.port}/0?ssl_ca_certs={info['ca']} is unavailable: "
+        "no TLS handshake within 0.5 s (the connect timeout): is this a plain Redis port? "
+        "Then the URL is redis://"), str(err.value)

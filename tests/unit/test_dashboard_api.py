@@ -204,3 +204,19 @@ def test_a_malformed_or_hand_edited_log_is_one_message_not_a_500() -> None:
         first = next(stream.iter_lines())
     assert json.loads(first.removeprefix("data: "))["kind"] == "error"
     assert "field 'epoch' holds 'abc'" in first
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused_before_anything_is_served(redis_url, capsys, monkeypatch, host):
+    # "" is the socket API's every-interface address: --host "" served the unauthenticated
+    # page on 0.0.0.0 (and said "serving on 0.0.0.0" only after binding)
+    from cli.main import main
+
+    monkeypatch.delenv("RLC_REDIS_URL", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["dashboard", "--redis-url", redis_url, "--host", host, "--run", "no-such-run"])
+    assert exit_.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rl-controller: error: --host {host!r} names no address: pass 127.0.0.1 "
+                   "(the default, this machine only) or 0.0.0.0 (every interface, no "
+                   "authentication)"), err

@@ -9,6 +9,7 @@ one sentence naming the task (or environment and step) and what came back.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from workers.dataplane import MemoryDataPlane
@@ -24,7 +25,9 @@ BAD = [("0.5", TypeError, "returned a reward of '0.5' (str); expected a number")
        (None, TypeError, "returned a reward of None (NoneType); expected a number"),
        (float("nan"), ValueError, "returned a reward of nan; expected a finite number"),
        # a bool was taken as 1.0/0.0 here while the agent and TextArena paths refuse it
-       (True, TypeError, "returned a reward of True (bool); expected a number")]
+       (True, TypeError, "returned a reward of True (bool); expected a number"),
+       # numpy's bool has __float__ too: a comparison of arrays returned as the reward
+       (np.True_, TypeError, "returned a reward of np.True_ (bool); expected a number")]
 
 
 class Returns(ReverseTask):

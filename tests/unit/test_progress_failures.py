@@ -21,11 +21,11 @@ def _progress() -> tuple[Progress, io.StringIO]:
 def test_a_failed_call_counts_and_names_each_of_its_groups():
     progress, out = _progress()
     progress.failure("generator-0", ["g000048", "g000049", "g000050", "g000051"],
-                     "generator generator-0 lost: ActorDiedError: died")
-    progress.failure("generator-0", ["g000052"], "generator generator-0 lost: ActorDiedError: died")
+                     "generator-0 lost: ActorDiedError: died")
+    progress.failure("generator-0", ["g000052"], "generator-0 lost: ActorDiedError: died")
     progress.step(3, 4, {"reward/mean": 0.5}, 0, 4)
     lines = out.getvalue().splitlines()
     assert lines[0] == ("generation failed on generator-0 (groups g000048, g000049, g000050, "
-                        "g000051): generator generator-0 lost: ActorDiedError: died -- counted "
+                        "g000051): generator-0 lost: ActorDiedError: died -- counted "
                         "under 'failed' (groups) from now on")
     assert len(lines) == 2 and lines[1].endswith(" failed=5"), lines

@@ -213,3 +213,14 @@ def test_the_gate_line_says_what_each_budget_basis_counts_against_capacity():
     assert describe_gate("live") == "gate closed while live groups >= " + rest
     assert describe_gate("per_version") == (
         "gate closed while live groups + groups trained since the last publish >= " + rest)
+
+
+def test_steps_a_rewind_discarded_are_not_counted_as_finished():
+    # after run --resume --rewind-to-checkpoint the summary said 2 steps finished while
+    # the run's version (and audit's steps_finished) counted 1
+    b = LogBuilder(window=1, groups_per_step=1).start().checkpoint()
+    b.group("g1").train_step(["g1"]).publish().checkpoint()
+    b.group("g2").train_step(["g2"]).publish().rewind(1, reason="payloads lost")
+    report = analyze(b)
+    assert [s.lost for s in report.steps] == [False, True]
+    assert (report.summary["steps_finished"], report.summary["steps_lost"]) == (1, 1)

@@ -10,7 +10,8 @@ import pickle
 from pathlib import Path
 
 from controller.config import config_from_dict
-from controller.wiring import worker_label, worker_spec
+from controller.wiring import worker_spec
+from workers.api import WorkerLostError, worker_label
 from workers.dataplane import DataPlaneRuntime
 from workers.generator.vllm_config import VllmRuntime, llm_kwargs
 from workers.loss import Aggregation, StepLoss
@@ -82,6 +83,14 @@ def test_a_worker_is_named_once_in_errors():
     assert worker_label("trainer", "trainer") == "trainer"  # was "trainer trainer failed"
     assert worker_label("generator", "generator-1") == "generator-1"
     assert worker_label("trainer", "rank-1") == "trainer rank-1"
+
+
+def test_a_lost_worker_is_named_once_in_its_error():
+    # the step a trainer death aborts carries this text as its reason ("trainer trainer lost")
+    assert str(WorkerLostError("trainer", "trainer", "ActorDiedError: died")) == (
+        "trainer lost: ActorDiedError: died")
+    assert str(WorkerLostError("generator-0", "generator", "x")) == "generator-0 lost: x"
+    assert str(WorkerLostError("rank-1", "trainer", "x")) == "trainer rank-1 lost: x"
 
 
 def test_storage_units_default_to_one_on_a_local_ray_and_two_on_a_cluster():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, SupportsFloat, TypeVar, runtime_checkable
@@ -163,15 +164,23 @@ def checked_reward(where: str, value: object) -> float:
     a message that names neither the task nor the reward; ``where`` names who returned it
     (``task 'mod:Cls'``, ``env step() at run/g1/s0/t1``). A bool is refused as the
     agent and TextArena paths refuse it: ``True`` is more likely a check's result
-    returned by mistake than a reward of 1.0 (``float(done)`` says it is meant).
+    returned by mistake than a reward of 1.0 (``float(done)`` says it is meant). NumPy's
+    bool (a comparison of arrays) is refused alike, looked up only where numpy is already
+    loaded: a value of that type cannot exist otherwise, and a config load stays free of it.
     """
-    if isinstance(value, (str, bytes, bool)) or not isinstance(value, SupportsFloat):
+    if (isinstance(value, (str, bytes, bool)) or _is_numpy_bool(value)
+            or not isinstance(value, SupportsFloat)):
         raise TypeError(f"{where} returned a reward of {value!r} ({type(value).__name__}); "
                         "expected a number")
     reward = float(value)  # type: ignore[arg-type]
     if not math.isfinite(reward):
         raise ValueError(f"{where} returned a reward of {reward}; expected a finite number")
     return reward
+
+
+def _is_numpy_bool(value: object) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.bool_)
 
 
 def checked_examples(task: Task, examples: object, count: int) -> list[Example]:
