@@ -6,7 +6,8 @@ effect), and issues one generator call for them right after that append -- which
 fenced controller's store refuses, so no separate epoch check is needed. The call's
 outcome becomes facts: ``GroupCommitted`` for every group it carried (one append), or
 ``GroupFailed`` for every group and a retry, or a generator replacement when the worker
-died (``controller.worker_loss``).
+died (``controller.worker_loss``). A group the worker returns as ``"failed"`` (its own
+error, ``workers.errors``) gets ``GroupFailed`` and a retry alone; the rest commit.
 
 Failures are bounded (``controller.core.failures``): a generator whose calls keep
 failing is held back before its next call, longer after each (``_held_back``), and
@@ -287,7 +288,12 @@ class AdmissionSide:
                 return
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
-            self._queue_commit(gen, call.reqs, outcomes)
+            ok = [(r, o) for r, o in zip(call.reqs, outcomes) if o.status == "done"]
+            if ok:
+                self._queue_commit(gen, [r for r, _ in ok], [o for _, o in ok])
+            for req, out in zip(call.reqs, outcomes):  # a group's own error: it alone fails
+                if out.status == "failed":
+                    await self._on_generation_failed(gen, [req], out.reason)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run

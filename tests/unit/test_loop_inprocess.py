@@ -10,6 +10,7 @@ After each run the log is folded again from the store and audited.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from pathlib import Path
@@ -71,6 +72,33 @@ class CallSizeGenerator(FailingGenerator):
     def generate_groups(self, reqs):
         self.sizes.append(len(reqs))
         return super().generate_groups(reqs)
+
+
+class NanReward:
+    """The run's task, but its reward is nan while ``poisoned`` (a plugin's bad reward,
+    which ``checked_reward`` refuses)."""
+
+    def __init__(self, task: Any) -> None:
+        self.task, self.name, self.poisoned = task, task.name, False
+
+    def examples(self, count: int, seed: int) -> list[Any]:
+        return self.task.examples(count, seed)
+
+    def reward(self, example: Any, completion: str, stopped: bool) -> float:
+        return math.nan if self.poisoned else self.task.reward(example, completion, stopped)
+
+
+class NanRewardGenerator(GeneratorWorker):
+    """The real generator, whose task returns a reward of nan for the chosen
+    (group_id, attempt) pairs: the group's own failure, not the worker's."""
+
+    fail_on: frozenset[tuple[str, int]] = frozenset()
+
+    def generate(self, req):
+        if not isinstance(self.generator.task, NanReward):
+            self.generator.task = NanReward(self.generator.task)
+        self.generator.task.poisoned = (req.group_id, req.attempt) in self.fail_on
+        return super().generate(req)
 
 
 class SlowRefitGenerator(GeneratorWorker):
@@ -323,6 +351,26 @@ def test_a_failed_call_fails_every_group_it_carried(tmp_path):
     for gid in ("g000000", "g000001"):
         group = h.writer.state.groups[gid]
         assert group.attempt == 2 and group.status is GroupStatus.CONSUMED
+    assert h.writer.state.trainer_version == 2
+
+
+def test_a_groups_own_failure_fails_only_that_group(tmp_path):
+    cfg = make_config(
+        "run.steps=2", "rollout.groups_per_call=2", "rollout.num_generators=1",
+        "rollout.max_attempts=2",
+    )
+    h = Harness(cfg, tmp_path, generator=NanRewardGenerator, fail_on=frozenset({("g000001", 1)}))
+    assert h.run() == "completed"
+    h.check_log()
+    # g000000 rode in the same call as g000001: it committed at its first attempt
+    [failed] = h.events(ev.GroupFailed)
+    assert (failed.group_id, failed.attempt) == ("g000001", 1)
+    assert failed.reason == (
+        "generator-0: RewardValueError: task 'reverse' returned a reward of nan; expected a finite number"
+    )
+    committed = {(e.group_id, e.attempt) for e in h.events(ev.GroupCommitted)}
+    assert ("g000000", 1) in committed and ("g000001", 2) in committed
+    assert h.writer.state.groups["g000001"].attempt == 2
     assert h.writer.state.trainer_version == 2
 
 
