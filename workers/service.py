@@ -299,8 +299,8 @@ class GeneratorWorker(Fenced):
     def generate_groups(self, reqs: list[GenerationRequest]) -> list[GenerationOutcome]:
         """One call, several groups (``rollout.groups_per_call``), generated in order;
         with partial rollouts, until the first flush point (``generator.inflight``).
-        Without them, a group's own error fails that group alone (:meth:`generate`);
-        with them, it still fails the whole call (``docs/running.md``)."""
+        A group's own error (``workers.errors``) fails that group alone: its outcome is
+        ``"failed"``, the others' are as usual (``docs/running.md``)."""
         if self.inflight is not None:
             examples = [self.prompts[r.prompt_index % len(self.prompts)] for r in reqs]
             return self.inflight.advance(reqs, examples, self.sampling)

@@ -75,30 +75,33 @@ class CallSizeGenerator(FailingGenerator):
 
 
 class NanReward:
-    """The run's task, but its reward is nan while ``poisoned`` (a plugin's bad reward,
-    which ``checked_reward`` refuses)."""
+    """The run's task, but the first reward it gives for ``prompt`` is nan (a plugin's
+    bad reward, which ``checked_reward`` refuses: that group's own error)."""
 
-    def __init__(self, task: Any) -> None:
-        self.task, self.name, self.poisoned = task, task.name, False
+    def __init__(self, task: Any, prompt: str) -> None:
+        self.task, self.name, self.prompt, self.spent = task, task.name, prompt, False
 
     def examples(self, count: int, seed: int) -> list[Any]:
         return self.task.examples(count, seed)
 
     def reward(self, example: Any, completion: str, stopped: bool) -> float:
-        return math.nan if self.poisoned else self.task.reward(example, completion, stopped)
+        if example.prompt == self.prompt and not self.spent:
+            self.spent = True
+            return math.nan
+        return self.task.reward(example, completion, stopped)
 
 
 class NanRewardGenerator(GeneratorWorker):
-    """The real generator, whose task returns a reward of nan for the chosen
-    (group_id, attempt) pairs: the group's own failure, not the worker's."""
+    """The real generator, whose task's first reward for prompt ``nan_prompt`` is nan."""
 
-    fail_on: frozenset[tuple[str, int]] = frozenset()
+    nan_prompt = 1
 
-    def generate(self, req):
+    def generate_groups(self, reqs):
         if not isinstance(self.generator.task, NanReward):
-            self.generator.task = NanReward(self.generator.task)
-        self.generator.task.poisoned = (req.group_id, req.attempt) in self.fail_on
-        return super().generate(req)
+            prompt = self.prompts[self.nan_prompt].prompt
+            assert self.prompts[1 - self.nan_prompt].prompt != prompt  # the call's other group
+            self.generator.task = NanReward(self.generator.task, prompt)
+        return super().generate_groups(reqs)
 
 
 class SlowRefitGenerator(GeneratorWorker):
@@ -354,23 +357,27 @@ def test_a_failed_call_fails_every_group_it_carried(tmp_path):
     assert h.writer.state.trainer_version == 2
 
 
-def test_a_groups_own_failure_fails_only_that_group(tmp_path):
+@pytest.mark.parametrize("partial", ["false", "true"])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_groups_own_failure_fails_only_that_group(tmp_path, partial, bad):
+    # g000000 and g000001 (prompts 0 and 1) ride in one call; group ``bad``'s first
+    # reward is nan. With partial rollouts a call runs its groups in order up to a
+    # flush: g000000 failing leaves g000001 flushed or done in the same call
     cfg = make_config(
         "run.steps=2", "rollout.groups_per_call=2", "rollout.num_generators=1",
-        "rollout.max_attempts=2",
+        "rollout.max_attempts=2", f"rollout.partial.enabled={partial}",
+        "rollout.partial.segment_tokens=2",
     )
-    h = Harness(cfg, tmp_path, generator=NanRewardGenerator, fail_on=frozenset({("g000001", 1)}))
+    h = Harness(cfg, tmp_path, generator=NanRewardGenerator, nan_prompt=bad)
     assert h.run() == "completed"
     h.check_log()
-    # g000000 rode in the same call as g000001: it committed at its first attempt
+    failing, other = f"g00000{bad}", f"g00000{1 - bad}"
     [failed] = h.events(ev.GroupFailed)
-    assert (failed.group_id, failed.attempt) == ("g000001", 1)
-    assert failed.reason == (
-        "generator-0: RewardValueError: task 'reverse' returned a reward of nan; expected a finite number"
-    )
+    assert (failed.group_id, failed.attempt) == (failing, 1)
+    assert failed.reason == ("generator-0: RewardValueError: task 'reverse' returned a reward "
+                             "of nan; expected a finite number")
     committed = {(e.group_id, e.attempt) for e in h.events(ev.GroupCommitted)}
-    assert ("g000000", 1) in committed and ("g000001", 2) in committed
-    assert h.writer.state.groups["g000001"].attempt == 2
+    assert (other, 1) in committed and (failing, 2) in committed
     assert h.writer.state.trainer_version == 2
 
 
