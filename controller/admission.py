@@ -6,7 +6,8 @@ effect), and issues one generator call for them right after that append -- which
 fenced controller's store refuses, so no separate epoch check is needed. The call's
 outcome becomes facts: ``GroupCommitted`` for every group it carried (one append), or
 ``GroupFailed`` for every group and a retry, or a generator replacement when the worker
-died (``controller.worker_loss``).
+died (``controller.worker_loss``). A group the worker returns as ``"failed"`` (its own
+error, ``workers.errors``) gets ``GroupFailed`` and a retry alone; the rest commit.
 
 Failures are bounded (``controller.core.failures``): a generator whose calls keep
 failing is held back before its next call, longer after each (``_held_back``), and
@@ -287,7 +288,10 @@ class AdmissionSide:
                 return
             self._release_slot(gen)
             self.journal.timers.generator_busy += self.journal.clock() - started
-            self._queue_commit(gen, call.reqs, outcomes)
+            ok = [(r, o) for r, o in zip(call.reqs, outcomes) if o.status == "done"]
+            if ok:
+                self._queue_commit(gen, [r for r, _ in ok], [o for _, o in ok])
+            self._fail_own(gen, call.reqs, outcomes)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # fenced, store gone, or the restart failed: stop the run
@@ -300,6 +304,15 @@ class AdmissionSide:
         done = [(r, o) for r, o in zip(call.reqs, outs) if o.status == "done"]
         commits = commit_events(self.journal, [r for r, _ in done], [o for _, o in done], runs=True)
         self.segment_rows.hold(call, outs, commits)
+        self._fail_own(call.gen, call.reqs, outs)
+
+    def _fail_own(self, gen: GeneratorClient, reqs: list[GenerationRequest],
+                  outs: list[GenerationOutcome]) -> None:
+        """The groups the worker returned as failed (their own error, ``workers.errors``)
+        fail alone; the call's others commit or go on."""
+        for req, out in zip(reqs, outs):
+            if out.status == "failed":
+                self._spawn(self._fail_alone(gen, req, out.reason))
 
     def _queue_commit(self, gen: GeneratorClient, reqs: list[GenerationRequest],
                       outs: list[GenerationOutcome]) -> None:
@@ -310,7 +323,7 @@ class AdmissionSide:
         attempt, as its generator's failure (``controller.commits``)."""
         def refused(gid: str, err: RejectedFact) -> None:
             req = next(r for r in reqs if r.group_id == gid)
-            self._spawn(self._fail_refused(gen, req, err))
+            self._spawn(self._fail_alone(gen, req, error_line(err)))
 
         if self.rollout.partial.enabled:  # with the pauses' next append: one, not two
             self.segment_rows.join(commit_events(self.journal, reqs, outs, runs=True), self._stop_with, refused)
@@ -326,9 +339,10 @@ class AdmissionSide:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    async def _fail_refused(self, gen: GeneratorClient, req: GenerationRequest, err: RejectedFact) -> None:
+    async def _fail_alone(self, gen: GeneratorClient, req: GenerationRequest, cause: str) -> None:
+        """One group of a call failed (its own error, or a commit the log refused)."""
         try:
-            await self._on_generation_failed(gen, [req], error_line(err))
+            await self._on_generation_failed(gen, [req], cause)
         except Exception as stop:  # fenced, store gone, or the failure budget ran out
             self._stop_with(stop)
 
@@ -371,7 +385,7 @@ class AdmissionSide:
                 task.cancel()
         await self.pending_commits.flush(self._stop_with)
         await self.segment_rows.settle(timeout_s)  # commits riding with a pause's append
-        if self.tasks:  # the failure of a commit those appends refused (``_fail_refused``)
+        if self.tasks:  # a group's own failure, or a refused commit's (``_fail_alone``)
             await asyncio.wait(self.tasks, timeout=timeout_s)
         self.segment_rows.drop([], now=True)
         if self.segment_rows.deletes:  # best effort: recovery deletes what is left

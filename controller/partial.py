@@ -25,7 +25,7 @@ from controller.crashpoints import crash_point
 from controller.journal import Journal
 from controller.pausing import PausingCall
 from events import schema as ev
-from workers.api import GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
+from workers.api import FINISHED, GenerationOutcome, GenerationRequest, PayloadStore, SegmentFlush, error_line
 
 log = structlog.get_logger("rl_controller.loop")
 
@@ -74,7 +74,7 @@ def next_requests(
     return [
         msgspec.structs.replace(req, resume=req.resume if out.status == "pending" else [],
                                 flushes=attempt_flushes(state, req.group_id))
-        for req, out in zip(reqs, outs) if out.status != "done"
+        for req, out in zip(reqs, outs) if out.status not in FINISHED
     ]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from workers.api import GeneratorClient, GenerationOutcome, GenerationRequest
+from workers.api import FINISHED, GeneratorClient, GenerationOutcome, GenerationRequest
 
 
 class PausingCall:
@@ -58,7 +58,7 @@ class PausingCall:
             self.result.set_exception(err)
             return
         try:  # no one awaits this callback: whatever raises here must end ``result``
-            if all(out.status == "done" for out in outcomes):
+            if all(out.status in FINISHED for out in outcomes):
                 self.result.set_result(outcomes)
             else:
                 self.on_pause(self, outcomes)

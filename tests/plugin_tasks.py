@@ -181,3 +181,23 @@ class LedgerAgent:
             if not choice.message.tool_calls:
                 messages.append({"role": "user", "content": result})
         return total
+
+
+class NanOnceAgent(LedgerAgent):
+    """LedgerAgent whose first episode of prompt ``nan_prompt`` returns a reward of nan
+    (``AgentError``: that group's own failure); every other episode plays as usual."""
+
+    name = "tests.plugin_tasks:NanOnceAgent"
+    nan_prompt = ""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._lock, self._spent = threading.Lock(), False
+
+    def run_agent(self, client: Any, model: str, example: Example) -> float:
+        total = super().run_agent(client, model, example)
+        with self._lock:
+            if example.prompt == self.nan_prompt and not self._spent:
+                self._spent = True
+                return float("nan")
+        return total

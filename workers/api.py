@@ -111,8 +111,12 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 #: done: the final rows are stored (commit it); flushed: new segments are stored and the
-#: group is paused until they are recorded; pending: not reached in this call
-GenerationStatus = Literal["done", "flushed", "pending"]
+#: group is paused until they are recorded; pending: not reached in this call; failed:
+#: the group's own error (``workers.errors.GroupError``) ended it, named in ``reason``
+GenerationStatus = Literal["done", "flushed", "pending", "failed"]
+
+#: the statuses that end a group's part in a call sequence (commit it, or fail it)
+FINISHED: frozenset[GenerationStatus] = frozenset({"done", "failed"})
 
 
 class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +131,14 @@ class GenerationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     episode: EpisodeFlush | None = None
     #: per sample, token versions run-length encoded ``[v0, n0, v1, n1, ...]``
     version_runs: list[list[int]] = []
+    #: status "failed": the group's error in one line (``error_line``)
+    reason: str = ""
+
+    @classmethod
+    def failed(cls, reason: str) -> GenerationOutcome:
+        """A group whose own error ended it; the call's other groups go on."""
+        return cls(payload_keys=[], rewards=[], lengths=[], weight_version_start=0,
+                   weight_version_end=0, status="failed", reason=reason)
 
 
 class MicrobatchRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,11 +28,13 @@ from workers.api import (
     MicrobatchOutcome,
     MicrobatchRef,
     StepOutcome,
+    error_line,
 )
 from workers.backends import GeneratorBackend, make_trainer
 from workers.batch import OPTIONAL_ROW_FIELDS, ROW_FIELDS, collate
 from workers.dataplane import DataPlane, DataPlaneRuntime, DataPlaneSection, make_dataplane
 from workers.dataplane.api import MissingPayloadError
+from workers.errors import GroupError
 from workers.fencing import EpochFence, Fenced
 from workers.generator.config import MIB, PartialSection, VllmSection
 from workers.generator.generator import Generator
@@ -277,10 +279,14 @@ class GeneratorWorker(Fenced):
             )
 
     def generate(self, req: GenerationRequest) -> GenerationOutcome:
+        """One group's outcome; its own error (``workers.errors``) fails it alone."""
         example = self.prompts[req.prompt_index % len(self.prompts)]
-        result = self.generator.generate_group(
-            req.group_id, example, req.n_samples, self.sampling, req.seed, req.attempt
-        )
+        try:
+            result = self.generator.generate_group(
+                req.group_id, example, req.n_samples, self.sampling, req.seed, req.attempt
+            )
+        except GroupError as err:
+            return GenerationOutcome.failed(error_line(err))
         return GenerationOutcome(
             payload_keys=list(result.keys),
             rewards=list(result.rewards),
@@ -292,7 +298,9 @@ class GeneratorWorker(Fenced):
 
     def generate_groups(self, reqs: list[GenerationRequest]) -> list[GenerationOutcome]:
         """One call, several groups (``rollout.groups_per_call``), generated in order;
-        with partial rollouts, until the first flush point (``generator.inflight``)."""
+        with partial rollouts, until the first flush point (``generator.inflight``).
+        A group's own error (``workers.errors``) fails that group alone: its outcome is
+        ``"failed"``, the others' are as usual (``docs/running.md``)."""
         if self.inflight is not None:
             examples = [self.prompts[r.prompt_index % len(self.prompts)] for r in reqs]
             return self.inflight.advance(reqs, examples, self.sampling)

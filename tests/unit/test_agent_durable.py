@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from events import schema as ev
-from tests.plugin_tasks import LedgerAgent
+from tests.plugin_tasks import LedgerAgent, NanOnceAgent
 from tests.unit.test_loop_episodes import LosingGenerator, _by_group
 from tests.unit.test_loop_inprocess import Harness, make_config
 from workers.api import EpisodeFlush, EpisodeResume, RecordedCall
@@ -31,6 +31,7 @@ from workers.envs.ledger import read_ledger
 from workers.generator import Generator
 from workers.models.config import ModelSection, SamplingSection
 from workers.models.factory import build_model
+from workers.service import GeneratorWorker
 from workers.tasks import Example
 
 pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]')")
@@ -294,7 +295,7 @@ class GivesUp(LedgerAgent):
 
 def test_a_group_that_failed_while_a_request_waits_at_a_pause_lets_the_request_go(tmp_path):
     """The agent's request waits at a pause (its previous turn's result) and the agent,
-    tired of waiting, fails the group. The generator reports the failure; the request,
+    tired of waiting, fails the group. The generator returns the group as failed; the request,
     let go on once the pause is recorded, must not wait for a log nobody appends to."""
     from workers.api import GenerationRequest
     from workers.generator.episodes import EpisodeGroups
@@ -312,9 +313,12 @@ def test_a_group_that_failed_while_a_request_waits_at_a_pause_lets_the_request_g
     assert out.episode.completed and not out.episode.requested
     task.give_up.set()
     groups.held["g1"].thread.join()
-    with pytest.raises(AgentError, match="the agent raised TimeoutError: the agent stopped waiting"):
-        groups.advance([GenerationRequest(group_id="g1", attempt=1, prompt_index=0, n_samples=1,
-                                          seed=5, flushes=recorded)], [example], SAMPLING)
+    # the group's own failure: returned as its outcome, the call's other groups go on
+    (out,) = groups.advance([GenerationRequest(group_id="g1", attempt=1, prompt_index=0, n_samples=1,
+                                               seed=5, flushes=recorded)], [example], SAMPLING)
+    assert out.status == "failed"
+    assert out.reason.startswith("AgentError: ")
+    assert out.reason.endswith("the agent raised TimeoutError: the agent stopped waiting")
     # the request went on to its next pause, which is nobody's now: it is refused
     late = task.late.exception(timeout=60)
     assert getattr(late, "status_code", None) == 500, late
@@ -391,3 +395,36 @@ def test_a_request_retried_after_a_server_fault_records_its_turns_result_once(tm
     server.close()
     results = [(r.sample, r.turn) for f in sink.flushes for r in f.completed]
     assert results == [(0, 1)]
+
+
+class NanOnceGenerator(GeneratorWorker):
+    """Gives its ``NanOnceAgent`` the prompt of group ``bad`` of the first call."""
+
+    bad = 0
+
+    def generate_groups(self, reqs):
+        task = self.generator.task
+        if not task.nan_prompt:
+            task.nan_prompt = self.prompts[self.bad].prompt
+            assert self.prompts[1 - self.bad].prompt != task.nan_prompt
+        return super().generate_groups(reqs)
+
+
+@pytest.mark.parametrize("partial", ["false", "true"])
+def test_an_agents_bad_reward_fails_its_group_alone(tmp_path, partial):
+    # g000000 and g000001 ride in one call; g000000's agent returns nan once. With
+    # durable episodes g000001 pauses in the call g000000 failed in
+    options = f'task.options={{path="{tmp_path / "ledger.txt"}", turns=2}}'
+    h = Harness(make_config(*AGENT, options, f'task.name="{NanOnceAgent.name}"',
+                            f"rollout.partial.enabled={partial}", "rollout.groups_per_call=2",
+                            "rollout.num_generators=1", "rollout.max_attempts=2"),
+                tmp_path, generator=NanOnceGenerator)
+    assert h.run() == "completed"
+    h.check_log()
+    [failed] = h.events(ev.GroupFailed)
+    assert (failed.group_id, failed.attempt) == ("g000000", 1)
+    assert failed.reason.startswith(
+        f"generator-0: AgentError: agent task '{NanOnceAgent.name}', group g000000 sample ")
+    assert failed.reason.endswith(": run_agent returned nan; expected a finite number")
+    committed = {(e.group_id, e.attempt) for e in h.events(ev.GroupCommitted)}
+    assert ("g000001", 1) in committed and ("g000000", 2) in committed

@@ -10,6 +10,7 @@ After each run the log is folded again from the store and audited.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from pathlib import Path
@@ -70,6 +71,36 @@ class CallSizeGenerator(FailingGenerator):
 
     def generate_groups(self, reqs):
         self.sizes.append(len(reqs))
+        return super().generate_groups(reqs)
+
+
+class NanReward:
+    """The run's task, but the first reward it gives for ``prompt`` is nan (a plugin's
+    bad reward, which ``checked_reward`` refuses: that group's own error)."""
+
+    def __init__(self, task: Any, prompt: str) -> None:
+        self.task, self.name, self.prompt, self.spent = task, task.name, prompt, False
+
+    def examples(self, count: int, seed: int) -> list[Any]:
+        return self.task.examples(count, seed)
+
+    def reward(self, example: Any, completion: str, stopped: bool) -> float:
+        if example.prompt == self.prompt and not self.spent:
+            self.spent = True
+            return math.nan
+        return self.task.reward(example, completion, stopped)
+
+
+class NanRewardGenerator(GeneratorWorker):
+    """The real generator, whose task's first reward for prompt ``nan_prompt`` is nan."""
+
+    nan_prompt = 1
+
+    def generate_groups(self, reqs):
+        if not isinstance(self.generator.task, NanReward):
+            prompt = self.prompts[self.nan_prompt].prompt
+            assert self.prompts[1 - self.nan_prompt].prompt != prompt  # the call's other group
+            self.generator.task = NanReward(self.generator.task, prompt)
         return super().generate_groups(reqs)
 
 
@@ -323,6 +354,30 @@ def test_a_failed_call_fails_every_group_it_carried(tmp_path):
     for gid in ("g000000", "g000001"):
         group = h.writer.state.groups[gid]
         assert group.attempt == 2 and group.status is GroupStatus.CONSUMED
+    assert h.writer.state.trainer_version == 2
+
+
+@pytest.mark.parametrize("partial", ["false", "true"])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_groups_own_failure_fails_only_that_group(tmp_path, partial, bad):
+    # g000000 and g000001 (prompts 0 and 1) ride in one call; group ``bad``'s first
+    # reward is nan. With partial rollouts a call runs its groups in order up to a
+    # flush: g000000 failing leaves g000001 flushed or done in the same call
+    cfg = make_config(
+        "run.steps=2", "rollout.groups_per_call=2", "rollout.num_generators=1",
+        "rollout.max_attempts=2", f"rollout.partial.enabled={partial}",
+        "rollout.partial.segment_tokens=2",
+    )
+    h = Harness(cfg, tmp_path, generator=NanRewardGenerator, nan_prompt=bad)
+    assert h.run() == "completed"
+    h.check_log()
+    failing, other = f"g00000{bad}", f"g00000{1 - bad}"
+    [failed] = h.events(ev.GroupFailed)
+    assert (failed.group_id, failed.attempt) == (failing, 1)
+    assert failed.reason == ("generator-0: RewardValueError: task 'reverse' returned a reward "
+                             "of nan; expected a finite number")
+    committed = {(e.group_id, e.attempt) for e in h.events(ev.GroupCommitted)}
+    assert (other, 1) in committed and (failing, 2) in committed
     assert h.writer.state.trainer_version == 2
 
 

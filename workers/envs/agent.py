@@ -48,6 +48,7 @@ from workers.envs.recorder import InMemoryTurnRecorder, ReplayMismatchError, Ste
 from workers.envs.sampler import HoldingWeights, generator_sampler
 from workers.envs.tools import ToolCallFormat
 from workers.envs.trajectory import Trajectory
+from workers.errors import GroupError
 from workers.models.config import SamplingSection
 from workers.tasks.base import Example, Task
 
@@ -55,7 +56,7 @@ from workers.tasks.base import Example, Task
 MODEL_NAME = "policy"
 
 
-class AgentError(RuntimeError):
+class AgentError(GroupError, RuntimeError):
     """The agent code failed an episode (the message names the task, group and sample)."""
 
 

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from workers.errors import GroupError
 from workers.tasks.base import UnknownTaskError
 
 
@@ -120,7 +121,7 @@ class RestoresState(Protocol):
         ...
 
 
-class EnvError(RuntimeError):
+class EnvError(GroupError, RuntimeError):
     """An environment failed; the message names the environment and the step."""
 
 

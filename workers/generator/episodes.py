@@ -26,11 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.api import EpisodeFlush, GenerationOutcome, GenerationRequest
+from workers.api import EpisodeFlush, GenerationOutcome, GenerationRequest, error_line
 from workers.envs.agent import AgentTask, dedupes_by_key
 from workers.envs.durable import DurableTurnRecorder, SegmentWriter, read_episode_log, token_ledger
 from workers.envs.group import generate_episode_group
 from workers.envs.task import EpisodeTask
+from workers.errors import GroupError
 from workers.generator.generator import row_key
 from workers.generator.inflight import InflightStateLost
 from workers.models.config import SamplingSection
@@ -143,6 +144,8 @@ class EpisodeGroups:
         # one), and no call will ever ack it
         self.held.pop(req.group_id).channel.close()
         if kind == "error":
+            if isinstance(value, GroupError):  # its env's or agent's: this group alone fails
+                return GenerationOutcome.failed(error_line(value))
             raise value
         return GenerationOutcome(
             payload_keys=list(value["keys"]), rewards=list(value["rewards"]),

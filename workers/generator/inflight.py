@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from events.schema import Segment
-from workers.api import GenerationOutcome, GenerationRequest, SegmentFlush
+from workers.api import GenerationOutcome, GenerationRequest, SegmentFlush, error_line
+from workers.errors import GroupError
 from workers.generator.segments import load_prefixes, oldest_run, segment_key, segment_rows
 from workers.models.config import SamplingSection
 from workers.models.decoder import RowPrefix
@@ -173,10 +174,13 @@ class InflightRunner:
         finally:
             weights.end_group()
         self.held.pop(req.group_id).decoder.close()
-        result = self.gen.store_group(
-            req.group_id, req.attempt, held.example, held.prompt_ids,
-            held.decoder.completions(), weights.version,
-        )
+        try:
+            result = self.gen.store_group(
+                req.group_id, req.attempt, held.example, held.prompt_ids,
+                held.decoder.completions(), weights.version,
+            )
+        except GroupError as err:  # its reward: this group fails, the call goes on
+            return GenerationOutcome.failed(error_line(err))
         return GenerationOutcome(
             payload_keys=list(result.keys), rewards=list(result.rewards),
             lengths=list(result.completion_lens),

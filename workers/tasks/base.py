@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, SupportsFloat, TypeVar, runtime_checkable
 
+from workers.errors import GroupError
+
 
 @dataclass(frozen=True)
 class Example:
@@ -157,6 +159,14 @@ def _load_plugin(spec: str) -> Callable[..., Any]:
         raise UnknownTaskError(f"module {module_name!r} has no task class {attr!r}") from None
 
 
+class RewardTypeError(GroupError, TypeError):
+    """A reward that is not a number (``checked_reward``): its group's own failure."""
+
+
+class RewardValueError(GroupError, ValueError):
+    """A reward that is not finite (``checked_reward``): its group's own failure."""
+
+
 def checked_reward(where: str, value: object) -> float:
     """A task's or environment's reward as the run stores it: a finite number.
 
@@ -170,11 +180,11 @@ def checked_reward(where: str, value: object) -> float:
     """
     if (isinstance(value, (str, bytes, bool)) or _is_numpy_bool(value)
             or not isinstance(value, SupportsFloat)):
-        raise TypeError(f"{where} returned a reward of {value!r} ({type(value).__name__}); "
+        raise RewardTypeError(f"{where} returned a reward of {value!r} ({type(value).__name__}); "
                         "expected a number")
     reward = float(value)  # type: ignore[arg-type]
     if not math.isfinite(reward):
-        raise ValueError(f"{where} returned a reward of {reward}; expected a finite number")
+        raise RewardValueError(f"{where} returned a reward of {reward}; expected a finite number")
     return reward
 
 
