@@ -187,9 +187,11 @@ def test_a_run_whose_replica_drops_away_ends_with_a_line_naming_it(
             proc.kill()
             proc.communicate()
     errors = [ln for ln in err.splitlines() if ln.startswith("rl-controller: error:")]
-    assert proc.returncode == 2 and len(errors) == 1, err[-3000:]
+    # exit 4: the run stopped on its store, with the command that continues it
+    assert proc.returncode == 4 and len(errors) == 1, err[-3000:]
     assert "Traceback" not in err
     assert "only 0 of 1 replicas confirmed the append" in errors[0], errors[0]
+    assert "continue with: " in errors[0] and "run --resume --run-id replica-lost" in errors[0]
     assert "has 0 connected replicas (store.replicas = 1 wants 1)" in errors[0], errors[0]
     # trained on, then stopped: the log holds what it confirmed and the batch in doubt
     assert primary.xlen(events_key(run)) > held
@@ -257,6 +259,9 @@ def test_a_resume_waits_for_the_runs_replicas_from_its_first_write(
                samples_per_group=cfg.rollout.samples_per_group)
     held = store.last_position(run)
     store.close()
+    # the run's directory, as a run started here would have made it (a resume refuses a
+    # --data-dir that holds none: its spill and checkpoints would be missing)
+    (tmp_path / "data" / "runs" / run).mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "RLC_REDIS_URL"}
     pair.pause(pair.replica)  # connected, so require_replicas passes; it confirms nothing
     try:

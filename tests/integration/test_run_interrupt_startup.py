@@ -57,4 +57,4 @@ def test_ctrl_c_while_workers_start_names_the_resume_command(tmp_path: Path) -> 
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-3000:]
     last = rest.strip().splitlines()[-1]
     assert last.startswith("rl-controller: error: " + PROMPT), rest[-3000:]
-    assert f"run --resume --run-id {run_id} --local-workers" in last, last
+    assert f"run --resume --run-id {run_id} --steps 3 --local-workers" in last, last
